@@ -1,0 +1,1 @@
+"""Benchmarks behind ``tensorferry bench``; each module has ``add_arguments`` and ``run``."""

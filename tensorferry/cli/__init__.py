@@ -1,0 +1,1 @@
+"""The ``tensorferry`` command line: ``doctor``, ``demo`` and ``bench``."""

@@ -1,0 +1,67 @@
+"""Every environment variable tensorferry reads, in one place, all prefixed ``TENSORFERRY_``.
+
+Values are read when asked for (not at import) so tests and launchers can set them late.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "transfer_timeout_s",
+    "stream_reset_timeout_s",
+    "completion_threads",
+    "visualize_schedule",
+    "log_level",
+]
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def transfer_timeout_s() -> float:
+    """Default timeout of every transfer wait (``TENSORFERRY_TRANSFER_TIMEOUT_S``, 300 s)."""
+    return _float("TENSORFERRY_TRANSFER_TIMEOUT_S", 300.0)
+
+
+def stream_reset_timeout_s() -> float:
+    """How long a released stream may take to go idle (``TENSORFERRY_STREAM_RESET_TIMEOUT_S``)."""
+    return _float("TENSORFERRY_STREAM_RESET_TIMEOUT_S", 5.0)
+
+
+def completion_threads() -> int:
+    """Threads that run completion callbacks (``TENSORFERRY_COMPLETION_THREADS``, 4)."""
+    return _int("TENSORFERRY_COMPLETION_THREADS", 4)
+
+
+def visualize_schedule() -> bool:
+    """Write schedule pictures at compile time (``TENSORFERRY_VISUALIZE_SCHEDULE=1``)."""
+    return os.environ.get("TENSORFERRY_VISUALIZE_SCHEDULE", "") not in ("", "0", "false", "no")
+
+
+def log_level() -> str:
+    """Log level of the ``tensorferry`` logger (``TENSORFERRY_LOG_LEVEL``, WARNING)."""
+    return os.environ.get("TENSORFERRY_LOG_LEVEL", "WARNING").upper()

@@ -1,0 +1,265 @@
+"""The completion pool: futures fulfilled off the caller's thread when device work finishes.
+
+A caller hands over a readiness predicate (``event.query``, ``work.is_completed``) and gets a
+``concurrent.futures.Future`` back at once. One poller thread checks the predicates; when one
+turns true the result function and the future's callbacks run on a worker thread, never on the
+thread that asked and never on the poller, so a slow callback cannot delay other completions.
+
+Each item may name an *owner* (a stream). ``drain(owner)`` waits until every item of that owner
+has completed and its callbacks have returned, and cancels what is left after the timeout: the
+stream pool calls it before a stream changes hands, so no callback of the last owner can run
+while the next owner holds the stream.
+
+Thread-safe: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorferry.errors import CompletionPoolShutdownError, TransferTimeoutError
+
+__all__ = ["CompletionPool"]
+
+log = logging.getLogger(__name__)
+
+# Poll back-off: start fine so short transfers complete with little added latency, grow coarse so
+# a long wait costs (almost) no CPU. Numbers are seconds.
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 2e-3
+
+
+@dataclass(slots=True)
+class _Item:
+    future: Future
+    ready: Callable[[], bool]
+    then: Callable[[], Any] | None
+    owner: Hashable | None
+    description: str
+    deadline: float | None
+    seq: int = field(default=0)
+
+
+class CompletionPool:
+    """Fulfils futures when their readiness predicate turns true.
+
+    Args:
+        threads: worker threads that run result functions and future callbacks.
+        name: thread-name prefix (shows in stack dumps).
+    """
+
+    def __init__(self, *, threads: int = 4, name: str = "tensorferry-completion") -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._name = name
+        self._lock = threading.Condition()
+        self._pending: dict[int, _Item] = {}
+        self._running_per_owner: dict[Hashable, int] = {}
+        self._seq = itertools.count()
+        self._shutdown = False
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self._poller = threading.Thread(target=self._poll_loop, name=f"{name}-poller", daemon=True)
+        self._poller.start()
+
+    # ------------------------------------------------------------------ submitting
+    def watch(
+        self,
+        ready: Callable[[], bool],
+        *,
+        then: Callable[[], Any] | None = None,
+        owner: Hashable | None = None,
+        timeout: float | None = None,
+        description: str = "",
+    ) -> Future:
+        """Returns a future completed once ``ready()`` returns true.
+
+        Args:
+            ready: cheap, non-blocking predicate, polled from the pool's poller thread. If it
+                raises, the future fails with that exception.
+            then: computes the future's result once ready (runs on a worker thread); the
+                result is ``None`` without it. Its exception becomes the future's.
+            owner: the resource the work runs on (a stream); see :meth:`drain`.
+            timeout: seconds until the future fails with :class:`TransferTimeoutError`.
+            description: what is awaited, used in timeout messages.
+
+        Raises:
+            CompletionPoolShutdownError: the pool was shut down.
+        """
+        future: Future = Future()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._shutdown:
+                raise CompletionPoolShutdownError("the completion pool is shut down")
+            seq = next(self._seq)
+            item = _Item(future, ready, then, owner, description, deadline, seq)
+            self._pending[seq] = item
+            if owner is not None:
+                self._running_per_owner[owner] = self._running_per_owner.get(owner, 0) + 1
+            self._lock.notify_all()
+        return future
+
+    def after_event(
+        self,
+        event: Any,
+        *,
+        then: Callable[[], Any] | None = None,
+        owner: Hashable | None = None,
+        timeout: float | None = None,
+        description: str = "",
+    ) -> Future:
+        """Returns a future completed when a recorded device event (``event.query()``) fires."""
+        return self.watch(
+            event.query, then=then, owner=owner, timeout=timeout, description=description
+        )
+
+    # ------------------------------------------------------------------ owners
+    def pending(self, owner: Hashable | None = None) -> int:
+        """Items of ``owner`` not yet finished (callbacks included), or all items still waiting."""
+        with self._lock:
+            if owner is None:
+                return len(self._pending)
+            return self._running_per_owner.get(owner, 0)
+
+    def drain(self, owner: Hashable, timeout: float) -> bool:
+        """Waits until every item of ``owner`` finished and its callbacks returned.
+
+        Items still waiting for their device work after ``timeout`` are cancelled (their futures
+        raise ``CancelledError``). Returns true when nothing of ``owner`` is left in flight; false when a result function or
+        callback is still running (the caller must then not hand the owner to anyone else).
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._running_per_owner.get(owner, 0) > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            if self._running_per_owner.get(owner, 0) == 0:
+                return True
+            # Cancel what has not started; what is running we cannot stop.
+            for seq, item in list(self._pending.items()):
+                if item.owner == owner:
+                    del self._pending[seq]
+                    item.future.cancel()
+                    self._finish_locked(item)
+            return self._running_per_owner.get(owner, 0) == 0
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, *, wait: bool = True, timeout: float = 10.0) -> None:
+        """Stops the pool. Idempotent.
+
+        Args:
+            wait: let pending items complete (up to ``timeout``) before stopping; items still
+                pending after that, or all of them with ``wait=False``, fail with
+                :class:`CompletionPoolShutdownError`.
+            timeout: seconds to wait for pending items.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if self._shutdown and not self._pending:
+                return
+            if wait:
+                while self._pending and time.monotonic() < deadline:
+                    self._lock.wait(max(0.0, min(0.01, deadline - time.monotonic())))
+            self._shutdown = True
+            leftovers = list(self._pending.values())
+            self._pending.clear()
+            self._lock.notify_all()
+        for item in leftovers:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(
+                    CompletionPoolShutdownError(
+                        f"completion pool shut down before {item.description or 'the work'} "
+                        "completed"
+                    )
+                )
+            with self._lock:
+                self._finish_locked(item)
+        self._executor.shutdown(wait=wait)
+        self._poller.join(timeout=1.0)
+
+    @property
+    def is_shutdown(self) -> bool:
+        return self._shutdown
+
+    # ------------------------------------------------------------------ internals
+    def _finish_locked(self, item: _Item) -> None:
+        if item.owner is None:
+            return
+        count = self._running_per_owner.get(item.owner, 0) - 1
+        if count <= 0:
+            self._running_per_owner.pop(item.owner, None)
+        else:
+            self._running_per_owner[item.owner] = count
+        self._lock.notify_all()
+
+    def _poll_loop(self) -> None:
+        sleep_s = _POLL_MIN_S
+        while True:
+            with self._lock:
+                while not self._pending and not self._shutdown:
+                    self._lock.wait()
+                    sleep_s = _POLL_MIN_S
+                if self._shutdown:
+                    return
+                items = list(self._pending.values())
+            progressed = False
+            now = time.monotonic()
+            for item in items:
+                outcome = self._check(item, now)
+                if outcome is None:
+                    continue
+                with self._lock:
+                    if self._pending.pop(item.seq, None) is None:
+                        continue  # cancelled by drain() or shutdown() meanwhile
+                progressed = True
+                try:
+                    self._executor.submit(self._complete, item, outcome)
+                except RuntimeError:  # executor shut down under us
+                    self._complete(item, outcome)
+            if progressed:
+                sleep_s = _POLL_MIN_S
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, _POLL_MAX_S)
+
+    def _check(self, item: _Item, now: float) -> BaseException | bool | None:
+        """``True`` when ready, an exception when failed or timed out, ``None`` to keep waiting."""
+        if item.future.cancelled():
+            return True
+        try:
+            if item.ready():
+                return True
+        except BaseException as exc:  # the predicate's failure is the future's failure
+            return exc
+        if item.deadline is not None and now >= item.deadline:
+            what = item.description or "device work"
+            return TransferTimeoutError(f"timed out waiting for {what}")
+        return None
+
+    def _complete(self, item: _Item, outcome: BaseException | bool) -> None:
+        future = item.future
+        try:
+            if not future.set_running_or_notify_cancel():
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+                return
+            try:
+                result = item.then() if item.then is not None else None
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)  # runs the future's callbacks on this thread
+        except BaseException:  # a callback's error must not kill the worker
+            log.exception("completion callback failed")
+        finally:
+            with self._lock:
+                self._finish_locked(item)

@@ -1,0 +1,243 @@
+"""The stream pool: device streams that outlive the clients that use them.
+
+Creating and destroying streams costs milliseconds each (4.6 ms and 0.9 ms on the GPU machine),
+and a client holds 14 per device. The pool keeps released streams and hands them to the next
+client that asks for the same :class:`StreamKey`.
+
+Before a stream is pooled it is *reset*: it must go idle within a bounded wait, and every
+completion-pool item it owns must have finished (callbacks included) or been cancelled, so the
+next owner never sees the last owner's work or callbacks. A stream that fails its reset is
+destroyed and a fresh one takes its place in the pool.
+
+Thread-safe: one lock guards the pool's maps; stream creation, reset and destruction run
+outside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tensorferry.errors import StreamResetError
+
+if TYPE_CHECKING:
+    from tensorferry.runtime._completion import CompletionPool
+
+__all__ = ["StreamKey", "StreamFactory", "Stream", "StreamPool", "PRIORITIES"]
+
+log = logging.getLogger(__name__)
+
+PRIORITIES = ("normal", "high")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamKey:
+    """Everything that changes how a stream behaves; a lease never crosses keys."""
+
+    device: int
+    """CUDA device index."""
+    priority: str = "normal"
+    """``"normal"`` or ``"high"`` (the device's greatest stream priority)."""
+    non_blocking: bool = True
+    """Created with ``cudaStreamNonBlocking`` (no implicit sync with the legacy stream)."""
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+        if self.device < 0:
+            raise ValueError(f"device must be >= 0, got {self.device}")
+
+
+class StreamFactory(Protocol):
+    """Makes raw streams for the pool. Tests plug in fakes that fail on purpose."""
+
+    def create(self, key: StreamKey) -> Any: ...
+
+    def is_idle(self, handle: Any) -> bool: ...
+
+    def destroy(self, handle: Any) -> None: ...
+
+    def wrap(self, handle: Any, key: StreamKey) -> Any: ...
+
+
+_ids = itertools.count(1)
+
+
+class Stream:
+    """One exclusive stream, leased from a :class:`StreamPool`.
+
+    Attributes:
+        key: what the stream was made for.
+        handle: the raw stream handle from the factory.
+        uid: process-unique id; the stream's owner token in the completion pool.
+    """
+
+    __slots__ = ("_factory", "_torch", "handle", "key", "uid")
+
+    def __init__(self, key: StreamKey, handle: Any, factory: StreamFactory) -> None:
+        self.key = key
+        self.handle = handle
+        self.uid = next(_ids)
+        self._factory = factory
+        self._torch: Any = None
+
+    @property
+    def torch(self) -> Any:
+        """The stream as a ``torch.cuda.ExternalStream`` (made on first use)."""
+        if self._torch is None:
+            self._torch = self._factory.wrap(self.handle, self.key)
+        return self._torch
+
+    def __repr__(self) -> str:
+        return f"Stream(uid={self.uid}, device={self.key.device}, priority={self.key.priority!r})"
+
+
+class StreamPool:
+    """Process-level pool of exclusive streams, keyed by :class:`StreamKey`.
+
+    Args:
+        factory: makes, checks and destroys raw streams.
+        completions: completion pool whose items a released stream must drain.
+        max_pooled_per_key: streams kept idle per key; more are destroyed on release.
+        reset_timeout_s: how long a released stream may take to go idle.
+    """
+
+    def __init__(
+        self,
+        factory: StreamFactory,
+        *,
+        completions: CompletionPool | None = None,
+        max_pooled_per_key: int = 256,
+        reset_timeout_s: float = 5.0,
+    ) -> None:
+        if max_pooled_per_key < 0:
+            raise ValueError(f"max_pooled_per_key must be >= 0, got {max_pooled_per_key}")
+        self._factory = factory
+        self._completions = completions
+        self._max_pooled = max_pooled_per_key
+        self._reset_timeout_s = reset_timeout_s
+        self._lock = threading.Lock()
+        self._idle: dict[StreamKey, list[Stream]] = defaultdict(list)
+        self._leased: dict[int, Stream] = {}
+        self._counters = dict.fromkeys(
+            ("hits", "misses", "recreated", "destroyed", "reset_failures"), 0
+        )
+
+    # ------------------------------------------------------------------ leasing
+    def acquire(self, key: StreamKey) -> Stream:
+        """Leases a stream made for ``key``: a pooled one when there is one, else a new one."""
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                stream = idle.pop()
+                self._counters["hits"] += 1
+                self._leased[stream.uid] = stream
+                return stream
+            self._counters["misses"] += 1
+        stream = self._create(key)
+        with self._lock:
+            self._leased[stream.uid] = stream
+        return stream
+
+    def release(self, stream: Stream) -> None:
+        """Resets ``stream`` and pools it; a stream that fails its reset is replaced.
+
+        Raises:
+            ValueError: ``stream`` is not leased from this pool (e.g. released twice).
+        """
+        with self._lock:
+            if self._leased.pop(stream.uid, None) is None:
+                raise ValueError(f"{stream!r} is not leased from this pool (released twice?)")
+        try:
+            self._reset(stream)
+        except Exception as exc:
+            self._replace_failed(stream, exc)
+            return
+        with self._lock:
+            idle = self._idle[stream.key]
+            if len(idle) < self._max_pooled:
+                idle.append(stream)
+                return
+        self._destroy(stream)
+
+    def create_unpooled(self, key: StreamKey) -> Stream:
+        """A fresh stream that never enters the pool (the 'pooling off' baseline)."""
+        return self._create(key)
+
+    def destroy_unpooled(self, stream: Stream) -> None:
+        """Destroys a stream made by :meth:`create_unpooled`."""
+        self._destroy(stream)
+
+    # ------------------------------------------------------------------ upkeep
+    def clear(self) -> int:
+        """Destroys every pooled (idle) stream; leased streams are untouched. Returns the count."""
+        with self._lock:
+            streams = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for stream in streams:
+            self._destroy(stream)
+        return len(streams)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: hits, misses, recreated, destroyed, reset_failures, live, pooled, leased."""
+        with self._lock:
+            pooled = sum(len(idle) for idle in self._idle.values())
+            leased = len(self._leased)
+            return {**self._counters, "live": pooled + leased, "pooled": pooled, "leased": leased}
+
+    def is_leased(self, stream: Stream) -> bool:
+        with self._lock:
+            return stream.uid in self._leased
+
+    # ------------------------------------------------------------------ internals
+    def _create(self, key: StreamKey) -> Stream:
+        handle = self._factory.create(key)
+        log.debug("stream pool: created stream %r for %s", handle, key)
+        return Stream(key, handle, self._factory)
+
+    def _destroy(self, stream: Stream) -> None:
+        try:
+            self._factory.destroy(stream.handle)
+        except Exception:
+            log.exception("stream pool: destroying %r failed", stream)
+        with self._lock:
+            self._counters["destroyed"] += 1
+
+    def _reset(self, stream: Stream) -> None:
+        """Raises :class:`StreamResetError` unless ``stream`` is idle and owns no completions."""
+        deadline = time.monotonic() + self._reset_timeout_s
+        delay = 10e-6
+        while not self._factory.is_idle(stream.handle):
+            if time.monotonic() >= deadline:
+                raise StreamResetError(
+                    f"{stream!r} still busy after {self._reset_timeout_s} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        if self._completions is not None:
+            left = max(0.0, deadline - time.monotonic())
+            if not self._completions.drain(stream.uid, left):
+                raise StreamResetError(f"{stream!r} has completion callbacks still running")
+
+    def _replace_failed(self, stream: Stream, exc: Exception) -> None:
+        log.warning("stream pool: %r failed its reset (%s); destroying it", stream, exc)
+        with self._lock:
+            self._counters["reset_failures"] += 1
+        self._destroy(stream)
+        try:
+            fresh = self._create(stream.key)
+        except Exception:
+            log.exception("stream pool: could not recreate a stream for %s", stream.key)
+            return
+        with self._lock:
+            self._counters["recreated"] += 1
+            idle = self._idle[fresh.key]
+            if len(idle) < self._max_pooled:
+                idle.append(fresh)
+                return
+        self._destroy(fresh)
