@@ -1,7 +1,8 @@
 """Entry point of the ``tensorferry`` console script.
 
-Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-modules are imported only when their command runs, so ``tensorferry doctor`` stays fast.
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+Only the module of the command being run is imported, so one command never pays for (or breaks
+on) another's imports.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 import sys
 
 from tensorferry import envs
+
+_DESCRIPTION = "tensorferry: fast tensor transfers between GPUs and compiled actor graphs"
 
 # command name -> (module, one-line help)
 COMMANDS = {
@@ -28,32 +31,39 @@ BENCHMARKS = {
 }
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tensorferry", description=__doc__.splitlines()[0])
+def _selected(argv: list[str]) -> tuple[str | None, str | None]:
+    """The command (and benchmark) named in ``argv``, found without importing any module."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words:
+        return None, None
+    if words[0] == "bench":
+        return "bench", words[1] if len(words) > 1 and words[1] in BENCHMARKS else None
+    return (words[0], None) if words[0] in COMMANDS else (None, None)
+
+
+def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    command, benchmark = _selected(argv)
+    parser = argparse.ArgumentParser(prog="tensorferry", description=_DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(_module=module)
-        _add_module_arguments(module, sub)
+        if name == command:
+            importlib.import_module(module).add_arguments(sub)
     bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
     benches = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
         sub = benches.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(_module=module)
-        _add_module_arguments(module, sub)
+        if name == benchmark:
+            importlib.import_module(module).add_arguments(sub)
     return parser
 
 
-def _add_module_arguments(module: str, parser: argparse.ArgumentParser) -> None:
-    # Only this command's module is imported when it runs; arguments need it now, so parse lazily
-    # by importing here — the modules keep their heavy imports inside ``run``.
-    importlib.import_module(module).add_arguments(parser)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _build_parser(argv).parse_args(argv)
     level = logging.INFO if args.verbose else getattr(logging, envs.log_level(), logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)

@@ -131,8 +131,9 @@ class CompletionPool:
         """Waits until every item of ``owner`` finished and its callbacks returned.
 
         Items still waiting for their device work after ``timeout`` are cancelled (their futures
-        raise ``CancelledError``). Returns true when nothing of ``owner`` is left in flight; false when a result function or
-        callback is still running (the caller must then not hand the owner to anyone else).
+        raise ``CancelledError``). Returns true when nothing of ``owner`` is left in flight; false
+        when a result function or callback is still running (the caller must then not hand the
+        owner to anyone else).
         """
         deadline = time.monotonic() + timeout
         with self._lock:

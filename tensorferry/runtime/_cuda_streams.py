@@ -98,7 +98,9 @@ def _check(code: int) -> None:
 def _load_cudart() -> ctypes.CDLL:
     candidates = []
     for directory in {os.path.dirname(torch.__file__), *map(os.path.dirname, torch.__path__)}:
-        candidates += glob.glob(os.path.join(directory, "..", "nvidia", "*", "lib", "libcudart.so*"))
+        candidates += glob.glob(
+            os.path.join(directory, "..", "nvidia", "*", "lib", "libcudart.so*")
+        )
         candidates += glob.glob(os.path.join(directory, "lib", "libcudart*.so*"))
     found = ctypes.util.find_library("cudart")
     if found:

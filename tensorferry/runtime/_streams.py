@@ -214,9 +214,7 @@ class StreamPool:
         delay = 10e-6
         while not self._factory.is_idle(stream.handle):
             if time.monotonic() >= deadline:
-                raise StreamResetError(
-                    f"{stream!r} still busy after {self._reset_timeout_s} s"
-                )
+                raise StreamResetError(f"{stream!r} still busy after {self._reset_timeout_s} s")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
         if self._completions is not None:

@@ -9,7 +9,7 @@ on :meth:`Client.close`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,5 +238,3 @@ class Client:
     def _check_open(self) -> None:
         if self._closed:
             raise ClientClosedError("this Client is closed; make a new one")
-
-

@@ -1,0 +1,169 @@
+"""``tensorferry doctor``: what this machine offers tensorferry, and why a transport is unusable.
+
+Prints versions, devices, peer access and link type between each device pair, and for every
+transport whether it can be used here — with the reason when it cannot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+
+__all__ = ["add_arguments", "run", "transport_report", "link_matrix"]
+
+_MULTICAST_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception:
+        return None
+
+
+def link_matrix(count: int) -> dict[tuple[int, int], str]:
+    """Link type per device pair from ``nvidia-smi topo -m`` (e.g. ``NV18``, ``PIX``, ``SYS``)."""
+    if count < 2 or shutil.which("nvidia-smi") is None:
+        return {}
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    links = {}
+    for line in text.splitlines():
+        cells = re.sub(r"\x1b\[[0-9;]*m", "", line).split()
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        row = int(cells[0][3:])
+        for col, cell in enumerate(cells[1 : count + 1]):
+            if col != row:
+                links[(row, col)] = cell
+    return links
+
+
+def transport_report() -> dict[str, str | None]:
+    """Per transport: ``None`` when usable here, else why not."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    report: dict[str, str | None] = {}
+    if not dist.is_available():
+        reason = "this torch build has no torch.distributed"
+        return dict.fromkeys(("gloo", "nccl", "nvlink", "ce", "shm"), reason)
+    report["gloo"] = None if dist.is_gloo_available() else "torch built without gloo"
+    report["shm"] = None
+    if cuda == 0:
+        report["nccl"] = "no CUDA device"
+    elif not dist.is_nccl_available():
+        report["nccl"] = "torch built without NCCL"
+    else:
+        report["nccl"] = None
+    peer = cuda >= 2 and all(
+        torch.cuda.can_device_access_peer(i, j) for i in range(cuda) for j in range(cuda) if i != j
+    )
+    peer_reason = (
+        "needs 2 CUDA devices" if cuda < 2 else None if peer else "no peer access between devices"
+    )
+    try:
+        import torch.distributed._symmetric_memory
+
+        symm_reason = None
+    except Exception as exc:
+        symm_reason = f"symmetric memory unavailable ({exc})"
+    report["ce"] = peer_reason or symm_reason
+    if _version("triton") is None:
+        triton_reason = "Triton is not installed (pip install 'tensorferry[triton]')"
+    else:
+        triton_reason = None
+    report["nvlink"] = peer_reason or symm_reason or triton_reason
+    report["ray"] = (
+        None if _version("ray") else "Ray is not installed (pip install 'tensorferry[ray]')"
+    )
+    return report
+
+
+def _collect() -> dict:
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    info: dict = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "ray": _version("ray"),
+        "tensorferry": _version("tensorferry"),
+        "cpu_cores": os.cpu_count(),
+    }
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    except Exception:
+        info["nccl"] = None
+    info["devices"] = [
+        {
+            "index": i,
+            "name": torch.cuda.get_device_name(i),
+            "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1),
+            "sms": torch.cuda.get_device_properties(i).multi_processor_count,
+        }
+        for i in range(cuda)
+    ]
+    links = link_matrix(cuda)
+    info["pairs"] = [
+        {
+            "pair": [i, j],
+            "peer_access": torch.cuda.can_device_access_peer(i, j),
+            "link": links.get((i, j), "unknown"),
+        }
+        for i in range(cuda)
+        for j in range(cuda)
+        if i < j
+    ]
+    info["transports"] = transport_report()
+    info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    info = _collect()
+    if args.json:
+        import json
+
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print("tensorferry doctor")
+    for key in ("tensorferry", "python", "torch", "cuda", "nccl", "triton", "ray", "cpu_cores"):
+        print(f"  {key:<12} {info[key] if info[key] is not None else '-'}")
+    if info["devices"]:
+        print("devices")
+        for d in info["devices"]:
+            print(f"  cuda:{d['index']}  {d['name']}  {d['memory_gib']} GiB  {d['sms']} SMs")
+    else:
+        print("devices\n  no CUDA device: CPU transfers go over gloo")
+    if info["pairs"]:
+        print("device pairs")
+        for p in info["pairs"]:
+            i, j = p["pair"]
+            access = "peer access" if p["peer_access"] else "NO peer access"
+            print(f"  cuda:{i} <-> cuda:{j}  {p['link']:<8} {access}")
+    print("transports")
+    for name, reason in info["transports"].items():
+        print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
+    unset = [k for k, v in info["env"].items() if v is None]
+    if info["devices"] and unset:
+        print(
+            "note: NVLink multicast is never used by tensorferry; unset here: " + ", ".join(unset)
+        )
+    return 0

@@ -1,0 +1,145 @@
+"""Completion pool: futures fulfilled off the caller's thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+
+import tensorferry as tf
+from tensorferry.runtime import CompletionPool
+
+
+@pytest.fixture
+def pool():
+    pool = CompletionPool(threads=2)
+    yield pool
+    pool.shutdown(wait=False)
+
+
+class Flag:
+    """A readiness predicate the test flips, like a device event firing."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def __call__(self) -> bool:
+        return self.value
+
+
+def test_result_arrives_when_ready(pool):
+    flag = Flag()
+    future = pool.watch(flag, then=lambda: 42)
+    time.sleep(0.02)
+    assert not future.done(), "not ready, not done"
+    flag.value = True
+    assert future.result(timeout=5) == 42
+    assert future.exception() is None
+
+
+def test_callbacks_run_on_a_pool_thread(pool):
+    caller = threading.get_ident()
+    seen: list[int] = []
+    done = threading.Event()
+    flag = Flag()
+    future = pool.watch(flag)
+    future.add_done_callback(lambda _f: (seen.append(threading.get_ident()), done.set()))
+    flag.value = True
+    assert done.wait(5)
+    assert seen and seen[0] != caller
+
+
+def test_watch_returns_without_blocking(pool):
+    start = time.perf_counter()
+    for _ in range(100):
+        pool.watch(lambda: False, timeout=5)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_errors_propagate_from_predicate_and_result(pool):
+    def broken() -> bool:
+        raise RuntimeError("device fault")
+
+    with pytest.raises(RuntimeError, match="device fault"):
+        pool.watch(broken).result(timeout=5)
+
+    def bad_result() -> None:
+        raise ValueError("unpack failed")
+
+    future = pool.watch(lambda: True, then=bad_result)
+    assert isinstance(future.exception(timeout=5), ValueError)
+
+
+def test_timeout_is_a_named_error(pool):
+    future = pool.watch(lambda: False, timeout=0.05, description="recv from rank 1")
+    with pytest.raises(tf.TransferTimeoutError, match="recv from rank 1"):
+        future.result(timeout=5)
+
+
+def test_a_raising_callback_does_not_stop_the_pool(pool):
+    first = pool.watch(lambda: True)
+    first.add_done_callback(lambda _f: 1 / 0)
+    first.result(timeout=5)
+    assert pool.watch(lambda: True, then=lambda: "still working").result(timeout=5) == (
+        "still working"
+    )
+
+
+def test_user_cancel_drops_the_item(pool):
+    future = pool.watch(lambda: False)
+    assert future.cancel()
+    with pytest.raises(CancelledError):
+        future.result(timeout=1)
+    deadline = time.monotonic() + 5
+    while pool.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.pending() == 0
+
+
+def test_drain_waits_for_owner_only(pool):
+    gate = threading.Event()
+    mine = pool.watch(lambda: True, then=lambda: gate.wait(5), owner="stream-a")
+    other = pool.watch(lambda: False, owner="stream-b")
+    threading.Timer(0.05, gate.set).start()
+    assert pool.drain("stream-a", timeout=5)
+    assert mine.done()
+    assert not other.done()
+    assert pool.pending("stream-b") == 1
+
+
+def test_shutdown_fails_pending_with_a_clear_error():
+    pool = CompletionPool(threads=1)
+    ready_soon = Flag()
+    drained = pool.watch(ready_soon, then=lambda: "drained")
+    threading.Timer(0.05, setattr, (ready_soon, "value", True)).start()
+    never = pool.watch(lambda: False)
+    pool.shutdown(wait=True, timeout=0.5)
+    assert drained.result(timeout=1) == "drained"
+    with pytest.raises(tf.CompletionPoolShutdownError, match="shut down"):
+        never.result(timeout=1)
+    with pytest.raises(tf.CompletionPoolShutdownError):
+        pool.watch(lambda: True)
+    pool.shutdown()  # idempotent
+
+
+def test_shutdown_without_wait_cancels_everything():
+    pool = CompletionPool(threads=1)
+    futures = [pool.watch(lambda: False) for _ in range(10)]
+    pool.shutdown(wait=False)
+    for future in futures:
+        assert isinstance(future.exception(timeout=1), tf.CompletionPoolShutdownError)
+
+
+def test_many_concurrent_items(pool):
+    flags = [Flag() for _ in range(500)]
+    futures = [pool.watch(f, then=lambda i=i: i) for i, f in enumerate(flags)]
+    for f in reversed(flags):
+        f.value = True
+    assert [f.result(timeout=10) for f in futures] == list(range(500))
+
+
+def test_bad_thread_count():
+    with pytest.raises(ValueError, match="threads"):
+        CompletionPool(threads=0)

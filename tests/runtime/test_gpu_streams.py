@@ -1,0 +1,118 @@
+"""Stream pool properties with real CUDA streams (GPU tier)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tensorferry as tf
+from tensorferry.runtime import CompletionPool, StreamKey, StreamPool
+from tensorferry.runtime._cuda_streams import CudaStreamFactory
+
+pytestmark = pytest.mark.gpu
+
+# ~50 ms of GPU time at ~2 GHz: long enough that a release without a real wait would see it busy.
+_SLEEP_CYCLES = 100_000_000
+
+
+@pytest.fixture
+def pool():
+    completions = CompletionPool(threads=2)
+    pool = StreamPool(CudaStreamFactory(), completions=completions, reset_timeout_s=5.0)
+    yield pool
+    pool.clear()
+    completions.shutdown(wait=False)
+
+
+def _all_streams(client):
+    return [s for d in client.devices for ss in client.streams(d).values() for s in ss]
+
+
+def test_real_streams_are_exclusive_and_reused(pool):
+    devices = list(range(torch.cuda.device_count()))
+    a = tf.Client(devices, pool=pool)
+    b = tf.Client(devices, pool=pool)
+    handles_a = {s.handle for s in _all_streams(a)}
+    handles_b = {s.handle for s in _all_streams(b)}
+    assert len(handles_a) == 14 * len(devices)
+    assert handles_a.isdisjoint(handles_b), "two live clients never share a stream"
+    a.close()
+    c = tf.Client(devices, pool=pool)
+    assert {s.handle for s in _all_streams(c)} == handles_a
+    b.close()
+    c.close()
+
+
+def test_priority_gives_a_different_stream(pool):
+    normal = tf.Client([0], pool=pool)
+    normal_handles = {s.handle for s in _all_streams(normal)}
+    normal.close()
+    high = tf.Client([0], config=tf.ClientConfig(priority="high"), pool=pool)
+    streams = _all_streams(high)
+    assert {s.handle for s in streams}.isdisjoint(normal_handles)
+    _least, greatest = torch.cuda.Stream.priority_range()
+    assert streams[0].torch.priority == greatest
+    high.close()
+
+
+def test_work_finishes_before_the_next_client_gets_the_stream(pool):
+    first = tf.Client([0], pool=pool)
+    stream = first.raw_stream(0, "compute")
+    x = torch.randn(1 << 20, device="cuda:0")
+    with torch.cuda.stream(stream.torch):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        y = x * 2
+        done = torch.cuda.Event()
+        done.record()
+    assert not done.query(), "the sleep kernel should still be running"
+    first.close()
+    second = tf.Client([0], pool=pool)
+    assert stream.handle in {s.handle for s in _all_streams(second)}
+    assert done.query(), "the stream changed hands before its work finished"
+    torch.testing.assert_close(y, x * 2)
+    second.close()
+
+
+def test_stream_busy_past_the_reset_timeout_is_replaced():
+    completions = CompletionPool(threads=1)
+    pool = StreamPool(CudaStreamFactory(), completions=completions, reset_timeout_s=0.001)
+    stream = pool.acquire(StreamKey(device=0))
+    with torch.cuda.stream(stream.torch):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+    pool.release(stream)
+    stats = pool.stats()
+    assert (stats["reset_failures"], stats["recreated"]) == (1, 1)
+    assert pool.acquire(StreamKey(device=0)).handle != stream.handle
+    torch.cuda.synchronize()
+    pool.clear()
+    completions.shutdown(wait=False)
+
+
+def test_callback_on_event_finishes_before_handover(pool):
+    client = tf.Client([0], pool=pool)
+    stream = client.raw_stream(0, "device_to_host")
+    completions = pool._completions
+    finished = threading.Event()
+    with torch.cuda.stream(stream.torch):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        event = torch.cuda.Event()
+        event.record()
+    future = completions.after_event(event, owner=stream.uid, then=lambda: "device work done")
+    future.add_done_callback(lambda _f: finished.set())
+    client.close()
+    assert finished.is_set(), "the callback ran before the stream was pooled"
+    assert future.result(timeout=1) == "device work done"
+
+
+def test_default_process_pool_with_real_devices():
+    tf.runtime.clear()
+    before = tf.runtime.stats()["streams"]
+    with tf.Client([0]):
+        pass
+    with tf.Client([0]):
+        pass
+    after = tf.runtime.stats()["streams"]
+    assert after["hits"] - before["hits"] >= 14
+    assert after["pooled"] >= 14
