@@ -1,0 +1,301 @@
+"""The transport contract: how the p2p layer hands a group of sends/receives to something
+that moves bytes (NCCL, gloo, the NVLink copy kernels, the copy engine).
+
+The p2p layer (``tensorferry.p2p``) owns everything above the wire: argument validation,
+header exchange (count/shape/dtype agreement between both sides), per-peer FIFO order, stream
+ordering with the caller, timeouts, fault handling and :class:`~tensorferry.p2p.Transfer`
+handles. A transport only moves bytes for messages both sides have already agreed on.
+
+Vocabulary
+==========
+- *rank*: a process's global rank; ``ctx.rank`` is ours, peers are other global ranks.
+- *message*: one :class:`P2POp` — one or more tensors sent to (or received from) one peer in one
+  call. Messages between two ranks are matched in FIFO order per direction: the k-th send
+  message from A to B meets B's k-th receive message from A. The layer verified, before calling
+  :meth:`Transport.start`, that both sides agree on the count, shapes and dtypes (and on which
+  transport carries the message), so a transport may rely on sizes matching exactly.
+- *pair*: two ranks; a transport keeps its per-pair resources (a communicator, staging buffers)
+  in :func:`tensorferry.runtime.communicator_cache` under a key such as ``(name, lo, hi)``,
+  shared by both directions.
+- *epoch*: the layer's count of faults on a pair. After a fault both sides move to the next epoch
+  and each transport is told to :meth:`~Transport.evict` the pair; resources made afterwards must
+  rendezvous under the new epoch — use :meth:`TransportContext.pair_store`, which already
+  includes it, for every store key of a pair.
+
+The call sequence
+=================
+For every unit of work (one ``tf.send``/``recv``/``sendrecv`` call, or one ``tf.batch``) the
+layer, on its single issuing thread:
+
+1. picks a transport per message: the one named by the caller, or for ``"auto"`` the fitting
+   transport with the lowest :meth:`Transport.estimate_seconds` (ties: registration order). Both
+   ranks run the same choice on the same agreed message; the choice also travels in the header
+   and a disagreement is a :class:`~tensorferry.MismatchError` (``field="transport"``);
+2. calls :meth:`Transport.unsupported_reason` at call time (on the caller's thread, before
+   anything moves) — a non-``None`` reason becomes a ``ValueError`` for the caller;
+3. once per pair and epoch, calls :meth:`Transport.prepare` with that peer on a helper thread
+   (never on the issuing thread), because preparing is a rendezvous with the peer and blocks
+   until the peer prepares too. ``tf.prepare(peers)`` calls it eagerly;
+4. after headers agree and ``prepare`` returned, calls :meth:`Transport.start` once per transport
+   with every message of the unit that transport carries (possibly to several peers), inside
+   ``torch.cuda.stream(stream)`` for CUDA;
+5. hands the returned :class:`PendingOps` to the completion pool, which polls
+   :meth:`PendingOps.ready` until it returns true or raises, or the transfer's deadline passes;
+   on deadline or peer loss it calls :meth:`PendingOps.abort` and :meth:`Transport.evict`.
+
+Rules a transport keeps
+=======================
+- :meth:`Transport.start` must not block on the peer (no rendezvous, no host waits for device
+  work); it enqueues work and returns. It is only ever called from the layer's issuing thread,
+  so it need not be re-entrant; :meth:`PendingOps.ready` and :meth:`PendingOps.abort` are
+  called from other threads (the completion pool) and must be thread-safe with respect to it.
+- Stream ordering (CUDA): device work issued by ``start`` runs after every piece of work queued
+  on ``stream`` before the call (the layer already made ``stream`` wait for the caller's current
+  stream). Work queued on ``stream`` after ``start`` returns must run only after the ops finished
+  (a transport with internal streams makes ``stream`` wait on them before returning). The layer
+  records its completion event on ``stream`` right after ``start``.
+- Messages to one peer in one direction go on the wire in the order given; a transport may pack
+  several tensors of a message into one buffer, coalesce all messages of a ``start`` call into one
+  group call, or split large ones, as long as the receiver sees the same bytes.
+- The caller keeps every tensor alive until the pending ops are ready or aborted; a transport
+  need not ``record_stream`` them for that reason (it must for its own internal streams).
+- Errors: ``ready()`` raises :class:`~tensorferry.PeerLostError` when the peer is gone,
+  :class:`~tensorferry.TransportError` for other failures; it never blocks.
+- Thread-safety of ``prepare``/``evict``/``close``: may run concurrently with ``start`` for
+  *other* peers; keep per-pair state in the communicator cache (single-flight) or under a lock.
+
+Registering a transport
+=======================
+::
+
+    from tensorferry.p2p import register_transport
+
+    class NvlinkTransport(Transport):
+        name = "nvlink"
+        device_type = "cuda"
+        ...
+
+    register_transport("nvlink", NvlinkTransport)          # factory(ctx) -> Transport
+
+The factory is called once per process, lazily, with the :class:`TransportContext` of the
+initialised p2p layer; registering after ``tf.init`` is fine. Every rank must register the same
+transports (``"auto"`` must choose identically on both sides).
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import torch
+
+__all__ = [
+    "P2POp",
+    "PendingOps",
+    "Transport",
+    "TransportContext",
+    "TransportFactory",
+    "register_transport",
+    "unregister_transport",
+    "registered_transports",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class P2POp:
+    """One message: tensors sent to, or received into, one peer.
+
+    Attributes:
+        kind: ``"send"`` or ``"recv"``.
+        peer: the other side's global rank (never our own).
+        tensors: contiguous tensors on the transport's device; for ``"recv"`` they are written.
+            Their shapes and dtypes equal the peer's, in order (verified by the layer).
+    """
+
+    kind: Literal["send", "recv"]
+    peer: int
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole message."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass(slots=True)
+class TransportContext:
+    """What a transport knows about its process, given to its factory.
+
+    Attributes:
+        rank: this process's global rank.
+        world_size: number of ranks.
+        device: this process's device (``cuda:N`` or ``cpu``).
+        store: the world's key-value store, already prefixed for tensorferry.
+        timeout: bound for any rendezvous (store waits, communicator creation).
+        epoch_of: the current epoch of the pair with a peer (see the module docstring).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    store: Any
+    timeout: timedelta
+    epoch_of: Callable[[int], int] = field(default=lambda peer: 0)
+
+    def pair(self, peer: int) -> tuple[int, int]:
+        """``(lo, hi)``: the pair's ranks in ascending order."""
+        return (min(self.rank, peer), max(self.rank, peer))
+
+    def rank_in_pair(self, peer: int) -> int:
+        """0 for the lower rank of the pair, 1 for the higher."""
+        return 0 if self.rank < peer else 1
+
+    def pair_store(self, peer: int, purpose: str) -> Any:
+        """A store private to this pair, its current epoch and ``purpose`` (e.g. the transport
+        name). Both ranks of the pair get the same prefix; no other rank uses it."""
+        import torch.distributed as dist
+
+        lo, hi = self.pair(peer)
+        prefix = f"pair/{lo}-{hi}/epoch{self.epoch_of(peer)}/{purpose}"
+        return dist.PrefixStore(prefix, self.store)
+
+
+class PendingOps(abc.ABC):
+    """Device (or host) work issued by :meth:`Transport.start`, not yet known to be done."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True once every op finished and its bytes are in place. Never blocks.
+
+        Raises:
+            PeerLostError: the peer is gone.
+            TransportError: the transport failed.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Best-effort stop of work that will not finish (peer lost, deadline passed).
+
+        May abort the pair's communicator; the layer calls :meth:`Transport.evict` afterwards.
+        Must not raise and must not block for long.
+        """
+
+
+class Transport(abc.ABC):
+    """Moves agreed messages between this process and its peers.
+
+    Subclasses set :attr:`name` and :attr:`device_type` and implement the abstract methods.
+    """
+
+    name: ClassVar[str] = ""
+    """Registry name; appears in headers, errors and communicator-cache keys."""
+    device_type: ClassVar[str] = "cuda"
+    """Device type of the tensors it moves: ``"cuda"`` or ``"cpu"``."""
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+
+    def unsupported_reason(self, *, peer: int, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Why this transport cannot carry ``tensors`` to/from ``peer``, or ``None`` if it can.
+
+        Called on the caller's thread before anything moves; must be cheap (microseconds) and
+        not talk to the peer. The default checks the device type only. Overrides may add size
+        limits, topology (peer on another host), dtype restrictions, alignment …
+
+        Args:
+            peer: the other side's global rank (already validated: in range, not self).
+            tensors: the message's tensors (already validated: contiguous, on ``ctx.device``).
+        """
+        wrong = [t.device for t in tensors if t.device.type != self.device_type]
+        if wrong:
+            return f"{self.name} moves {self.device_type} tensors, got a tensor on {wrong[0]}"
+        return None
+
+    def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
+        """Expected time to move one message of ``nbytes`` in ``num_tensors`` tensors, or
+        ``None`` when this transport should not be chosen automatically for it.
+
+        The hook behind ``transport="auto"``: the fitting transport with the smallest estimate
+        wins. Must be a pure function of its arguments and the pair's topology, so both ranks
+        choose the same. The default returns ``None`` (explicit use only).
+        """
+        return None
+
+    @abc.abstractmethod
+    def prepare(self, peers: Sequence[int]) -> None:
+        """Makes this transport's resources for each pair with ``peers`` (a rendezvous: the peer
+        must prepare too). Idempotent per pair and epoch; blocks until ready or
+        ``ctx.timeout`` passes.
+
+        Raises:
+            PeerLostError / TransferTimeoutError: the peer did not show up.
+            TransportError: resources could not be made.
+        """
+
+    @abc.abstractmethod
+    def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
+        """Issues ``ops`` (one group: sends and receives to any prepared peers) without blocking.
+
+        Args:
+            ops: messages in the order the caller issued them.
+            stream: CUDA stream the work is ordered on (``None`` for CPU transports); see the
+                stream rules in the module docstring.
+
+        Returns:
+            A handle whose :meth:`PendingOps.ready` turns true when all ops finished.
+        """
+
+    def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027
+        """Drops this transport's resources for the pair with ``peer`` (``abort`` after a
+        fault: the resources may hold hung work). The next use makes fresh ones under the
+        pair's new epoch. Default: nothing to drop."""
+
+    def close(self) -> None:  # noqa: B027
+        """Releases every resource (``tf.shutdown``). Default: nothing to release."""
+
+
+TransportFactory = Callable[[TransportContext], Transport]
+
+# name -> factory, in registration order (auto's tie-break). Guarded by _lock.
+_lock = threading.Lock()
+_factories: dict[str, TransportFactory] = {}
+
+
+def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
+    """Makes a transport available under ``name`` (for ``transport=name`` and ``"auto"``).
+
+    Args:
+        name: registry name, e.g. ``"nvlink"``; ``"auto"`` is reserved.
+        factory: called once per process as ``factory(ctx)`` when the transport is first needed.
+        replace: allow replacing an existing registration (else it is an error).
+
+    Raises:
+        TypeError: ``name`` is not a string or ``factory`` not callable.
+        ValueError: ``name`` is empty, ``"auto"``, or already registered without ``replace``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"transport name must be a str, got {type(name).__name__}")
+    if not name or name == "auto":
+        raise ValueError(f"invalid transport name {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    with _lock:
+        if name in _factories and not replace:
+            raise ValueError(f"transport {name!r} is already registered (pass replace=True)")
+        _factories[name] = factory
+
+
+def unregister_transport(name: str) -> bool:
+    """Removes ``name`` from the registry. Returns true when it was there."""
+    with _lock:
+        return _factories.pop(name, None) is not None
+
+
+def registered_transports() -> dict[str, TransportFactory]:
+    """A copy of the registry, in registration order."""
+    with _lock:
+        return dict(_factories)
