@@ -1,0 +1,13 @@
+"""``tensorferry bench overlap``: compiled-graph overlap off / on vs a hand-written optimum."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="bench-results", help="folder for CSV + Markdown")
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("bench overlap is being written")
