@@ -31,7 +31,7 @@ def _devices(spec: str) -> list:
     return [int(d) if d.isdigit() else d for d in spec.split(",")]
 
 
-def _measure(devices: list, config, cycles: int) -> dict[str, float]:
+def _measure(devices: list, config, cycles: int, *, use_streams: bool) -> dict[str, float]:
     import tensorferry as tf
 
     create_s, close_s = [], []
@@ -39,10 +39,16 @@ def _measure(devices: list, config, cycles: int) -> dict[str, float]:
         t0 = time.perf_counter()
         client = tf.Client(devices, config=config)
         t1 = time.perf_counter()
+        if use_streams:  # hand every stream out, so close() must check each one is idle
+            for device in client.devices:
+                for streams in client.streams(device).values():
+                    for stream in streams:
+                        _ = stream.torch
+        t_close = time.perf_counter()
         client.close()
         t2 = time.perf_counter()
         create_s.append(t1 - t0)
-        close_s.append(t2 - t1)
+        close_s.append(t2 - t_close)
     total = [a + b for a, b in zip(create_s, close_s, strict=True)]
     return {
         "create_us": statistics.median(create_s) * 1e6,
@@ -60,17 +66,23 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--cycles must be >= 1")
     devices = _devices(args.devices)
     rows = []
-    for mode, pooled in (("pooled", True), ("unpooled", False)):
+    modes = (
+        ("pooled, streams unused", True, False),
+        ("pooled, every stream used", True, True),
+        ("unpooled", False, False),
+    )
+    for mode, pooled, used in modes:
         config = tf.ClientConfig(streams_per_device=args.streams_per_device, pool_streams=pooled)
-        _measure(devices, config, min(10, args.cycles))  # warm-up: CUDA context, first streams
+        # Warm-up (CUDA context, first streams), then one cycle on an empty pool to refill it,
+        # so pooled cycles measure reuse.
+        _measure(devices, config, min(10, args.cycles), use_streams=used)
         tf.runtime.clear()
-        _measure(devices, config, 1)  # refill the pool once so pooled cycles measure reuse
-        row = {"mode": mode, "cycles": args.cycles, **_measure(devices, config, args.cycles)}
-        rows.append(row)
-    pooled_row, unpooled_row = rows
-    ratio = unpooled_row["cycle_us"] / max(pooled_row["cycle_us"], 1e-9)
+        _measure(devices, config, 1, use_streams=used)
+        timing = _measure(devices, config, args.cycles, use_streams=used)
+        rows.append({"mode": mode, "cycles": args.cycles, **timing})
+    unpooled_us = rows[-1]["cycle_us"]
     for row in rows:
-        row["speedup"] = ratio if row is pooled_row else 1.0
+        row["speedup"] = unpooled_us / max(row["cycle_us"], 1e-9)
     columns = ["mode", "cycles", "create_us", "close_us", "cycle_us", "mean_cycle_us", "speedup"]
     env = environment()
     cpu_only = all(d == "cpu" for d in devices)
@@ -79,13 +91,16 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows, columns))
     notes = [
         "Median host time per cycle (create = tf.Client(...), close = client.close()).",
-        "Pooled: streams leased from the process pool and reset (idle check + completion drain) on "
-        "close. Unpooled: every cycle creates and destroys its streams.",
+        "Pooled: streams leased from the process pool and reset on close (completion drain; an "
+        "idle query for each stream the client handed out). 'every stream used': each cycle reads "
+        "every stream's torch handle, so close() queries all of them. Unpooled: every cycle "
+        "creates and destroys its streams.",
     ]
     if cpu_only:
         notes.append("CPU only: a CPU client holds no streams, so both modes measure bookkeeping.")
         print("note: no CUDA device; CPU clients hold no streams, both modes measure bookkeeping")
-    print(f"pooled cycles are {ratio:.1f}x cheaper than unpooled")
+    for row in rows[:-1]:
+        print(f"{row['mode']}: {row['speedup']:.1f}x cheaper than unpooled")
     if args.out:
         csv_path, md_path = write_report(
             args.out, "lifecycle", rows, columns, title="Client lifecycle", notes=notes

@@ -71,26 +71,37 @@ _ids = itertools.count(1)
 class Stream:
     """One exclusive stream, leased from a :class:`StreamPool`.
 
+    Work can reach a stream only through :attr:`handle` or :attr:`torch`; the stream remembers
+    whether either was read since it was last reset, so the pool skips the idle query for streams
+    a client held but never used (most of a client's 14).
+
     Attributes:
         key: what the stream was made for.
-        handle: the raw stream handle from the factory.
         uid: process-unique id; the stream's owner token in the completion pool.
     """
 
-    __slots__ = ("_factory", "_torch", "handle", "key", "uid")
+    __slots__ = ("_factory", "_handle", "_torch", "_touched", "key", "uid")
 
     def __init__(self, key: StreamKey, handle: Any, factory: StreamFactory) -> None:
         self.key = key
-        self.handle = handle
         self.uid = next(_ids)
+        self._handle = handle
         self._factory = factory
         self._torch: Any = None
+        self._touched = False
+
+    @property
+    def handle(self) -> Any:
+        """The raw stream handle from the factory."""
+        self._touched = True
+        return self._handle
 
     @property
     def torch(self) -> Any:
         """The stream as a ``torch.cuda.ExternalStream`` (made on first use)."""
+        self._touched = True
         if self._torch is None:
-            self._torch = self._factory.wrap(self.handle, self.key)
+            self._torch = self._factory.wrap(self._handle, self.key)
         return self._torch
 
     def __repr__(self) -> str:
@@ -131,18 +142,31 @@ class StreamPool:
     # ------------------------------------------------------------------ leasing
     def acquire(self, key: StreamKey) -> Stream:
         """Leases a stream made for ``key``: a pooled one when there is one, else a new one."""
+        return self.acquire_many(key, 1)[0]
+
+    def acquire_many(self, key: StreamKey, count: int) -> list[Stream]:
+        """Leases ``count`` distinct streams made for ``key`` (pooled first, then new ones).
+
+        If creating a new stream fails, the streams already taken go back to the pool.
+        """
         with self._lock:
-            idle = self._idle.get(key)
-            if idle:
-                stream = idle.pop()
-                self._counters["hits"] += 1
+            idle = self._idle.get(key, [])
+            reused = [idle.pop() for _ in range(min(count, len(idle)))]
+            self._counters["hits"] += len(reused)
+            self._counters["misses"] += count - len(reused)
+            for stream in reused:
                 self._leased[stream.uid] = stream
-                return stream
-            self._counters["misses"] += 1
-        stream = self._create(key)
-        with self._lock:
-            self._leased[stream.uid] = stream
-        return stream
+        streams = reused
+        try:
+            while len(streams) < count:
+                stream = self._create(key)
+                with self._lock:
+                    self._leased[stream.uid] = stream
+                streams.append(stream)
+        except BaseException:
+            self.release_many(streams)
+            raise
+        return streams
 
     def release(self, stream: Stream) -> None:
         """Resets ``stream`` and pools it; a stream that fails its reset is replaced.
@@ -150,20 +174,40 @@ class StreamPool:
         Raises:
             ValueError: ``stream`` is not leased from this pool (e.g. released twice).
         """
+        self.release_many([stream])
+
+    def release_many(self, streams: list[Stream]) -> None:
+        """Resets and pools each of ``streams``; each one that fails its reset is replaced.
+
+        Raises:
+            ValueError: a stream is not leased from this pool (e.g. released twice); the
+                others are still released.
+        """
+        foreign = []
         with self._lock:
-            if self._leased.pop(stream.uid, None) is None:
-                raise ValueError(f"{stream!r} is not leased from this pool (released twice?)")
-        try:
-            self._reset(stream)
-        except Exception as exc:
-            self._replace_failed(stream, exc)
-            return
+            mine = []
+            for stream in streams:
+                if self._leased.pop(stream.uid, None) is None:
+                    foreign.append(stream)
+                else:
+                    mine.append(stream)
+        clean = []
+        for stream in mine:
+            try:
+                self._reset(stream)
+            except Exception as exc:
+                self._replace_failed(stream, exc)
+            else:
+                clean.append(stream)
+        surplus = []
         with self._lock:
-            idle = self._idle[stream.key]
-            if len(idle) < self._max_pooled:
-                idle.append(stream)
-                return
-        self._destroy(stream)
+            for stream in clean:
+                idle = self._idle[stream.key]
+                (idle if len(idle) < self._max_pooled else surplus).append(stream)
+        for stream in surplus:
+            self._destroy(stream)
+        if foreign:
+            raise ValueError(f"{foreign[0]!r} is not leased from this pool (released twice?)")
 
     def create_unpooled(self, key: StreamKey) -> Stream:
         """A fresh stream that never enters the pool (the 'pooling off' baseline)."""
@@ -202,7 +246,7 @@ class StreamPool:
 
     def _destroy(self, stream: Stream) -> None:
         try:
-            self._factory.destroy(stream.handle)
+            self._factory.destroy(stream._handle)
         except Exception:
             log.exception("stream pool: destroying %r failed", stream)
         with self._lock:

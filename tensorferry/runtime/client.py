@@ -199,32 +199,31 @@ class Client:
             priority=self.config.priority,
             non_blocking=self.config.non_blocking,
         )
-        take = self._pool.acquire if self.config.pool_streams else self._pool.create_unpooled
-        roles: dict[str, list[Stream]] = {role: [] for role in STREAM_ROLES}
-        roles["device_to_device"] = []
-        # Put each stream in the map as soon as it exists so a failure half-way gives back
-        # exactly what was taken.
-        self._streams[device] = roles
-        for role in STREAM_ROLES:
-            roles[role].append(take(key))
-        for _ in range(self.config.streams_per_device - len(STREAM_ROLES)):
-            roles["device_to_device"].append(take(key))
+        count = self.config.streams_per_device
+        if self.config.pool_streams:
+            streams = self._pool.acquire_many(key, count)
+        else:
+            streams = []
+            try:
+                streams.extend(self._pool.create_unpooled(key) for _ in range(count))
+            except BaseException:
+                for stream in streams:
+                    self._pool.destroy_unpooled(stream)
+                raise
+        roles = {role: [streams[i]] for i, role in enumerate(STREAM_ROLES)}
+        roles["device_to_device"] = streams[len(STREAM_ROLES) :]
         return roles
 
     def _give_back(self) -> None:
         streams = [s for roles in self._streams.values() for ss in roles.values() for s in ss]
         self._streams.clear()
-        if self._pool is None:
+        if self._pool is None or not streams:
             return
-        give = self._pool.release if self.config.pool_streams else self._pool.destroy_unpooled
-        errors = []
+        if self.config.pool_streams:
+            self._pool.release_many(streams)
+            return
         for stream in streams:
-            try:
-                give(stream)
-            except Exception as exc:  # keep giving back the rest
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+            self._pool.destroy_unpooled(stream)
 
     def _own_device(self, device: Any) -> torch.device:
         try:

@@ -13,8 +13,14 @@ from tensorferry.runtime._cuda_streams import CudaStreamFactory
 
 pytestmark = pytest.mark.gpu
 
-# ~50 ms of GPU time at ~2 GHz: long enough that a release without a real wait would see it busy.
-_SLEEP_CYCLES = 100_000_000
+
+def _keep_busy(stream) -> None:
+    """Queues tens of milliseconds of matrix products on ``stream``: a release must wait."""
+    with torch.cuda.stream(stream):
+        a = torch.randn(2048, 2048, device=stream.device)
+        for _ in range(150):
+            a = a @ a
+            a = a / a.norm()
 
 
 @pytest.fixture
@@ -52,8 +58,9 @@ def test_priority_gives_a_different_stream(pool):
     high = tf.Client([0], config=tf.ClientConfig(priority="high"), pool=pool)
     streams = _all_streams(high)
     assert {s.handle for s in streams}.isdisjoint(normal_handles)
-    _least, greatest = torch.cuda.Stream.priority_range()
-    assert streams[0].torch.priority == greatest
+    normal_priority = tf.Client([0], pool=pool)
+    assert streams[0].torch.priority < normal_priority.stream(0).priority, "lower is higher"
+    normal_priority.close()
     high.close()
 
 
@@ -61,12 +68,13 @@ def test_work_finishes_before_the_next_client_gets_the_stream(pool):
     first = tf.Client([0], pool=pool)
     stream = first.raw_stream(0, "compute")
     x = torch.randn(1 << 20, device="cuda:0")
+    torch.cuda.synchronize()
     with torch.cuda.stream(stream.torch):
-        torch.cuda._sleep(_SLEEP_CYCLES)
+        _keep_busy(stream.torch)
         y = x * 2
         done = torch.cuda.Event()
         done.record()
-    assert not done.query(), "the sleep kernel should still be running"
+    assert not done.query(), "the busy loop should still be running"
     first.close()
     second = tf.Client([0], pool=pool)
     assert stream.handle in {s.handle for s in _all_streams(second)}
@@ -79,12 +87,12 @@ def test_stream_busy_past_the_reset_timeout_is_replaced():
     completions = CompletionPool(threads=1)
     pool = StreamPool(CudaStreamFactory(), completions=completions, reset_timeout_s=0.001)
     stream = pool.acquire(StreamKey(device=0))
-    with torch.cuda.stream(stream.torch):
-        torch.cuda._sleep(_SLEEP_CYCLES)
+    _keep_busy(stream.torch)
     pool.release(stream)
     stats = pool.stats()
     assert (stats["reset_failures"], stats["recreated"]) == (1, 1)
-    assert pool.acquire(StreamKey(device=0)).handle != stream.handle
+    # The driver may hand the destroyed stream's address to the fresh one: compare leases.
+    assert pool.acquire(StreamKey(device=0)).uid != stream.uid
     torch.cuda.synchronize()
     pool.clear()
     completions.shutdown(wait=False)
@@ -96,7 +104,7 @@ def test_callback_on_event_finishes_before_handover(pool):
     completions = pool._completions
     finished = threading.Event()
     with torch.cuda.stream(stream.torch):
-        torch.cuda._sleep(_SLEEP_CYCLES)
+        _keep_busy(stream.torch)
         event = torch.cuda.Event()
         event.record()
     future = completions.after_event(event, owner=stream.uid, then=lambda: "device work done")

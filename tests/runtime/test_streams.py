@@ -108,6 +108,18 @@ def test_stream_that_stays_busy_is_destroyed_and_recreated(pool, factory):
     assert fresh.handle in factory.alive
 
 
+def test_stream_never_handed_out_skips_the_idle_query(pool, factory):
+    stream = pool.acquire(StreamKey(device=0))
+    factory.broken.add(stream._handle)  # a query would fail; an unused stream is never queried
+    pool.release(stream)
+    assert pool.stats()["reset_failures"] == 0
+    again = pool.acquire(StreamKey(device=0))
+    assert again is stream
+    _ = again.torch  # handed out now: the next release must query it
+    pool.release(again)
+    assert pool.stats()["reset_failures"] == 1
+
+
 def test_stream_whose_query_fails_is_destroyed_and_recreated(pool, factory):
     stream = pool.acquire(StreamKey(device=0))
     factory.broken.add(stream.handle)
