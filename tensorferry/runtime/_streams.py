@@ -255,16 +255,18 @@ class StreamPool:
     def _reset(self, stream: Stream) -> None:
         """Raises :class:`StreamResetError` unless ``stream`` is idle and owns no completions."""
         deadline = time.monotonic() + self._reset_timeout_s
-        delay = 10e-6
-        while not self._factory.is_idle(stream.handle):
-            if time.monotonic() >= deadline:
-                raise StreamResetError(f"{stream!r} still busy after {self._reset_timeout_s} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        if self._completions is not None:
+        if stream._touched:  # a stream never handed out cannot have work queued
+            delay = 10e-6
+            while not self._factory.is_idle(stream._handle):
+                if time.monotonic() >= deadline:
+                    raise StreamResetError(f"{stream!r} still busy after {self._reset_timeout_s} s")
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+        if self._completions is not None and self._completions.pending(stream.uid):
             left = max(0.0, deadline - time.monotonic())
             if not self._completions.drain(stream.uid, left):
                 raise StreamResetError(f"{stream!r} has completion callbacks still running")
+        stream._touched = False
 
     def _replace_failed(self, stream: Stream, exc: Exception) -> None:
         log.warning("stream pool: %r failed its reset (%s); destroying it", stream, exc)
