@@ -14,13 +14,52 @@ import re
 import shutil
 import subprocess
 
-__all__ = ["add_arguments", "run", "transport_report", "link_matrix"]
+__all__ = ["add_arguments", "run", "transport_report", "link_matrix", "node_layout"]
 
 _MULTICAST_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument(
+        "--layout-timeout",
+        type=float,
+        default=60.0,
+        help="under torchrun: seconds to wait for every rank when gathering the node layout",
+    )
+
+
+def node_layout(timeout_s: float) -> dict | None:
+    """Under torchrun: every rank's host, node rank and local rank, gathered over gloo.
+
+    Returns ``None`` outside torchrun. Every rank must run ``tensorferry doctor``.
+    """
+    if not all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    me = {
+        "host": platform.node(),
+        "rank": int(os.environ["RANK"]),
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+    }
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, me)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    nodes: dict[int, dict] = {}
+    for entry in sorted(everyone, key=lambda e: e["rank"]):
+        node = nodes.setdefault(entry["node_rank"], {"host": entry["host"], "ranks": []})
+        node["ranks"].append(entry["rank"])
+    return {"world_size": len(everyone), "nodes": nodes, "me": me}
 
 
 def _version(module: str) -> str | None:
@@ -138,6 +177,7 @@ def _collect() -> dict:
 
 def run(args: argparse.Namespace) -> int:
     info = _collect()
+    info["layout"] = node_layout(args.layout_timeout)
     if args.json:
         import json
 
@@ -161,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
     print("transports")
     for name, reason in info["transports"].items():
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
+    layout = info["layout"]
+    if layout is not None:
+        print(f"torchrun layout: {layout['world_size']} ranks on {len(layout['nodes'])} node(s)")
+        for node_rank, node in sorted(layout["nodes"].items()):
+            print(f"  node {node_rank}  {node['host']}  ranks {node['ranks']}")
     unset = [k for k, v in info["env"].items() if v is None]
     if info["devices"] and unset:
         print(

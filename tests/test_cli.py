@@ -1,0 +1,81 @@
+"""The command line: doctor, bench lifecycle, and doctor's node layout under a 2-node torchrun."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tensorferry.cli.main import main
+
+
+def test_doctor_reports_transports(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out
+    assert "gloo    usable" in out
+
+
+def test_doctor_json_explains_unusable_transports(capsys):
+    assert main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["transports"]["gloo"] is None
+    unusable = {k: v for k, v in info["transports"].items() if v is not None}
+    assert all(isinstance(reason, str) and reason for reason in unusable.values())
+    if not info["devices"]:
+        assert info["transports"]["nccl"] == "no CUDA device"
+
+
+def test_bench_lifecycle_writes_results(tmp_path, capsys):
+    assert main(["bench", "lifecycle", "--cycles", "20", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "unpooled" in out
+    csv_text = (tmp_path / "lifecycle.csv").read_text()
+    assert csv_text.splitlines()[0].startswith("mode,cycles,create_us")
+    assert len(csv_text.splitlines()) == 4
+    md = (tmp_path / "lifecycle.md").read_text()
+    assert "command:" in md and "| mode |" in md
+
+
+def test_unknown_command_is_a_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        main(["teleport"])
+    assert exc.value.code == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_doctor_gathers_node_layout_under_two_node_torchrun():
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                "--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1",
+                f"--master-port={port}", "-m", "tensorferry.cli.main", "doctor",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    outputs = []
+    for node in nodes:
+        try:
+            outputs.append(node.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for n in nodes:
+                n.kill()
+            pytest.fail("torchrun doctor hung")
+        assert node.returncode == 0, outputs[-1][-2000:]
+    for out in outputs:
+        assert "torchrun layout: 2 ranks on 2 node(s)" in out
+        assert "node 0" in out and "node 1" in out
