@@ -1,0 +1,373 @@
+"""Copy-engine transport: ``cudaMemcpyAsync`` into the peer's symmetric staging, zero SMs.
+
+Protocol
+========
+Each rank owns a symmetric ``uint8`` staging buffer ``[src rank][slot]`` of ``slot_bytes`` and
+a symmetric ``int32`` flag area. A message is cut into chunks (at most a slot each) that take
+slots in turn. Flags are set to 1 by one side and reset to 0 by the other after waiting, so
+each message leaves them as it found them and a captured CUDA graph replays correctly.
+
+Sender S, on its own send stream::
+
+    write R.SENT(S) = codes(nbytes, dtype)               (remote, for R's agreement wait)
+    wait  S.POST(R) == codes; reset                       (R posted the same message)
+    per chunk i, slot = i % num_slots:
+        wait S.FREE(R, slot) >= 1; reset                 (R copied the slot out)
+        memcpy chunk ──► R.stage[S][slot]                 (copy engine, over NVLink)
+        write R.READY(S, slot) = 1                        (remote; fenced after the memcpy)
+
+Receiver R, on its own recv stream::
+
+    write S.POST(R) = codes; wait R.SENT(S) == codes; reset
+    per chunk i: wait R.READY(S, slot) >= 1; reset; memcpy stage slot ──► out;
+                 write S.FREE(R, slot) = 1
+
+A size or dtype mismatch leaves both streams waiting on the agreement words; the host-side
+``wait(timeout)`` then reads the words the peer posted and raises
+:class:`~tensorferry.MismatchError`. Such a channel is broken (its streams stay blocked) and
+must be closed with ``force=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
+from tensorferry.p2p.copy_engine import _streamops
+from tensorferry.p2p.nvlink._layout import dtype_code
+from tensorferry.p2p.nvlink._symm import group_name_of
+from tensorferry.p2p.nvlink.sendrecv_op import validate_message
+
+__all__ = ["CopyEngineChannel", "CeTransfer", "CeLayout", "plan_chunks", "agreement_codes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CeLayout:
+    """Word offsets of the ``int32`` flag area."""
+
+    world_size: int
+    num_slots: int
+
+    def ready(self, src: int, slot: int) -> int:
+        return src * self.num_slots + slot
+
+    def free(self, dst: int, slot: int) -> int:
+        return (self.world_size + dst) * self.num_slots + slot
+
+    def post(self, dst: int) -> int:
+        return 2 * self.world_size * self.num_slots + 2 * dst
+
+    def sent(self, src: int) -> int:
+        return 2 * self.world_size * self.num_slots + 2 * self.world_size + 2 * src
+
+    @property
+    def num_words(self) -> int:
+        return 2 * self.world_size * self.num_slots + 4 * self.world_size
+
+
+def agreement_codes(nbytes: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Two non-zero 31-bit words both sides must post equal: one for the size, one for dtype."""
+    return nbytes % 2147483629 + 1, dtype_code(dtype) + 1
+
+
+def plan_chunks(nbytes: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each chunk: about a quarter of the message (so copies in and
+    out of staging overlap), at least 1 MiB, at most a slot.
+
+    Example: 100 MiB with 32 MiB slots → four chunks of 25 MiB.
+    """
+    if nbytes <= 0:
+        return []
+    chunk = max(1 << 20, -(-math.ceil(nbytes / 4) // 4096) * 4096)
+    chunk = min(chunk, slot_bytes)
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+class CeTransfer:
+    """Handle of queued copy-engine work.
+
+    Attributes:
+        event: recorded after the last op of this transfer (on the caller's stream too).
+    """
+
+    def __init__(self, channel: CopyEngineChannel, events: list[Any], checks: list[tuple]) -> None:
+        self._channel = channel
+        self._events = events
+        self._checks = checks
+        self.event = events[-1] if events else None
+
+    def ready(self) -> bool:
+        """True once the copies finished. Never blocks."""
+        return all(e.query() for e in self._events)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until done (polling; never past ``timeout`` seconds, default the channel's).
+
+        Raises:
+            MismatchError: the peer posted a different size (``field="nbytes"``) or dtype.
+            TransferTimeoutError: the peer did not take part within the timeout.
+        """
+        deadline = time.monotonic() + (self._channel.timeout_s if timeout is None else timeout)
+        delay = 1e-5
+        while not self.ready():
+            if time.monotonic() > deadline:
+                self._channel._diagnose(self._checks)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+class CopyEngineChannel:
+    """One rank's end of the copy-engine transport for a process group.
+
+    Collective to construct (symmetric buffers). Work runs on two exclusive streams leased from
+    the tensorferry runtime; the caller's stream is ordered before and after with events.
+
+    Args:
+        group: process group (default: the world).
+        device: this rank's CUDA device (default: the current one).
+        slot_bytes: bytes per staging slot (largest chunk).
+        num_slots: staging slots per source rank.
+        timeout_s: default bound of :meth:`CeTransfer.wait`.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        device: Any = None,
+        slot_bytes: int = 32 << 20,
+        num_slots: int = 2,
+        timeout_s: float = 60.0,
+    ) -> None:
+        import torch.distributed as dist
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from tensorferry.runtime import Client
+
+        if not _streamops.available():
+            raise TransportError("the copy-engine transport needs cuda-python (cuda.bindings)")
+        if not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % 4096:
+            raise ValueError(f"slot_bytes must be a positive multiple of 4096, got {slot_bytes}")
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.device = torch.device(
+            device if device is not None else ("cuda", torch.cuda.current_device())
+        )
+        self.group_name = group_name_of(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self.layout = CeLayout(self.world_size, num_slots)
+        self._client = Client(devices=[self.device])
+        self._send_stream = self._client.stream(self.device, "send")
+        self._recv_stream = self._client.stream(self.device, "recv")
+        with torch.cuda.device(self.device):
+            self._flags = symm_mem.empty(
+                self.layout.num_words, dtype=torch.int32, device=self.device
+            )
+            self._flags.zero_()
+            for dst in range(self.world_size):
+                for slot in range(num_slots):
+                    self._flags[self.layout.free(dst, slot)] = 1
+            self._stage = symm_mem.empty(
+                self.world_size * num_slots * slot_bytes, dtype=torch.uint8, device=self.device
+            )
+            flag_handle = symm_mem.rendezvous(self._flags, self.group_name)
+            stage_handle = symm_mem.rendezvous(self._stage, self.group_name)
+            self._handles = (flag_handle, stage_handle)
+            self._flag_ptr = list(flag_handle.buffer_ptrs)
+            self._peer_stage = [
+                stage_handle.get_buffer(r, (self._stage.numel(),), torch.uint8)
+                for r in range(self.world_size)
+            ]
+            torch.cuda.synchronize(self.device)
+        self._diag_stream = torch.cuda.Stream(self.device)
+        self._broken: str | None = None
+        self._closed = False
+        dist.barrier(group=group)
+        log.info(
+            "copy-engine channel rank %d/%d on %s: %d x %d B slots",
+            self.rank,
+            self.world_size,
+            self.device,
+            num_slots,
+            slot_bytes,
+        )
+
+    # ------------------------------------------------------------------ transfers
+    def send(self, tensor: torch.Tensor, peer: int, **options: Any) -> CeTransfer:
+        """One-way send; see :meth:`sendrecv`."""
+        return self.sendrecv(tensor, peer, None, None, **options)
+
+    def recv(self, tensor: torch.Tensor, peer: int, **options: Any) -> CeTransfer:
+        """One-way receive; see :meth:`sendrecv`."""
+        return self.sendrecv(None, None, tensor, peer, **options)
+
+    def sendrecv(
+        self,
+        send: torch.Tensor | None,
+        send_peer: int | None,
+        recv: torch.Tensor | None,
+        recv_peer: int | None,
+        *,
+        stream: Any = None,
+    ) -> CeTransfer:
+        """Queues a send and/or a receive on the channel's copy streams and returns at once.
+
+        ``stream`` (default: the current stream) is ordered both ways: the copies start after
+        work queued on it so far, and work queued on it later waits for the copies.
+
+        Args:
+            send: contiguous tensor on this device, or ``None``. Byte count and dtype must equal
+                the receiver's ``recv``.
+            send_peer: group rank to send to.
+            recv: contiguous tensor to fill, or ``None``.
+            recv_peer: group rank to receive from.
+            stream: the caller's stream.
+
+        Returns:
+            A :class:`CeTransfer`.
+
+        Raises:
+            TypeError / ValueError: bad tensors or peers (nothing queued).
+            TransportError: closed or broken channel.
+        """
+        if self._closed:
+            raise TransportError("the copy-engine channel is closed")
+        if self._broken:
+            raise TransportError(f"the copy-engine channel is broken ({self._broken})")
+        if send is None and recv is None:
+            raise ValueError("sendrecv needs a tensor to send, to receive, or both")
+        if (send is None) != (send_peer is None) or (recv is None) != (recv_peer is None):
+            raise ValueError("a tensor and its peer go together")
+        for tensor, peer, what in ((send, send_peer, "send"), (recv, recv_peer, "recv")):
+            if tensor is None:
+                continue
+            validate_message(tensor, what=f"{what} tensor", device=self.device)
+            if not isinstance(peer, int) or isinstance(peer, bool):
+                raise TypeError(f"{what}_peer must be an int, got {type(peer).__name__}")
+            if not 0 <= peer < self.world_size or peer == self.rank:
+                raise ValueError(f"{what}_peer={peer} is out of range or this rank")
+        caller = torch.cuda.current_stream(self.device) if stream is None else stream
+        start = torch.cuda.Event()
+        start.record(caller)
+        events, checks = [], []
+        if recv is not None and recv.numel() > 0:
+            events.append(self._issue_recv(recv, recv_peer, start))
+            checks.append(("recv", recv_peer, agreement_codes(recv.nbytes, recv.dtype)))
+        if send is not None and send.numel() > 0:
+            events.append(self._issue_send(send, send_peer, start))
+            checks.append(("send", send_peer, agreement_codes(send.nbytes, send.dtype)))
+        for event in events:
+            caller.wait_event(event)
+        return CeTransfer(self, events, checks)
+
+    def _issue_send(self, tensor: torch.Tensor, peer: int, start: Any) -> Any:
+        s, lay = self._send_stream, self.layout
+        flag = self._flags.data_ptr()
+        peer_flag = self._flag_ptr[peer]
+        nbytes_code, dtype_word = agreement_codes(tensor.nbytes, tensor.dtype)
+        src = tensor.reshape(-1).view(torch.uint8)
+        s.wait_event(start)
+        _streamops.write_value32(s, peer_flag + 4 * lay.sent(self.rank), nbytes_code)
+        _streamops.write_value32(s, peer_flag + 4 * (lay.sent(self.rank) + 1), dtype_word)
+        for word, value in ((lay.post(peer), nbytes_code), (lay.post(peer) + 1, dtype_word)):
+            _streamops.wait_value32(s, flag + 4 * word, value, _streamops.WAIT_EQ)
+            _streamops.write_value32(s, flag + 4 * word, 0)
+        stage = self._peer_stage[peer]
+        with torch.cuda.stream(s):
+            for i, (off, length) in enumerate(plan_chunks(tensor.nbytes, self.slot_bytes)):
+                slot = i % lay.num_slots
+                free = flag + 4 * lay.free(peer, slot)
+                _streamops.wait_value32(s, free, 1, _streamops.WAIT_GEQ)
+                _streamops.write_value32(s, free, 0)
+                base = (self.rank * lay.num_slots + slot) * self.slot_bytes
+                stage[base : base + length].copy_(src[off : off + length], non_blocking=True)
+                _streamops.write_value32(s, peer_flag + 4 * lay.ready(self.rank, slot), 1)
+        tensor.record_stream(s)
+        done = torch.cuda.Event()
+        done.record(s)
+        return done
+
+    def _issue_recv(self, tensor: torch.Tensor, peer: int, start: Any) -> Any:
+        s, lay = self._recv_stream, self.layout
+        flag = self._flags.data_ptr()
+        peer_flag = self._flag_ptr[peer]
+        nbytes_code, dtype_word = agreement_codes(tensor.nbytes, tensor.dtype)
+        dst = tensor.reshape(-1).view(torch.uint8)
+        s.wait_event(start)
+        _streamops.write_value32(s, peer_flag + 4 * lay.post(self.rank), nbytes_code)
+        _streamops.write_value32(s, peer_flag + 4 * (lay.post(self.rank) + 1), dtype_word)
+        for word, value in ((lay.sent(peer), nbytes_code), (lay.sent(peer) + 1, dtype_word)):
+            _streamops.wait_value32(s, flag + 4 * word, value, _streamops.WAIT_EQ)
+            _streamops.write_value32(s, flag + 4 * word, 0)
+        with torch.cuda.stream(s):
+            for i, (off, length) in enumerate(plan_chunks(tensor.nbytes, self.slot_bytes)):
+                slot = i % lay.num_slots
+                ready = flag + 4 * lay.ready(peer, slot)
+                _streamops.wait_value32(s, ready, 1, _streamops.WAIT_GEQ)
+                _streamops.write_value32(s, ready, 0)
+                base = (peer * lay.num_slots + slot) * self.slot_bytes
+                dst[off : off + length].copy_(self._stage[base : base + length], non_blocking=True)
+                _streamops.write_value32(s, peer_flag + 4 * lay.free(self.rank, slot), 1)
+        tensor.record_stream(s)
+        done = torch.cuda.Event()
+        done.record(s)
+        return done
+
+    # ------------------------------------------------------------------ failures
+    def _diagnose(self, checks: list[tuple]) -> None:
+        """Called when a wait timed out: mismatch if the peer posted different codes."""
+        lay = self.layout
+        with torch.cuda.stream(self._diag_stream):
+            words = self._flags.to("cpu", non_blocking=True)
+        self._diag_stream.synchronize()
+        for role, peer, (nbytes_code, dtype_word) in checks:
+            base = lay.post(peer) if role == "send" else lay.sent(peer)
+            got_n, got_d = int(words[base]), int(words[base + 1])
+            if got_n and got_n != nbytes_code:
+                self._broken = "nbytes mismatch"
+                raise MismatchError(
+                    f"rank {self.rank}: {role} to/from rank {peer}: the peer's message has a "
+                    "different size",
+                    field="nbytes",
+                )
+            if got_d and got_d != dtype_word:
+                self._broken = "dtype mismatch"
+                raise MismatchError(
+                    f"rank {self.rank}: {role} to/from rank {peer}: the peer's dtype differs",
+                    field="dtype",
+                )
+        self._broken = "timeout"
+        raise TransferTimeoutError(
+            f"rank {self.rank}: copy-engine transfer did not finish in time (peer absent?)"
+        )
+
+    @property
+    def broken(self) -> str | None:
+        return self._broken
+
+    def close(self, *, force: bool = False) -> None:
+        """Releases buffers and streams. A broken channel's streams may be blocked forever:
+        pass ``force=True`` to drop them without waiting (they are not reused)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not force or self._broken is None:
+            self._send_stream.synchronize()
+            self._recv_stream.synchronize()
+            self._client.close()
+        # else: leak the blocked streams' lease rather than hang in a reset.
+        self._peer_stage = []
+        self._handles = ()

@@ -1,0 +1,165 @@
+"""Symmetric allocations: ``empty()`` receive buffers that peers can write straight into.
+
+``empty`` is collective over its group: every rank calls it with the same shape and dtype, in
+the same order, so the k-th allocation has the same registration id ``k`` everywhere. A receiver
+whose tensor lies in a live registration posts ``(id, byte offset)`` to its sender, which then
+stores into the peer's copy of that registration instead of into the staging buffer.
+
+Thread-safe: one lock guards the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["empty", "Registration", "lookup", "registrations", "registry_version", "group_name_of"]
+
+log = logging.getLogger(__name__)
+
+MAX_REGISTRATIONS = 4096
+"""Capacity of the per-group id space (the device tables are sized for it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One symmetric allocation of a group."""
+
+    reg_id: int
+    base: int
+    """Our tensor's address (the start of our copy)."""
+    nbytes: int
+    peer_bases: tuple[int, ...]
+    """Address of every rank's copy, in our address space (index = group rank)."""
+    tensor_ref: Any
+    """Weak reference to the allocation; a dead one is never posted."""
+    handle: Any
+    """The ``_SymmetricMemory`` handle; holding it keeps the peer mappings alive."""
+
+    def alive(self) -> bool:
+        return self.tensor_ref() is not None
+
+
+_lock = threading.Lock()
+_registry: dict[str, list[Registration]] = {}
+_version = 0
+
+
+def group_name_of(group: Any) -> str:
+    """The c10d group name of ``group`` (``None``: the default group)."""
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialised (call init_process_group first)")
+    return group.group_name
+
+
+def empty(
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    group: Any = None,
+) -> torch.Tensor:
+    """Allocates a tensor in symmetric memory, mapped into every rank of ``group``.
+
+    Collective: every rank of ``group`` calls it with the same ``size`` and ``dtype``, in the
+    same order relative to its other ``empty`` calls. Received into over the ``nvlink``
+    transport, such a tensor is written by the sender directly (zero-copy: no staging copy).
+
+    Args:
+        size: the shape, as integers or one sequence. Must match across ranks.
+        dtype: element type (default: torch's default dtype). Must match across ranks.
+        device: the CUDA device (default: the current one).
+        group: the process group (default: the world).
+
+    Returns:
+        An uninitialised contiguous tensor of ``size`` and ``dtype`` on ``device``.
+
+    Raises:
+        ValueError: a negative dimension, or a non-CUDA device.
+        RuntimeError: torch.distributed is not initialised.
+    """
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if len(size) == 1 and isinstance(size[0], Sequence):
+        size = tuple(size[0])
+    shape = tuple(int(s) for s in size)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"size must not be negative, got {shape}")
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    dev = torch.device(dev)
+    if dev.type != "cuda":
+        raise ValueError(f"empty() allocates CUDA symmetric memory, got device {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    name = group_name_of(group)
+    stride = torch._prims_common.make_contiguous_strides_for(shape)
+    # A dedicated allocation (not the implicit pool): its base is its own, so offsets and peer
+    # addresses are exact.
+    tensor = symm_mem._SymmetricMemory.empty_strided_p2p(shape, stride, dtype, dev)
+    handle = symm_mem.rendezvous(tensor, name)
+    rank = handle.rank
+    offset = tensor.data_ptr() - handle.buffer_ptrs[rank]
+    peer_bases = tuple(p + offset for p in handle.buffer_ptrs)
+    global _version
+    with _lock:
+        regs = _registry.setdefault(name, [])
+        if len(regs) >= MAX_REGISTRATIONS:
+            raise RuntimeError(
+                f"more than {MAX_REGISTRATIONS} symmetric allocations in group {name!r}"
+            )
+        reg = Registration(
+            reg_id=len(regs),
+            base=tensor.data_ptr(),
+            nbytes=tensor.numel() * tensor.element_size(),
+            peer_bases=peer_bases,
+            tensor_ref=weakref.ref(tensor),
+            handle=handle,
+        )
+        regs.append(reg)
+        _version += 1
+    log.info(
+        "symmetric allocation %d in %s: %s %s (%d bytes)",
+        reg.reg_id,
+        name,
+        shape,
+        dtype,
+        reg.nbytes,
+    )
+    return tensor
+
+
+def lookup(group_name: str, tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``(registration id, byte offset)`` of ``tensor`` if it lies wholly inside a live
+    registration of ``group_name`` and starts 16-byte aligned, else ``None``."""
+    ptr = tensor.data_ptr()
+    end = ptr + tensor.numel() * tensor.element_size()
+    if ptr % 16:
+        return None
+    with _lock:
+        regs = _registry.get(group_name, ())
+        # Newest first: an address freed and reused belongs to the newer allocation.
+        for reg in reversed(regs):
+            if reg.base <= ptr and end <= reg.base + reg.nbytes and reg.alive():
+                return reg.reg_id, ptr - reg.base
+    return None
+
+
+def registrations(group_name: str) -> list[Registration]:
+    """A snapshot of ``group_name``'s registrations, in id order."""
+    with _lock:
+        return list(_registry.get(group_name, ()))
+
+
+def registry_version() -> int:
+    """Grows by one with every registration, in any group (channels refresh their tables)."""
+    return _version
