@@ -19,14 +19,13 @@ step() {  # step NAME TIMEOUT COMMAND...
   grep -E "FAIL|VERDICT|Error|error" "$OUT/$name.log" | head -n 40
   tail -n 15 "$OUT/$name.log"
 }
-torchrun2() { python3 -m torch.distributed.run --standalone --nproc-per-node 2 "$@"; }
 for part in $parts; do
   case $part in
     probe)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
       python3 -c "from cuda.bindings import driver; print('cuda.bindings ok')" || echo "no cuda.bindings" ;;
-    tests) step nvlink-worker 300 torchrun2 tests/nvlink/_worker.py nvlink mismatch ce ;;
+    tests) step nvlink-worker 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/nvlink/_worker.py nvlink mismatch ce ;;
     pytest) step nvlink-pytest 300 python3 -m pytest -q -p no:cacheprovider tests/nvlink ;;
     bench) step sendrecv-bench 330 python3 -m tensorferry.cli.main bench sendrecv \
              --out "$OUT/bench" --tune --overlap ${BENCH_ARGS:-} ;;

@@ -160,9 +160,11 @@ class CopyEngineChannel:
             raise ValueError(f"num_slots must be a positive int, got {num_slots}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.device = torch.device(
-            device if device is not None else ("cuda", torch.cuda.current_device())
-        )
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"device must be an indexed CUDA device, got {self.device}")
         self.group_name = group_name_of(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -295,7 +297,8 @@ class CopyEngineChannel:
                 base = (self.rank * lay.num_slots + slot) * self.slot_bytes
                 stage[base : base + length].copy_(src[off : off + length], non_blocking=True)
                 _streamops.write_value32(s, peer_flag + 4 * lay.ready(self.rank, slot), 1)
-        tensor.record_stream(s)
+        if not torch.cuda.is_current_stream_capturing():
+            tensor.record_stream(s)
         done = torch.cuda.Event()
         done.record(s)
         return done
@@ -321,7 +324,8 @@ class CopyEngineChannel:
                 base = (peer * lay.num_slots + slot) * self.slot_bytes
                 dst[off : off + length].copy_(self._stage[base : base + length], non_blocking=True)
                 _streamops.write_value32(s, peer_flag + 4 * lay.free(self.rank, slot), 1)
-        tensor.record_stream(s)
+        if not torch.cuda.is_current_stream_capturing():
+            tensor.record_stream(s)
         done = torch.cuda.Event()
         done.record(s)
         return done
