@@ -1,0 +1,260 @@
+"""Actors: ``tf.actor(cls)`` makes an actor class; ``.spawn(device=...)`` starts one process.
+
+Each actor is one process (``multiprocessing`` spawn context, so CUDA works in it) pinned to its
+device. The driver talks to it over a pipe for the slow, rare things — construct, direct calls,
+start and stop a graph — and over shared-memory channels for every execution of a graph.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import multiprocessing
+import threading
+import time
+import weakref
+from typing import Any
+
+from tensorferry.errors import ActorDiedError, ActorError
+from tensorferry.graph._dag import ClassMethodNode
+
+__all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
+
+_names = itertools.count()
+_live: weakref.WeakSet[ActorHandle] = weakref.WeakSet()
+
+
+def normalise_device(device: Any) -> str:
+    """``"cpu"`` or ``"cuda:N"`` from an int, a string or a ``torch.device``.
+
+    Raises:
+        ValueError: not a CPU or CUDA device, or a CUDA index this machine does not have.
+        TypeError: not a device at all.
+    """
+    import torch
+
+    if isinstance(device, bool):
+        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    elif isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}") from None
+    elif not isinstance(device, torch.device):
+        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"actors run on 'cpu' or 'cuda:N', got {device}")
+    index = 0 if device.index is None else device.index
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not 0 <= index < count:
+        raise ValueError(f"cuda:{index} does not exist here ({count} CUDA device(s) visible)")
+    return f"cuda:{index}"
+
+
+def actor(cls: type) -> ActorClass:
+    """Makes ``cls`` an actor class; usable as a decorator or as ``tf.actor(Worker)``.
+
+    The class must be defined at the top level of an importable module: the actor process
+    imports it by name.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"tf.actor takes a class, got {cls!r}")
+    if "<locals>" in cls.__qualname__:
+        raise TypeError(
+            f"{cls.__qualname__} is defined inside a function; actor classes must be defined at "
+            "the top level of a module so the actor process can import them"
+        )
+    return ActorClass(cls)
+
+
+class ActorClass:
+    """An actor class: ``spawn(*args, device=..., **kwargs)`` starts one actor process."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.__name__ = cls.__name__
+        self.__qualname__ = cls.__qualname__
+        self.__module__ = cls.__module__
+        self.__doc__ = cls.__doc__
+
+    def spawn(
+        self,
+        *args: Any,
+        device: Any = "cpu",
+        name: str | None = None,
+        start_timeout: float = 120.0,
+        **kwargs: Any,
+    ) -> ActorHandle:
+        """Starts an actor process and constructs ``cls(*args, **kwargs)`` in it.
+
+        Args:
+            device: ``"cpu"``, a CUDA index or ``"cuda:N"``; the process makes it current.
+            name: the actor's name in schedules and pictures (default ``ClassName-N``).
+            start_timeout: seconds to wait for the process to start and construct.
+
+        Returns:
+            The :class:`ActorHandle`.
+
+        Raises:
+            ActorError: the constructor raised (with the remote traceback).
+            ActorDiedError: the process died or did not start in time.
+        """
+        device = normalise_device(device)
+        handle = ActorHandle(self.cls, device, name or f"{self.cls.__name__}-{next(_names)}")
+        handle._start(args, kwargs, start_timeout)
+        return handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.__name__} is an actor class; start one with .spawn(device=...)")
+
+    def __repr__(self) -> str:
+        return f"tf.actor({self.cls.__module__}.{self.cls.__qualname__})"
+
+
+class ActorMethod:
+    """``handle.method``: bind it into a graph, or call it directly with :meth:`call`."""
+
+    def __init__(self, handle: ActorHandle, name: str) -> None:
+        self._handle = handle
+        self._name = name
+
+    def bind(self, *args: Any, **kwargs: Any) -> ClassMethodNode:
+        """A graph node calling this method with ``args`` (nodes or constants)."""
+        return ClassMethodNode(self._handle, self._name, args, kwargs)
+
+    def call(self, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+        """Calls the method now, outside any graph, and returns its result (pickled).
+
+        Raises:
+            ActorError: the method raised.
+            ActorDiedError: the actor is dead.
+            RuntimeError: a compiled graph is running on this actor.
+        """
+        return self._handle._request(("call", self._name, args, kwargs), timeout)
+
+
+class ActorHandle:
+    """One running actor. Attribute access gives its methods (:class:`ActorMethod`)."""
+
+    def __init__(self, cls: type, device: str, name: str) -> None:
+        self.actor_class = cls
+        self.device = device
+        self.name = name
+        self._process: Any = None
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        self.graph: Any = None
+        """The compiled graph running on this actor, if any."""
+
+    # ------------------------------------------------------------------ methods
+    def __getattr__(self, name: str) -> ActorMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if not callable(getattr(self.actor_class, name, None)):
+            raise AttributeError(f"{self.actor_class.__name__} has no method {name!r}")
+        return ActorMethod(self, name)
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def _start(self, args: tuple, kwargs: dict, timeout: float) -> None:
+        from tensorferry.graph import _worker
+
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        class_ref = (self.actor_class.__module__, self.actor_class.__qualname__)
+        self._process = context.Process(
+            target=_worker.actor_main,
+            args=(child, class_ref, args, kwargs, self.device, self.name),
+            name=f"tensorferry-actor-{self.name}",
+            daemon=True,
+        )
+        self._process.start()
+        child.close()
+        self._conn = parent
+        _live.add(self)
+        try:
+            reply = self._receive(timeout, what="start")
+        except BaseException:
+            self.kill(timeout=1.0)
+            raise
+        if reply[0] == "error":
+            self.kill(timeout=1.0)
+            raise ActorError(f"{self.name}: constructor raised:\n{reply[1]}")
+
+    def _receive(self, timeout: float, *, what: str) -> tuple:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.05):
+            if not self._process.is_alive():
+                raise ActorDiedError(
+                    f"actor {self.name} (pid {self.pid}) died during {what} "
+                    f"(exit code {self._process.exitcode})"
+                )
+            if time.monotonic() > deadline:
+                raise ActorDiedError(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died during {what}") from None
+
+    def _request(self, message: tuple, timeout: float) -> Any:
+        if self.graph is not None:
+            raise RuntimeError(
+                f"actor {self.name} runs a compiled graph; tear it down before calling directly"
+            )
+        with self._lock:
+            self._send(message)
+            reply = self._receive(timeout, what=message[0])
+        if reply[0] == "error":
+            raise ActorError(f"{self.name}.{message[1]} raised:\n{reply[1]}")
+        return reply[1]
+
+    def _send(self, message: tuple) -> None:
+        if not self.is_alive():
+            raise ActorDiedError(f"actor {self.name} is not running")
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+
+    def kill(self, timeout: float = 5.0) -> None:
+        """Ends the actor process: asks it to exit, then terminates, then kills it.
+
+        Returns within about ``timeout`` seconds, with the process gone.
+        """
+        process = self._process
+        if process is None:
+            return
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("exit",))
+            process.join(max(0.0, (deadline - time.monotonic()) * 0.6))
+        if process.is_alive():
+            process.terminate()
+            process.join(max(0.05, (deadline - time.monotonic()) * 0.5))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+        self._conn.close()
+        _live.discard(self)
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive() else "dead"
+        return f"ActorHandle({self.name}, {self.device}, pid={self.pid}, {state})"
+
+
+@atexit.register
+def _kill_all() -> None:
+    for handle in list(_live):
+        handle.kill(timeout=1.0)

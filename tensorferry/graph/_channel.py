@@ -1,0 +1,473 @@
+"""Shared-memory channels: single-producer single-consumer rings between processes.
+
+Layout of one segment (all counters little-endian int64, each on its own cache line)::
+
+    offset 0     write_seq   messages written so far (only the writer stores it)
+    offset 64    read_seq    messages read so far (only the reader stores it)
+    offset 128   slots, slot_size
+    offset 256   slot 0 | slot 1 | ... (message n lives in slot n % slots)
+
+    slot: [kind u32 | aux u32 | payload bytes u64 | dtype u32 | pad | shape int64 x ndim]
+          ... padded to META bytes ... [payload]
+
+A message is published by storing ``write_seq + 1`` after its bytes are in the slot, and
+released by storing ``read_seq + 1`` after the reader copied it out; a single writer and a
+single reader per counter need no lock. The ordering relies on the CPU keeping stores in
+program order (x86-64 does; Python gives no fence to ask for it elsewhere).
+
+A bare CPU tensor travels as raw bytes (no pickling): the hot path is one ``copy_`` in and
+one out. Other values are pickled. A message larger than a slot makes the writer create a larger
+segment and send its name (a RELOCATE message); the reader follows and unlinks the old one.
+
+Waits spin briefly (a few tens of microseconds cover most per-execution latencies), then sleep
+with a growing back-off, checking the graph's :class:`Control` block so a stopped graph or a dead
+actor ends every wait promptly. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import io
+import mmap
+import os
+import pickle
+import struct
+import time
+from typing import Any
+
+import torch
+
+from tensorferry.errors import TransferTimeoutError
+
+__all__ = [
+    "Channel",
+    "Control",
+    "GraphStopped",
+    "PeerDied",
+    "RemoteError",
+    "unlink_prefix",
+]
+
+_HEADER = 256
+_META = 256
+_WRITE, _READ, _GEOMETRY = 0, 64, 128  # byte offsets in the header
+_I64 = struct.Struct("<q")
+_PAIR = struct.Struct("<qq")
+_HEAD = struct.Struct("<qqq")  # kind | aux << 32, payload bytes, dtype code
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(33)]
+# Below this a plain memmove beats torch's copy (which may use several threads above it).
+_MEMMOVE_MAX = 4 << 20
+_KIND_TENSOR, _KIND_PICKLE, _KIND_ERROR, _KIND_RELOCATE = 1, 2, 3, 4
+_FLAG_WAS_CUDA = 1 << 16
+_MAX_NDIM = (_META - 24) // 8
+_SPIN_S = 200e-6
+_SLEEP_MIN_S = 20e-6
+_SLEEP_MAX_S = 1e-3
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class GraphStopped(Exception):
+    """The graph was torn down while this process waited (internal; ends the actor loop)."""
+
+
+class PeerDied(Exception):
+    """An actor of the graph died (internal; the driver turns it into ActorDiedError)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"actor #{index} died")
+        self.index = index
+
+
+class RemoteError:
+    """An exception raised by an actor method, carried to the driver in place of the result."""
+
+    def __init__(self, where: str, message: str, traceback: str) -> None:
+        self.where = where
+        self.message = message
+        self.traceback = traceback
+
+    def __reduce__(self):
+        return (RemoteError, (self.where, self.message, self.traceback))
+
+
+def _map(name: str, *, create: bool, size: int = 0) -> mmap.mmap:
+    """Maps ``/dev/shm/<name>`` (created with ``size`` bytes, or attached at its size).
+
+    Plain files under /dev/shm rather than ``multiprocessing.shared_memory``: that one registers
+    every attach with the resource tracker, which then unlinks segments behind the graph's back.
+    The graph removes its segments itself (:func:`unlink_prefix`).
+    """
+    path = f"/dev/shm/{name}"
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        else:
+            size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _address(buffer: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(buffer)
+    address = ctypes.addressof(view)
+    del view  # an export would keep the map from closing; the address stays valid while open
+    return address
+
+
+def unlink_prefix(prefix: str) -> int:
+    """Removes every segment whose name starts with ``prefix``; returns how many."""
+    removed = 0
+    for path in glob.glob(f"/dev/shm/{prefix}*"):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class Control:
+    """A small shared block of flags every wait of the graph checks.
+
+    Flags: ``stop`` (teardown asked every loop to end), ``dead`` (1 + index of an actor that
+    died, 0 when none).
+    """
+
+    _STOP, _DEAD = 0, 8
+
+    def __init__(self, name: str, *, create: bool) -> None:
+        self.name = name
+        self._map = _map(name, create=create, size=64)
+        self._parent = os.getppid()
+        self._check_parent = False
+
+    def watch_parent(self) -> None:
+        """In an actor: also stop when the driver process is gone."""
+        self._check_parent = True
+
+    def stop(self) -> None:
+        _I64.pack_into(self._map, self._STOP, 1)
+
+    def mark_dead(self, index: int) -> None:
+        if not _I64.unpack_from(self._map, self._DEAD)[0]:
+            _I64.pack_into(self._map, self._DEAD, index + 1)
+
+    @property
+    def stopped(self) -> bool:
+        return bool(_I64.unpack_from(self._map, self._STOP)[0])
+
+    def dead_index(self) -> int | None:
+        dead = _I64.unpack_from(self._map, self._DEAD)[0]
+        return dead - 1 if dead else None
+
+    def check(self) -> None:
+        """Raises :class:`GraphStopped` or :class:`PeerDied` when the graph must end."""
+        stop, dead = _PAIR.unpack_from(self._map, 0)
+        if dead:
+            raise PeerDied(dead - 1)
+        if stop:
+            raise GraphStopped()
+        if self._check_parent and os.getppid() != self._parent:
+            raise GraphStopped()
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class _Segment:
+    __slots__ = ("address", "map", "name", "slot_size", "slots")
+
+    def __init__(self, name: str, *, slots: int = 0, slot_size: int = 0) -> None:
+        create = slots > 0
+        self.name = name
+        self.map = _map(name, create=create, size=_HEADER + slots * slot_size)
+        if create:
+            _PAIR.pack_into(self.map, _GEOMETRY, slots, slot_size)
+        self.slots, self.slot_size = _PAIR.unpack_from(self.map, _GEOMETRY)
+        self.address = _address(self.map)
+
+    def slot(self, seq: int) -> int:
+        return _HEADER + (seq % self.slots) * self.slot_size
+
+    def counter(self, offset: int) -> int:
+        return _I64.unpack_from(self.map, offset)[0]
+
+    def close(self, *, unlink: bool = False) -> None:
+        self.map.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{self.name}")
+
+
+def _align(n: int) -> int:
+    return (n + 63) & ~63
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickles a value but takes its tensors out as raw blobs, laid out after the pickle."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=5)
+        self.tensors: list[torch.Tensor] = []
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is not torch.Tensor or obj.layout is not torch.strided:
+            return None
+        code = _DTYPE_CODE.get(obj.dtype)
+        if code is None or obj.requires_grad:
+            return None
+        index = self._seen.get(id(obj))
+        if index is None:
+            index = self._seen[id(obj)] = len(self.tensors)
+            tensor = obj.detach()
+            tensor = (tensor.cpu() if tensor.is_cuda else tensor).contiguous()
+            self.tensors.append(tensor)
+        return (index, code, tuple(obj.shape), obj.is_cuda)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Rebuilds the tensors a :class:`_TensorPickler` took out, copying them from the slot."""
+
+    def __init__(self, data: bytes, address: int, device: torch.device | None) -> None:
+        super().__init__(io.BytesIO(data))
+        self._next = address  # where the next new blob starts
+        self._device = device
+        self._tensors: dict[int, torch.Tensor] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        index, code, shape, was_cuda = pid
+        tensor = self._tensors.get(index)
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=_DTYPES[code])
+            nbytes = tensor.numel() * tensor.element_size()
+            ctypes.memmove(tensor.data_ptr(), self._next, nbytes)
+            self._next += _align(nbytes)
+            self._tensors[index] = tensor
+        if was_cuda and self._device is not None:
+            return tensor.to(self._device)
+        return tensor
+
+
+class Channel:
+    """One end of a shared-memory ring (a writer or a reader, never both).
+
+    Args:
+        name: segment name (the driver creates it with :meth:`create`).
+        control: the graph's control block, checked while waiting.
+        device: the reader's GPU, where tensors that were on a GPU land (``None``: host).
+    """
+
+    def __init__(self, name: str, control: Control, *, device: torch.device | None = None) -> None:
+        self._seg = _Segment(name)
+        self._control = control
+        self._device = device
+        self._generation = 0
+        self._base = name
+
+    @staticmethod
+    def create(name: str, *, slots: int, slot_size: int) -> None:
+        """Creates the segment (driver side); the ends attach with ``Channel(name, ...)``."""
+        if slots < 1 or slot_size < _META + 64:
+            raise ValueError(f"bad channel geometry: {slots} slots of {slot_size} bytes")
+        slot_size = (slot_size + 63) // 64 * 64
+        _Segment(name, slots=slots, slot_size=slot_size).close()
+
+    # ------------------------------------------------------------------ waiting
+    def _wait_readable(self, timeout: float) -> int:
+        seg = self._seg
+        seq = _I64.unpack_from(seg.map, _READ)[0]
+        if _I64.unpack_from(seg.map, _WRITE)[0] > seq:
+            return seq
+        end = time.perf_counter() + _SPIN_S
+        while time.perf_counter() < end:
+            if _I64.unpack_from(seg.map, _WRITE)[0] > seq:
+                return seq
+            # Yield rather than burn: with more processes than cores, the writer we wait for
+            # may need this core.
+            os.sched_yield()
+        self._sleep_until(lambda: seg.counter(_WRITE) > seq, timeout, "read")
+        return seq
+
+    def _wait_writable(self, timeout: float) -> int:
+        seg = self._seg
+        seq = _I64.unpack_from(seg.map, _WRITE)[0]
+        slots = seg.slots
+        if seq - _I64.unpack_from(seg.map, _READ)[0] < slots:
+            return seq
+        self._sleep_until(lambda: seq - seg.counter(_READ) < slots, timeout, "write")
+        return seq
+
+    def _sleep_until(self, ready, timeout: float, what: str) -> None:
+        deadline = time.perf_counter() + timeout
+        pause = _SLEEP_MIN_S
+        control = self._control
+        while not ready():
+            control.check()
+            if time.perf_counter() > deadline:
+                raise TransferTimeoutError(
+                    f"channel {self._base}: {what} waited more than {timeout:.3g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _SLEEP_MAX_S)
+
+    def readable(self) -> bool:
+        """A message is waiting (never blocks)."""
+        seg = self._seg
+        return seg.counter(_WRITE) > seg.counter(_READ)
+
+    def writable(self) -> bool:
+        """A slot is free (never blocks)."""
+        seg = self._seg
+        return seg.counter(_WRITE) - seg.counter(_READ) < seg.slots
+
+    # ------------------------------------------------------------------ writing
+    def write(self, value: Any, *, timeout: float) -> None:
+        """Writes one message, waiting for a free slot.
+
+        Raises:
+            TransferTimeoutError: no slot freed within ``timeout``.
+            GraphStopped, PeerDied: the graph is ending.
+        """
+        if type(value) is torch.Tensor and value.layout is torch.strided:
+            self._write_tensor(value, timeout)
+        elif isinstance(value, RemoteError):
+            self._write_bytes(_KIND_ERROR, pickle.dumps(value), timeout)
+        else:
+            self._write_object(value, timeout)
+
+    def _write_tensor(self, tensor: torch.Tensor, timeout: float) -> None:
+        flags = 0
+        if tensor.is_cuda:
+            tensor = tensor.detach().cpu()
+            flags = _FLAG_WAS_CUDA
+        code = _DTYPE_CODE.get(tensor.dtype)
+        ndim = tensor.dim()
+        if code is None or ndim > _MAX_NDIM or tensor.requires_grad:
+            self._write_object(tensor, timeout)
+            return
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        seq = self._fit(self._wait_writable(timeout), nbytes)
+        seg = self._seg
+        off = seg.slot(seq)
+        _HEAD.pack_into(seg.map, off, _KIND_TENSOR | ((ndim | flags) << 32), nbytes, code)
+        _SHAPES[ndim].pack_into(seg.map, off + 24, *tensor.shape)
+        if nbytes <= _MEMMOVE_MAX:
+            ctypes.memmove(seg.address + off + _META, tensor.data_ptr(), nbytes)
+        else:
+            target = torch.frombuffer(seg.map, dtype=torch.uint8, count=nbytes, offset=off + _META)
+            target.copy_(tensor.reshape(-1).view(torch.uint8))
+            del target
+        _I64.pack_into(seg.map, _WRITE, seq + 1)
+
+    def _write_object(self, value: Any, timeout: float) -> None:
+        buffer = io.BytesIO()
+        pickler = _TensorPickler(buffer)
+        pickler.dump(value)
+        payload = buffer.getbuffer()
+        blobs = [(t, t.numel() * t.element_size()) for t in pickler.tensors]
+        total = _align(len(payload)) + sum(_align(n) for _, n in blobs)
+        seq = self._fit(self._wait_writable(timeout), total)
+        seg = self._seg
+        off = seg.slot(seq)
+        _HEAD.pack_into(seg.map, off, _KIND_PICKLE, len(payload), total)
+        start = off + _META
+        seg.map[start : start + len(payload)] = payload
+        cursor = seg.address + start + _align(len(payload))
+        for tensor, nbytes in blobs:
+            ctypes.memmove(cursor, tensor.data_ptr(), nbytes)
+            cursor += _align(nbytes)
+        del payload
+        _I64.pack_into(seg.map, _WRITE, seq + 1)
+
+    def _write_bytes(self, kind: int, payload: bytes, timeout: float) -> None:
+        seq = self._fit(self._wait_writable(timeout), len(payload))
+        seg = self._seg
+        off = seg.slot(seq)
+        _HEAD.pack_into(seg.map, off, kind, len(payload), 0)
+        seg.map[off + _META : off + _META + len(payload)] = payload
+        _I64.pack_into(seg.map, _WRITE, seq + 1)
+
+    def _fit(self, seq: int, nbytes: int) -> int:
+        """Relocates to a larger segment when ``nbytes`` does not fit a slot; returns the
+        sequence number to write at."""
+        seg = self._seg
+        if _META + nbytes <= seg.slot_size:
+            return seq
+        slot_size = seg.slot_size
+        while _META + nbytes > slot_size:
+            slot_size *= 2
+        self._generation += 1
+        name = f"{self._base}g{self._generation}"
+        new = _Segment(name, slots=seg.slots, slot_size=slot_size)
+        payload = name.encode()
+        off = seg.slot(seq)
+        _HEAD.pack_into(seg.map, off, _KIND_RELOCATE, len(payload), 0)
+        seg.map[off + _META : off + _META + len(payload)] = payload
+        _I64.pack_into(seg.map, _WRITE, seq + 1)
+        seg.close()  # the reader unlinks it once it has followed
+        self._seg = new
+        return 0
+
+    # ------------------------------------------------------------------ reading
+    def read(self, *, timeout: float) -> Any:
+        """Reads the next message, waiting for it.
+
+        Returns:
+            The value; a :class:`RemoteError` when the writer sent an error in its place.
+
+        Raises:
+            TransferTimeoutError: nothing came within ``timeout``.
+            GraphStopped, PeerDied: the graph is ending.
+        """
+        while True:
+            seq = self._wait_readable(timeout)
+            seg = self._seg
+            off = seg.slot(seq)
+            word, nbytes, code = _HEAD.unpack_from(seg.map, off)
+            kind = word & 0xFFFFFFFF
+            start = off + _META
+            if kind == _KIND_TENSOR:
+                aux = word >> 32
+                ndim = aux & 0xFFFF
+                shape = _SHAPES[ndim].unpack_from(seg.map, off + 24)
+                out = torch.empty(shape, dtype=_DTYPES[code])
+                if nbytes <= _MEMMOVE_MAX:
+                    ctypes.memmove(out.data_ptr(), seg.address + start, nbytes)
+                else:
+                    source = torch.frombuffer(
+                        seg.map, dtype=torch.uint8, count=nbytes, offset=start
+                    )
+                    out.reshape(-1).view(torch.uint8).copy_(source)
+                    del source
+                _I64.pack_into(seg.map, _READ, seq + 1)
+                if aux & _FLAG_WAS_CUDA and self._device is not None:
+                    return out.to(self._device)
+                return out
+            payload = seg.map[start : start + nbytes]
+            if kind == _KIND_PICKLE:
+                blobs = seg.address + start + _align(nbytes)
+                value = _TensorUnpickler(payload, blobs, self._device).load()
+                _I64.pack_into(seg.map, _READ, seq + 1)
+                return value
+            _I64.pack_into(seg.map, _READ, seq + 1)
+            if kind == _KIND_RELOCATE:
+                self._seg = _Segment(payload.decode())
+                seg.close(unlink=True)
+                continue
+            return pickle.loads(payload)  # _KIND_ERROR
+
+    def close(self) -> None:
+        self._seg.close()

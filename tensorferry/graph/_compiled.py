@@ -1,0 +1,364 @@
+"""``CompiledGraph``: what ``dag.compile()`` returns — execute, get, teardown, pictures."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tensorferry import envs
+from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
+from tensorferry.graph._channel import RemoteError
+from tensorferry.graph._dag import ClassMethodNode, DAGNode, MultiOutputNode
+from tensorferry.graph._lower import lower
+from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
+from tensorferry.graph._schedule import build_schedules
+
+if TYPE_CHECKING:
+    from tensorferry.graph._actor import ActorHandle
+
+__all__ = ["CompiledGraph", "CompiledGraphRef", "CompileOptions", "Executor"]
+
+_graph_ids = itertools.count()
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CompileOptions:
+    """Options of :meth:`DAGNode.compile` (see there)."""
+
+    overlap_communication: bool = False
+    """Issue receives early and sends as soon as data is ready, on communication streams."""
+    max_inflight: int = 1
+    """Executions submitted but not yet read; channels hold this many messages."""
+    submit_timeout: float = 60.0
+    """Seconds ``execute`` waits for room when ``max_inflight`` executions are in flight."""
+    get_timeout: float = 300.0
+    """Default seconds ``ref.get()`` waits."""
+    teardown_timeout: float = 10.0
+    """Seconds ``teardown`` may take in all."""
+    buffer_size_bytes: int = 1 << 20
+    """Initial slot size of each shared-memory channel."""
+    profile: bool = False
+    """Record operation spans for :meth:`CompiledGraph.visualize_timeline`."""
+    executor: str = "local"
+    """``"local"``: one process per actor on this machine."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int):
+            raise TypeError(f"max_inflight must be an int, got {self.max_inflight!r}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        for name in ("submit_timeout", "get_timeout", "teardown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.buffer_size_bytes < 64:
+            raise ValueError(f"buffer_size_bytes must be >= 64, got {self.buffer_size_bytes}")
+        if self.executor != "local":
+            raise ValueError(
+                f"executor must be 'local' (the Ray executor is not available yet), got "
+                f"{self.executor!r}"
+            )
+
+
+class Executor(Protocol):
+    """What runs compiled schedules; the local process executor implements it."""
+
+    transports: frozenset[str]
+
+    def start(self) -> None: ...
+
+    def submit(self, payloads: dict[int, Any], *, timeout: float) -> None: ...
+
+    def read_outputs(self, *, timeout: float) -> dict[int, Any]: ...
+
+    def profile_records(self) -> list: ...
+
+    def teardown(self, *, timeout: float, kill_actors: bool) -> None: ...
+
+
+def _collect_handles(output: DAGNode) -> dict[str, ActorHandle]:
+    handles: dict[str, ActorHandle] = {}
+    stack = [output]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node._node_id in seen:
+            continue
+        seen.add(node._node_id)
+        if isinstance(node, ClassMethodNode):
+            handles[node.actor.name] = node.actor
+            stack.extend(node.upstream())
+        elif isinstance(node, MultiOutputNode):
+            stack.extend(node.outputs)
+    return handles
+
+
+class CompiledGraphRef:
+    """The result of one :meth:`CompiledGraph.execute`; ``get()`` waits for it."""
+
+    def __init__(self, graph: CompiledGraph, index: int) -> None:
+        self._graph = graph
+        self.index = index
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The execution's result: a list for a ``MultiOutputNode``, else the one value.
+
+        Args:
+            timeout: seconds to wait (the graph's ``get_timeout`` when ``None``).
+
+        Raises:
+            ActorError: a method of this execution raised (remote traceback in the message).
+            ActorDiedError: an actor of the graph died.
+            TransferTimeoutError: the result did not come within ``timeout``.
+        """
+        if not self._done:
+            try:
+                self._value = self._graph._result(self.index, timeout)
+            except (ActorError, ActorDiedError) as exc:
+                self._error = exc
+            self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"CompiledGraphRef(execution {self.index})"
+
+
+class CompiledGraphFuture:
+    """Awaitable result of :meth:`CompiledGraph.execute_async`."""
+
+    def __init__(self, ref: CompiledGraphRef, timeout: float | None) -> None:
+        self.ref = ref
+        self._timeout = timeout
+
+    def __await__(self):
+        return asyncio.to_thread(self.ref.get, self._timeout).__await__()
+
+
+class CompiledGraph:
+    """A graph compiled into per-actor schedules, running on its actors.
+
+    Made by ``node.compile(...)``. Use as a context manager to tear it down on exit.
+    """
+
+    def __init__(self, output: DAGNode, options: Any) -> None:
+        from tensorferry.graph._executor_local import LocalExecutor
+
+        self.options = options
+        self.graph_id = next(_graph_ids)
+        self.graph: GraphSpec = lower(output, available_transports=LocalExecutor.transports)
+        self.schedules: Schedules = build_schedules(
+            self.graph,
+            overlap=options.overlap_communication,
+            capacity=options.max_inflight,
+            max_inflight=options.max_inflight,
+        )
+        handles = _collect_handles(output)
+        for handle in handles.values():
+            if not handle.is_alive():
+                raise ActorDiedError(f"actor {handle.name} is not running")
+            if handle.graph is not None:
+                raise RuntimeError(
+                    f"actor {handle.name} already runs a compiled graph; tear that one down first"
+                )
+        self._handles = handles
+        if envs.visualize_schedule():
+            self.visualize_schedule(f"tensorferry-schedule-{self.graph_id}.png")
+        self._executor: Executor = LocalExecutor(
+            self.graph,
+            self.schedules,
+            handles,
+            overlap=options.overlap_communication,
+            max_inflight=options.max_inflight,
+            buffer_size_bytes=options.buffer_size_bytes,
+            profile=options.profile,
+        )
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._read = 0
+        self._results: dict[int, dict[int, Any]] = {}
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._profile: list = []
+        self._input_edges = [e for e in self.graph.edges if e.src_actor == DRIVER]
+        self._executor.start()
+        # Tear down (and remove the shared memory) even if the user forgets.
+        self._finalizer = weakref.finalize(
+            self, self._executor.teardown, timeout=options.teardown_timeout, kill_actors=False
+        )
+
+    # ------------------------------------------------------------------ executions
+    def _payloads(self, args: tuple, kwargs: dict) -> dict[int, Any]:
+        def value(key: Any) -> Any:
+            if key is None:
+                if len(args) != 1 or kwargs:
+                    raise TypeError(
+                        "the graph reads the InputNode itself, so execute() takes exactly one "
+                        f"positional argument (got {len(args)} and {len(kwargs)} keyword); "
+                        "use inp[i] / inp.key for several"
+                    )
+                return args[0]
+            if isinstance(key, int):
+                if key >= len(args):
+                    raise TypeError(
+                        f"the graph reads inp[{key}] but execute() got {len(args)} args"
+                    )
+                return args[key]
+            if key not in kwargs:
+                raise TypeError(f"the graph reads inp.{key} but execute() got no {key}=")
+            return kwargs[key]
+
+        # One key: the bare value, so a tensor input takes the channel's no-pickle path.
+        return {
+            e.edge_id: value(e.input_keys[0])
+            if len(e.input_keys) == 1
+            else tuple(value(k) for k in e.input_keys)
+            for e in self._input_edges
+        }
+
+    def execute(self, *args: Any, **kwargs: Any) -> CompiledGraphRef:
+        """Submits one execution and returns at once with its ref.
+
+        When ``max_inflight`` executions are already in flight, first waits (up to
+        ``submit_timeout``) for the oldest to finish; its result is kept for its ref.
+
+        Raises:
+            TypeError: the arguments do not match what the graph reads.
+            ActorDiedError: an actor of the graph died.
+            RuntimeError: the graph was torn down.
+        """
+        payloads = self._payloads(args, kwargs)
+        self._check_usable()
+        timeout = self.options.submit_timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise TransferTimeoutError(f"execute() waited {timeout:.3g} s for the graph's lock")
+        try:
+            self._check_usable()
+            while self._submitted - self._read >= self.options.max_inflight:
+                self._read_one(timeout)
+            try:
+                self._executor.submit(payloads, timeout=timeout)
+            except ActorDiedError as exc:
+                self._broken = exc
+                raise
+            except BaseException as exc:
+                # A half-written execution would shift every later result: the graph is done.
+                self._broken = exc
+                raise
+            index = self._submitted
+            self._submitted += 1
+        finally:
+            self._lock.release()
+        return CompiledGraphRef(self, index)
+
+    async def execute_async(self, *args: Any, **kwargs: Any) -> CompiledGraphFuture:
+        """Like :meth:`execute` for asyncio: ``fut = await dag.execute_async(x); await fut``."""
+        ref = await asyncio.to_thread(self.execute, *args, **kwargs)
+        return CompiledGraphFuture(ref, None)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this compiled graph was torn down")
+        if self._broken is not None:
+            raise self._broken
+
+    def _read_one(self, timeout: float) -> None:
+        try:
+            outputs = self._executor.read_outputs(timeout=timeout)
+        except ActorDiedError as exc:
+            self._broken = exc
+            raise
+        self._results[self._read] = outputs
+        self._read += 1
+
+    def _result(self, index: int, timeout: float | None) -> Any:
+        timeout = self.options.get_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise TransferTimeoutError(f"get() waited {timeout:.3g} s for the graph's lock")
+        try:
+            if index not in self._results:
+                if self._broken is not None:
+                    raise self._broken
+                if self._closed:
+                    raise RuntimeError("this compiled graph was torn down")
+                while self._read <= index:
+                    self._read_one(max(0.0, deadline - time.monotonic()))
+            outputs = self._results.pop(index)
+        finally:
+            self._lock.release()
+        values = []
+        for task_id in self.graph.outputs:
+            value = outputs[self.graph.output_edge(task_id).edge_id]
+            if isinstance(value, RemoteError):
+                raise ActorError(
+                    f"{value.where} raised {value.message}\n--- remote traceback ---\n"
+                    f"{value.traceback}"
+                )
+            values.append(value)
+        return values if self.graph.multi_output else values[0]
+
+    # ------------------------------------------------------------------ lifetime
+    def teardown(self, *, timeout: float | None = None, kill_actors: bool = True) -> None:
+        """Stops the graph; by default also ends the actor processes. Idempotent.
+
+        Args:
+            timeout: seconds it may take in all (``teardown_timeout`` when ``None``); an actor
+                that does not stop in time is killed.
+            kill_actors: end the actor processes (off: they stay, ready for another graph).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        limit = self.options.teardown_timeout if timeout is None else timeout
+        self._executor.teardown(timeout=limit, kill_actors=kill_actors)
+
+    def __enter__(self) -> CompiledGraph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    # ------------------------------------------------------------------ pictures
+    def visualize_schedule(self, path: str | Path) -> tuple[Path, Path]:
+        """Writes the schedules as ``<path>.dot`` and ``<path>.png``; returns both paths.
+
+        One cluster per actor with its operations in order; operations the overlap pass moved
+        are red; data edges are coloured by transport.
+        """
+        from tensorferry.graph._visualize import write_schedule
+
+        return write_schedule(self.graph, self.schedules, path)
+
+    def profile_records(self) -> list:
+        """Every recorded operation span so far (needs ``compile(profile=True)``)."""
+        if not self.options.profile:
+            raise RuntimeError("compile the graph with profile=True to record its timeline")
+        if not self._closed:
+            self._profile.extend(self._executor.profile_records())
+        return list(self._profile)
+
+    def visualize_timeline(self, path: str | Path, *, last: int | None = None) -> Path:
+        """Draws the measured timeline (Gantt per actor and stream) as a PNG.
+
+        Args:
+            path: the PNG to write.
+            last: draw only the last ``last`` executions recorded (all when ``None``).
+        """
+        from tensorferry.graph._visualize import write_timeline
+
+        return write_timeline(self.profile_records(), path, last=last)
+
+    def __repr__(self) -> str:
+        state = "torn down" if self._closed else "running"
+        return f"CompiledGraph({len(self._handles)} actors, {state})"

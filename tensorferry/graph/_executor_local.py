@@ -1,0 +1,283 @@
+"""The local executor: runs the compiled schedules on actor processes of this machine.
+
+At compile time (paid once) it creates one shared-memory channel per edge plus a control block,
+sets up NCCL among the GPU actors that need it, and hands each actor its schedule; the actors
+then loop on their schedules. Per execution the driver only copies the inputs into the input
+channels and the results out of the output channels.
+
+A watchdog thread waits on the actor processes' sentinels: when one dies it raises the graph's
+dead flag, which ends every wait in every process of the graph at once, so pending and later
+results raise :class:`ActorDiedError` promptly instead of timing out.
+
+This module is the executor interface's local implementation; another executor (Ray actors) only
+needs the same five methods: ``start``, ``submit``, ``read_outputs``, ``profile_records`` and
+``teardown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
+from tensorferry.graph._channel import Channel, Control, PeerDied, unlink_prefix
+from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
+from tensorferry.graph._runner import ActorRunPlan
+
+__all__ = ["LocalExecutor"]
+
+log = logging.getLogger(__name__)
+
+_META_SLOT = 64 << 10  # metadata of rendezvous edges: shapes, dtypes, error flags
+_PROFILE_SLOT = 256 << 10
+
+
+class LocalExecutor:
+    """Runs schedules on local actor processes.
+
+    Args:
+        graph: the lowered graph.
+        schedules: every actor's operations (from the scheduler).
+        handles: the actor handles by actor name.
+        max_inflight: executions in flight; every channel holds this many messages.
+        buffer_size_bytes: initial slot size of each data channel.
+        profile: actors record operation spans.
+        start_timeout: seconds for every actor to set up (NCCL included).
+    """
+
+    transports = frozenset({"shm", "nccl"})
+    """Transports this executor runs (``nvlink`` and ``ce`` come with tensorferry.p2p)."""
+
+    def __init__(
+        self,
+        graph: GraphSpec,
+        schedules: Schedules,
+        handles: dict[str, Any],
+        *,
+        overlap: bool,
+        max_inflight: int,
+        buffer_size_bytes: int,
+        profile: bool,
+        start_timeout: float = 180.0,
+    ) -> None:
+        self.graph = graph
+        self.schedules = schedules
+        self.handles = handles
+        self._overlap = overlap
+        self._max_inflight = max_inflight
+        self._buffer = buffer_size_bytes
+        self._profile = profile
+        self._start_timeout = start_timeout
+        self.prefix = f"tf{os.getpid()}x{uuid.uuid4().hex[:8]}"
+        self._control: Control | None = None
+        self._inputs: dict[int, Channel] = {}
+        self._outputs: dict[int, Channel] = {}
+        self._profiles: list[Channel] = []
+        self._partial: dict[int, Any] = {}
+        self._store: Any = None
+        self._closing = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._dead: str | None = None
+        self._names = [spec.name for spec in graph.actors]
+        self._torn_down = False
+
+    # ------------------------------------------------------------------ start
+    def _channel_name(self, edge_id: int) -> str:
+        return f"{self.prefix}e{edge_id}"
+
+    def start(self) -> None:
+        """Creates the channels, hands every actor its plan and waits until all are ready.
+
+        Raises:
+            GraphCompileError: an actor failed to set up (its traceback in the message).
+            ActorDiedError: an actor died while setting up.
+        """
+        self._control = Control(f"{self.prefix}c", create=True)
+        for edge in self.graph.edges:
+            size = _META_SLOT if edge.rendezvous else self._buffer
+            Channel.create(self._channel_name(edge.edge_id), slots=self._max_inflight,
+                           slot_size=size + 256)  # fmt: skip
+        nccl = self._nccl_setups()
+        for index, name in enumerate(self._names):
+            profile_channel = None
+            if self._profile:
+                profile_channel = f"{self.prefix}p{index}"
+                Channel.create(profile_channel, slots=4, slot_size=_PROFILE_SLOT)
+                self._profiles.append(Channel(profile_channel, self._control))
+            plan = ActorRunPlan(
+                graph=self.graph,
+                actor=name,
+                index=index,
+                device=self.graph.device_of(name),
+                schedule=self.schedules[name],
+                channels={e.edge_id: self._channel_name(e.edge_id) for e in self.graph.edges},
+                control=self._control.name,
+                overlap=self._overlap,
+                max_inflight=self._max_inflight,
+                profile_channel=profile_channel,
+                nccl=nccl.get(name),
+            )
+            handle = self.handles[name]
+            handle.graph = self
+            handle._send(("run", plan))
+        deadline = time.monotonic() + self._start_timeout
+        failures = []
+        for name in self._names:
+            handle = self.handles[name]
+            try:
+                reply = handle._receive(max(0.1, deadline - time.monotonic()), what="graph setup")
+            except ActorDiedError as exc:
+                failures.append(str(exc))
+                continue
+            if reply[0] == "error":
+                failures.append(f"{name}:\n{reply[1]}")
+        if failures:
+            self.teardown(timeout=10.0, kill_actors=False)
+            raise GraphCompileError("actors failed to set up the graph:\n" + "\n".join(failures))
+        for edge in self.graph.edges:
+            if edge.src_actor == DRIVER:
+                self._inputs[edge.edge_id] = Channel(
+                    self._channel_name(edge.edge_id), self._control
+                )
+            elif edge.dst_actor == DRIVER:
+                self._outputs[edge.edge_id] = Channel(
+                    self._channel_name(edge.edge_id), self._control
+                )
+        self._watchdog = threading.Thread(
+            target=self._watch, name=f"tensorferry-watchdog-{self.prefix}", daemon=True
+        )
+        self._watchdog.start()
+
+    def _nccl_setups(self) -> dict[str, Any]:
+        actors = sorted(
+            {e.src_actor for e in self.graph.edges if e.transport == "nccl"}
+            | {e.dst_actor for e in self.graph.edges if e.transport == "nccl"},
+            key=self._names.index,
+        )
+        if not actors:
+            return {}
+        from tensorferry.graph._nccl import NcclSetup, host_store
+
+        self._store, port = host_store()
+        pairs = sorted(
+            {
+                tuple(sorted((actors.index(e.src_actor), actors.index(e.dst_actor))))
+                for e in self.graph.edges
+                if e.transport == "nccl"
+            }
+        )
+        return {
+            name: NcclSetup(
+                rank=rank,
+                world_size=len(actors),
+                ranks={n: r for r, n in enumerate(actors)},
+                store_port=port,
+                prefix=self.prefix,
+                pairs=tuple(pairs),  # type: ignore[arg-type]
+                timeout_s=self._start_timeout,
+            )
+            for rank, name in enumerate(actors)
+        }
+
+    # ------------------------------------------------------------------ watchdog
+    def _watch(self) -> None:
+        sentinels = {self.handles[n]._process.sentinel: i for i, n in enumerate(self._names)}
+        while not self._closing.is_set():
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.1)
+            if ready and not self._closing.is_set():
+                index = sentinels[ready[0]]
+                handle = self.handles[self._names[index]]
+                self._dead = (
+                    f"actor {handle.name} (pid {handle.pid}) died "
+                    f"(exit code {handle._process.exitcode})"
+                )
+                assert self._control is not None
+                self._control.mark_dead(index)
+                return
+
+    def dead_error(self, index: int | None = None) -> ActorDiedError:
+        if self._dead is None and index is not None:
+            self._dead = f"actor {self._names[index]} died"
+        return ActorDiedError(self._dead or "an actor of the graph died")
+
+    # ------------------------------------------------------------------ executions
+    def submit(self, payloads: dict[int, Any], *, timeout: float) -> None:
+        """Writes one execution's inputs (edge id to the tuple of input values)."""
+        try:
+            for edge_id, channel in self._inputs.items():
+                channel.write(payloads[edge_id], timeout=timeout)
+        except PeerDied as exc:
+            raise self.dead_error(exc.index) from None
+
+    def read_outputs(self, *, timeout: float) -> dict[int, Any]:
+        """Reads the oldest unread execution's results (edge id to value).
+
+        A timeout part-way keeps what was read, so the next call continues where this stopped.
+        """
+        deadline = time.perf_counter() + timeout
+        try:
+            for edge_id, channel in self._outputs.items():
+                if edge_id not in self._partial:
+                    left = max(0.0, deadline - time.perf_counter())
+                    self._partial[edge_id] = channel.read(timeout=left)
+        except PeerDied as exc:
+            raise self.dead_error(exc.index) from None
+        outputs, self._partial = self._partial, {}
+        return outputs
+
+    def profile_records(self) -> list:
+        """Every operation span the actors reported so far (see ``ProfileRecord``)."""
+        records: list = []
+        for channel in self._profiles:
+            while channel.readable():
+                records.extend(channel.read(timeout=1.0))
+        return records
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self, *, timeout: float, kill_actors: bool) -> None:
+        """Stops every actor's loop, optionally ends the processes, removes the channels.
+
+        Finishes within about ``timeout`` seconds: an actor that does not stop in time is
+        killed.
+        """
+        if self._torn_down:
+            return
+        self._torn_down = True
+        deadline = time.monotonic() + timeout
+        self._closing.set()
+        if self._control is not None:
+            self._control.stop()
+        stubborn = []
+        for name in self._names:
+            handle = self.handles[name]
+            if handle.graph is not self:
+                continue
+            handle.graph = None
+            if not handle.is_alive():
+                continue
+            left = (deadline - time.monotonic()) * 0.5
+            try:
+                reply = handle._receive(max(0.05, left), what="teardown")
+                if reply[0] == "stopped" and reply[1].startswith("failed"):
+                    log.warning("actor %s ended its loop with an error: %s", name, reply[1])
+            except (ActorDiedError, ActorError):
+                stubborn.append(handle)
+        for handle in stubborn:
+            handle.kill(timeout=max(0.1, (deadline - time.monotonic()) * 0.5))
+        if kill_actors:
+            for name in self._names:
+                left = (deadline - time.monotonic()) / max(1, len(self._names))
+                self.handles[name].kill(timeout=max(0.1, left))
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=0.5)
+        for channel in (*self._inputs.values(), *self._outputs.values(), *self._profiles):
+            channel.close()
+        if self._control is not None:
+            self._control.close()
+        unlink_prefix(self.prefix)
+        self._store = None

@@ -1,0 +1,343 @@
+"""The actor side of the local executor: runs one actor's schedule, execution after execution.
+
+The loop walks the schedule's operations in order. How an operation runs depends on the device
+and on overlap:
+
+- CPU actor, overlap off: everything on the actor's thread; a READ blocks until its message is
+  there, a WRITE copies into the channel.
+- CPU actor, overlap on: a receive thread walks the schedule's READs ahead of the compute thread
+  (up to ``max_inflight`` executions ahead) and a send thread writes results while the next
+  computation runs — the CPU counterpart of communication streams.
+- GPU actor: see :mod:`tensorferry.graph._gpu` (dedicated streams ordered with events).
+
+An exception in a method becomes a :class:`RemoteError` that flows along the graph's edges in
+place of the result, so every downstream task of that execution skips and the driver raises
+``ActorError`` for it; the next execution runs normally.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorferry.graph._channel import Channel, Control, GraphStopped, PeerDied, RemoteError
+from tensorferry.graph._plan import DRIVER, ArgRef, EdgeSpec, GraphSpec, Operation, OpKind
+
+__all__ = ["ActorRunPlan", "ScheduleRunner", "ProfileRecord"]
+
+_FOREVER = 1e9  # actors wait for their next input as long as the graph lives (stop-aware)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ActorRunPlan:
+    """Everything an actor process needs to run its part of a compiled graph."""
+
+    graph: GraphSpec
+    actor: str
+    index: int
+    """Position of this actor in the graph (reported in the control block when it dies)."""
+    device: str
+    schedule: tuple[Operation, ...]
+    channels: dict[int, str]
+    """Edge id to shared-memory channel name (the metadata channel for rendezvous edges)."""
+    control: str
+    overlap: bool
+    max_inflight: int
+    profile_channel: str | None = None
+    nccl: Any = None
+    """:class:`tensorferry.graph._nccl.NcclSetup` when this actor has NCCL edges."""
+
+
+ProfileRecord = tuple[str, int, int, str, str, str, float, float]
+"""(actor, execution, op index, kind, label, lane, start s, end s) on the monotonic clock."""
+
+
+class _CpuComm:
+    """Receive and send threads of a CPU actor with overlap on."""
+
+    def __init__(self, runner: ScheduleRunner) -> None:
+        self._runner = runner
+        self._reads = [op for op in runner.plan.schedule if op.kind is OpKind.READ]
+        self._arrived: dict[tuple[int, int], Any] = {}
+        self._cond = threading.Condition()
+        self._consumed = 0  # executions the compute thread has finished
+        self._failure: BaseException | None = None
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._guard(self._receive_loop), name="tf-recv", daemon=True),
+            threading.Thread(target=self._guard(self._send_loop), name="tf-send", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as exc:
+                with self._cond:
+                    self._failure = exc
+                    self._cond.notify_all()
+
+        return run
+
+    def _receive_loop(self) -> None:
+        runner = self._runner
+        execution = 0
+        while True:
+            with self._cond:
+                while execution - self._consumed >= runner.plan.max_inflight:
+                    self._check()
+                    self._cond.wait(0.01)
+            for op in self._reads:
+                assert op.edge_id is not None
+                start = time.perf_counter()
+                value = runner.readers[op.edge_id].read(timeout=_FOREVER)
+                runner.record(execution, op, "recv", start)
+                with self._cond:
+                    self._arrived[(execution, op.edge_id)] = value
+                    self._cond.notify_all()
+            execution += 1
+
+    def _send_loop(self) -> None:
+        runner = self._runner
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            execution, op, value = item
+            start = time.perf_counter()
+            runner.writers[op.edge_id].write(value, timeout=_FOREVER)
+            runner.record(execution, op, "send", start)
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        self._runner.control.check()
+
+    def take(self, execution: int, edge_id: int) -> Any:
+        key = (execution, edge_id)
+        with self._cond:
+            while key not in self._arrived:
+                self._check()
+                self._cond.wait(0.01)
+            return self._arrived.pop(key)
+
+    def send(self, execution: int, op: Operation, value: Any) -> None:
+        if self._failure is not None:
+            raise self._failure
+        self._sends.put((execution, op, value))
+
+    def finished(self, execution: int) -> None:
+        with self._cond:
+            self._consumed = execution + 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._sends.put(None)
+
+
+class ScheduleRunner:
+    """Runs ``plan.schedule`` for ``instance`` until the graph stops."""
+
+    def __init__(self, instance: Any, plan: ActorRunPlan) -> None:
+        self.instance = instance
+        self.plan = plan
+        self.graph = plan.graph
+        self.control = Control(plan.control, create=False)
+        self.control.watch_parent()
+        self.device = torch.device(plan.device)
+        reader_device = self.device if self.device.type == "cuda" else None
+        self.readers: dict[int, Channel] = {}
+        self.writers: dict[int, Channel] = {}
+        for edge in self.graph.edges:
+            if edge.dst_actor == plan.actor:
+                self.readers[edge.edge_id] = Channel(
+                    plan.channels[edge.edge_id], self.control, device=reader_device
+                )
+            elif edge.src_actor == plan.actor:
+                self.writers[edge.edge_id] = Channel(plan.channels[edge.edge_id], self.control)
+        mine = [t for t in self.graph.tasks if t.actor == plan.actor]
+        self._methods = {t.task_id: getattr(instance, t.method) for t in mine}
+        self._sources = {t.task_id: self._arg_sources(t.task_id) for t in mine}
+        self._profile: list[ProfileRecord] = []
+        self._profile_channel = (
+            Channel(plan.profile_channel, self.control) if plan.profile_channel else None
+        )
+        self.gpu: Any = None
+        if self.device.type == "cuda":
+            from tensorferry.graph._gpu import GpuOps
+
+            self.gpu = GpuOps(self)
+        self._comm: _CpuComm | None = None
+
+    # ------------------------------------------------------------------ profiling
+    def record(self, execution: int, op: Operation, lane: str, start: float) -> None:
+        if self._profile_channel is None:
+            return
+        end = time.perf_counter()
+        self.record_span(execution, op, lane, start, end)
+
+    def record_span(
+        self, execution: int, op: Operation, lane: str, start: float, end: float
+    ) -> None:
+        index = next(i for i, o in enumerate(self.plan.schedule) if o is op)
+        label = self.graph.describe(op)
+        self._profile.append(
+            (self.plan.actor, execution, index, op.kind.value, label, lane, start, end)
+        )
+
+    def _flush_profile(self) -> None:
+        if self._profile_channel is None:
+            return
+        if self.gpu is not None:
+            self.gpu.collect_profile()
+        if self._profile and self._profile_channel.writable():
+            records, self._profile = self._profile, []
+            self._profile_channel.write(records, timeout=1.0)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> str:
+        """Runs until teardown (returns ``"stopped"``) or a peer's death (``"peer died"``)."""
+        if self.plan.overlap and self.gpu is None:
+            self._comm = _CpuComm(self)
+        try:
+            execution = 0
+            while True:
+                self._run_once(execution)
+                if self._comm is not None:
+                    self._comm.finished(execution)
+                self._flush_profile()
+                execution += 1
+        except GraphStopped:
+            return "stopped"
+        except PeerDied:
+            return "peer died"
+        finally:
+            if self._comm is not None:
+                self._comm.close()
+            if self.gpu is not None:
+                self.gpu.close()
+
+    def _run_once(self, execution: int) -> None:
+        values: dict[int, Any] = {}
+        inbox: dict[int, Any] = {}
+        comm = self._comm
+        gpu = self.gpu
+        for op in self.plan.schedule:
+            if op.kind is OpKind.READ:
+                assert op.edge_id is not None
+                edge = self.graph.edge(op.edge_id)
+                if gpu is not None:
+                    inbox[op.edge_id] = gpu.read(execution, op, edge)
+                elif comm is not None:
+                    inbox[op.edge_id] = comm.take(execution, op.edge_id)
+                else:
+                    start = time.perf_counter()
+                    inbox[op.edge_id] = self.readers[op.edge_id].read(timeout=_FOREVER)
+                    self.record(execution, op, "main", start)
+            elif op.kind is OpKind.COMPUTE:
+                assert op.task_id is not None
+                values[op.task_id] = self._compute(execution, op, inbox, values)
+            else:
+                assert op.edge_id is not None
+                edge = self.graph.edge(op.edge_id)
+                assert edge.src_task is not None
+                value = values[edge.src_task]
+                if gpu is not None:
+                    gpu.write(execution, op, edge, value)
+                elif comm is not None:
+                    comm.send(execution, op, value)
+                else:
+                    start = time.perf_counter()
+                    self.writers[op.edge_id].write(value, timeout=_FOREVER)
+                    self.record(execution, op, "main", start)
+
+    def _arg_sources(self, task_id: int) -> tuple[list, list]:
+        """How to fetch each argument of a task, worked out once: ``(where, key, index)``."""
+        task = self.graph.task(task_id)
+
+        def source(ref: ArgRef) -> tuple:
+            if ref.kind == "const":
+                return ("const", ref.value, None)
+            if ref.kind == "input":
+                edge = next(
+                    e
+                    for e in self.graph.edges
+                    if e.src_actor == DRIVER and e.dst_actor == task.actor
+                )
+                index = None if len(edge.input_keys) == 1 else edge.input_keys.index(ref.value)
+                return ("inbox", edge.edge_id, index)
+            producer = self.graph.task(ref.value)
+            if producer.actor == task.actor:
+                return ("local", ref.value, None)
+            edge = next(
+                e for e in self.graph.edges if e.src_task == ref.value and e.dst_actor == task.actor
+            )
+            return ("inbox", edge.edge_id, None)
+
+        return [source(r) for r in task.args], [(k, source(r)) for k, r in task.kwargs]
+
+    @staticmethod
+    def _fetch(source: tuple, inbox: dict, values: dict) -> Any:
+        where, key, index = source
+        if where == "const":
+            return key
+        if where == "local":
+            return values[key]
+        value = inbox[key]
+        return value if index is None else value[index]
+
+    def _compute(self, execution: int, op: Operation, inbox: dict, values: dict) -> Any:
+        task = self.graph.task(op.task_id)
+        arg_sources, kwarg_sources = self._sources[op.task_id]
+        fetch = self._fetch
+        args = [fetch(src, inbox, values) for src in arg_sources]
+        kwargs = {k: fetch(src, inbox, values) for k, src in kwarg_sources}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, RemoteError):
+                return value  # an upstream task failed: skip, pass its error on
+        if self.gpu is not None:
+            return self.gpu.compute(execution, op, task, self._methods[task.task_id], args, kwargs)
+        start = time.perf_counter()
+        try:
+            result = self._methods[task.task_id](*args, **kwargs)
+        except Exception as exc:
+            result = remote_error(task.actor, task.label, exc)
+        self.record(execution, op, "main", start)
+        return result
+
+    def close(self) -> None:
+        for channel in (*self.readers.values(), *self.writers.values()):
+            channel.close()
+        if self._profile_channel is not None:
+            self._profile_channel.close()
+        self.control.close()
+
+
+def remote_error(actor: str, label: str, exc: BaseException) -> RemoteError:
+    """The error value that replaces a result when a method raised."""
+    return RemoteError(
+        f"{actor}.{label}",
+        f"{type(exc).__name__}: {exc}",
+        "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
+
+
+def edge_check(edge: EdgeSpec, value: Any) -> RemoteError | None:
+    """A rendezvous edge carries tensors: a value with none cannot travel over it."""
+    if edge.direct_return and not isinstance(value, torch.Tensor):
+        return RemoteError(
+            f"{edge.src_actor}",
+            f"TypeError: the result goes over {edge.transport} with direct_return=True but is a "
+            f"{type(value).__name__}, not a tensor",
+            "",
+        )
+    return None

@@ -1,0 +1,176 @@
+"""Per-actor schedules: pure functions from a :class:`GraphSpec` to :data:`Schedules`.
+
+Default schedule (overlap off)
+    Tasks are visited in bind order, a topological order. Before a task computes, each edge it
+    needs that has not arrived yet is transferred *just in time*: the producer's WRITE and the
+    consumer's READ are appended to both actors' lists at the same point. Every actor's list is
+    therefore a subsequence of one global sequence in which each rendezvous send sits right next
+    to its receive, so sends and receives between any two actors come in the same order on both
+    sides and the schedules cannot deadlock, whatever the transports. Results for the driver are
+    written right after they are computed.
+
+Overlap schedule (``overlap_communication=True``)
+    Starting from the default schedule, every WRITE moves up to right after the COMPUTE that made
+    its data, and every READ moves up as far as it can (keeping reads in their order), so the
+    executor issues receives before the computation that does not need them and sends as soon
+    as data is ready. Each move is kept only if the deadlock simulation still passes: moving a
+    rendezvous receive ahead of a send its peer waits for would cross the two. Operations that
+    moved ahead of a COMPUTE they used to follow are flagged ``moved`` (drawn red).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tensorferry.graph._deadlock import check_deadlock, find_deadlock
+from tensorferry.graph._plan import DRIVER, GraphSpec, Operation, OpKind, Schedules
+
+__all__ = ["build_schedules", "default_schedules", "overlap_schedules", "moved_operations"]
+
+
+def default_schedules(graph: GraphSpec) -> Schedules:
+    """The schedule without overlap: just-in-time transfers in bind order (see module doc)."""
+    lists: dict[str, list[Operation]] = {spec.name: [] for spec in graph.actors}
+    driver: list[Operation] = []
+    for edge in graph.edges:
+        if edge.src_actor == DRIVER:
+            driver.append(Operation(DRIVER, OpKind.WRITE, edge_id=edge.edge_id))
+    transferred: set[int] = set()
+    for task in graph.tasks:
+        for edge in graph.edges_into(task):
+            if edge.edge_id in transferred:
+                continue
+            transferred.add(edge.edge_id)
+            if edge.src_actor != DRIVER:
+                lists[edge.src_actor].append(
+                    Operation(edge.src_actor, OpKind.WRITE, edge_id=edge.edge_id)
+                )
+            lists[task.actor].append(Operation(task.actor, OpKind.READ, edge_id=edge.edge_id))
+        lists[task.actor].append(Operation(task.actor, OpKind.COMPUTE, task_id=task.task_id))
+        for edge in graph.edges:
+            if edge.src_task == task.task_id and edge.dst_actor == DRIVER:
+                lists[task.actor].append(Operation(task.actor, OpKind.WRITE, edge_id=edge.edge_id))
+    seen_outputs: set[int] = set()
+    for task_id in graph.outputs:
+        if task_id in seen_outputs:
+            continue
+        seen_outputs.add(task_id)
+        driver.append(Operation(DRIVER, OpKind.READ, edge_id=graph.output_edge(task_id).edge_id))
+    schedules: Schedules = {name: tuple(ops) for name, ops in lists.items()}
+    schedules[DRIVER] = tuple(driver)
+    return schedules
+
+
+def _computes_before(ops: list[Operation] | tuple[Operation, ...], index: int) -> int:
+    return sum(1 for op in ops[:index] if op.kind is OpKind.COMPUTE)
+
+
+def _write_target(graph: GraphSpec, ops: list[Operation], index: int) -> int:
+    """Where a WRITE goes when sent as soon as its data is ready: after its COMPUTE and any
+    WRITEs already placed there (their order is kept)."""
+    op = ops[index]
+    assert op.edge_id is not None
+    src_task = graph.edge(op.edge_id).src_task
+    target = 0
+    for i in range(index):
+        if ops[i].kind is OpKind.COMPUTE and ops[i].task_id == src_task:
+            target = i + 1
+    while target < index and ops[target].kind is OpKind.WRITE:
+        target += 1
+    return target
+
+
+def _read_target(ops: list[Operation], index: int) -> int:
+    """Where a READ goes when issued as early as possible: right after the previous READ."""
+    target = 0
+    for i in range(index):
+        if ops[i].kind is OpKind.READ:
+            target = i + 1
+    return target
+
+
+def overlap_schedules(
+    graph: GraphSpec, base: Schedules, *, capacity: int = 1, max_inflight: int = 1
+) -> Schedules:
+    """Moves sends and receives as early as the deadlock simulation allows (see module doc).
+
+    Args:
+        graph: the tasks and edges.
+        base: the default schedules (:func:`default_schedules`).
+        capacity: messages a buffered channel holds (the simulation's limit).
+        max_inflight: executions the driver keeps in flight (the simulation's window).
+
+    Returns:
+        New schedules; ``moved`` marks operations that now come before computation they
+        followed in ``base``.
+    """
+    work: dict[str, list[Operation]] = {actor: list(ops) for actor, ops in base.items()}
+
+    def deadlock_free() -> bool:
+        frozen = {actor: tuple(ops) for actor, ops in work.items()}
+        found = find_deadlock(graph, frozen, capacity=capacity, max_inflight=max_inflight)
+        return found is None
+
+    for kind, target_of in (
+        (OpKind.WRITE, lambda ops, i: _write_target(graph, ops, i)),
+        (OpKind.READ, lambda ops, i: _read_target(ops, i)),
+    ):
+        for actor in work:
+            if actor == DRIVER:
+                continue  # the driver writes inputs first and reads results as get() asks
+            ops = work[actor]
+            for index in range(len(ops)):
+                if ops[index].kind is not kind:
+                    continue
+                target = target_of(ops, index)
+                if target >= index:
+                    continue
+                before = list(ops)
+                ops.insert(target, ops.pop(index))
+                if not deadlock_free():
+                    ops[:] = before
+    return moved_operations(base, {actor: tuple(ops) for actor, ops in work.items()})
+
+
+def moved_operations(base: Schedules, changed: Schedules) -> Schedules:
+    """``changed`` with ``moved`` set on operations that now precede a COMPUTE they followed."""
+    result: Schedules = {}
+    for actor, ops in changed.items():
+        old = list(base.get(actor, ()))
+        marked = []
+        for index, op in enumerate(ops):
+            old_index = next(i for i, o in enumerate(old) if o.same_step(op))
+            moved = _computes_before(ops, index) < _computes_before(old, old_index)
+            marked.append(replace(op, moved=moved))
+        result[actor] = tuple(marked)
+    return result
+
+
+def build_schedules(
+    graph: GraphSpec,
+    *,
+    overlap: bool,
+    capacity: int = 1,
+    max_inflight: int = 1,
+) -> Schedules:
+    """Every actor's schedule, checked for deadlock.
+
+    Args:
+        graph: the tasks and edges.
+        overlap: move sends and receives early (see module doc).
+        capacity: messages a buffered channel holds.
+        max_inflight: executions the driver keeps in flight.
+
+    Returns:
+        Schedules for every actor and the driver.
+
+    Raises:
+        DeadlockError: the schedules can deadlock (names the wait cycle).
+    """
+    schedules = default_schedules(graph)
+    if overlap:
+        schedules = overlap_schedules(
+            graph, schedules, capacity=capacity, max_inflight=max_inflight
+        )
+    check_deadlock(graph, schedules, capacity=capacity, max_inflight=max_inflight)
+    return schedules

@@ -1,0 +1,94 @@
+"""The main function of an actor process.
+
+Commands arrive over a pipe from the driver:
+
+- ``("call", method, args, kwargs)``: call a method now, reply ``("ok", result)`` or
+  ``("error", traceback)``.
+- ``("run", ActorRunPlan)``: set up the graph's channels (and NCCL), reply ``("ready",)``, then
+  run the schedule until the graph is torn down; reply ``("stopped", why)``.
+- ``("exit",)``: leave.
+
+The process also leaves when the driver's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import traceback
+from typing import Any
+
+__all__ = ["actor_main", "resolve_class"]
+
+
+def resolve_class(class_ref: tuple[str, str]) -> type:
+    """The class named ``(module, qualname)``; unwraps a ``tf.actor`` class."""
+    module_name, qualname = class_ref
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    from tensorferry.graph._actor import ActorClass
+
+    return obj.cls if isinstance(obj, ActorClass) else obj
+
+
+def _pin(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def actor_main(
+    conn: Any,
+    class_ref: tuple[str, str],
+    args: tuple,
+    kwargs: dict,
+    device: str,
+    name: str,
+) -> None:
+    """Entry point of the actor process (see module doc)."""
+    try:
+        _pin(device)
+        instance = resolve_class(class_ref)(*args, **kwargs)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("started",))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the driver is gone
+        command = message[0]
+        if command == "exit":
+            return
+        if command == "call":
+            _, method, call_args, call_kwargs = message
+            try:
+                result = getattr(instance, method)(*call_args, **call_kwargs)
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+            else:
+                conn.send(("ok", result))
+        elif command == "run":
+            _run_graph(conn, instance, message[1])
+
+
+def _run_graph(conn: Any, instance: Any, plan: Any) -> None:
+    from tensorferry.graph._runner import ScheduleRunner
+
+    try:
+        runner = ScheduleRunner(instance, plan)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    try:
+        why = runner.run()
+    except BaseException:
+        why = "failed:\n" + traceback.format_exc()
+    finally:
+        runner.close()
+    with contextlib.suppress(BrokenPipeError, OSError):
+        conn.send(("stopped", why))
