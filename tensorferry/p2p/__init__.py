@@ -1,6 +1,28 @@
-"""Point-to-point transfers between processes (one process per device): send, recv, sendrecv,
-batch, with :class:`Transfer` handles, over pluggable transports (see ``_transport.py``)."""
+"""Point-to-point transfers between processes, one process per device.
 
+::
+
+    import tensorferry as tf
+
+    tf.init()                                   # torchrun env, or rank=/world_size=/init_method=
+    t = tf.send(x, dst=1)                       # returns at once: a Transfer
+    y = tf.recv(tf.TensorSpec((4, 4), torch.float32), src=0).result(timeout=10)
+    with tf.batch() as b:                       # one group call on exit
+        b.send(x, 1)
+        b.recv(z, 1)
+    b.wait(timeout=10)
+
+Transports (``_transport.py`` holds the contract): ``nccl`` for CUDA tensors, ``gloo`` for CPU
+tensors, and any registered with :func:`register_transport`; ``transport="auto"`` picks by
+device and size. See :class:`Transfer` for the stream-ordering rules.
+"""
+
+from tensorferry.p2p._api import Batch, batch, prepare, recv, ring_all_gather, send, sendrecv
+from tensorferry.p2p._context import get_rank, get_world_size, init, is_initialized, shutdown
+from tensorferry.p2p._gloo import GlooTransport
+from tensorferry.p2p._nccl import NcclTransport
+from tensorferry.p2p._spec import TensorSpec
+from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import (
     P2POp,
     PendingOps,
@@ -11,7 +33,27 @@ from tensorferry.p2p._transport import (
     unregister_transport,
 )
 
+register_transport("nccl", NcclTransport, replace=True)
+register_transport("gloo", GlooTransport, replace=True)
+
 __all__ = [
+    # set-up
+    "init",
+    "shutdown",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "prepare",
+    # transfers
+    "send",
+    "recv",
+    "sendrecv",
+    "batch",
+    "Batch",
+    "ring_all_gather",
+    "Transfer",
+    "TensorSpec",
+    # transports
     "register_transport",
     "unregister_transport",
     "registered_transports",

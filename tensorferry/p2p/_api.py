@@ -1,0 +1,430 @@
+"""The public calls: send, recv, sendrecv, batch, prepare, ring_all_gather.
+
+Every call validates its arguments on the caller's thread (raising ``TypeError``/``ValueError``
+before anything moves), records an event on the caller's current CUDA stream, queues one unit
+on the p2p issuing thread and returns a :class:`Transfer` at once.
+
+Messages between two ranks match in FIFO order per direction: the k-th message rank A sends
+to rank B meets the k-th message B receives from A, whichever calls (send, sendrecv, batch)
+carry them on each side.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorferry.p2p import _context
+from tensorferry.p2p._engine import Message, Unit
+from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer, describe
+from tensorferry.p2p._transfer import Transfer
+from tensorferry.p2p._transport import P2POp
+
+__all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_gather"]
+
+
+def _check_options(static: Any, timeout: Any) -> None:
+    if not isinstance(static, bool):
+        raise TypeError(f"static must be a bool, got {type(static).__name__}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _message(
+    ctx: _context.P2PContext,
+    kind: str,
+    tensors: Any,
+    peer: Any,
+    *,
+    static: bool,
+    transport: str,
+    what: str,
+) -> tuple[Message, bool]:
+    peer_name = "dst" if kind == "send" else "src"
+    peer = check_peer(peer, rank=ctx.rank, world_size=ctx.world_size, what=peer_name)
+    if kind == "send":
+        items, single = as_tensor_list(tensors, ctx.device, what)
+    else:
+        items, single = as_recv_list(tensors, ctx.device, what)
+    name = ctx.choose(transport, peer, items)
+    message = Message(P2POp(kind, peer, items), name, describe(items), static)  # type: ignore[arg-type]
+    return message, single
+
+
+def _caller_event(messages: Sequence[Message]) -> Any:
+    if any(m.op.tensors[0].is_cuda for m in messages):
+        event = torch.cuda.Event()
+        event.record()  # on the caller's current stream
+        return event
+    return None
+
+
+def _deadline(ctx: _context.P2PContext, timeout: float | None) -> float:
+    return time.monotonic() + (timeout if timeout is not None else ctx.timeout_s)
+
+
+def _describe(messages: Sequence[Message]) -> str:
+    counts: dict[tuple[str, int], int] = {}
+    for m in messages:
+        counts[(m.op.kind, m.op.peer)] = counts.get((m.op.kind, m.op.peer), 0) + len(m.op.tensors)
+    parts = []
+    for (kind, peer), num in counts.items():
+        arrow = "to" if kind == "send" else "from"
+        parts.append(f"{kind} {num} tensor(s) {arrow} rank {peer}")
+    return "; ".join(parts)
+
+
+def _submit(
+    ctx: _context.P2PContext,
+    messages: list[Message],
+    value: Any,
+    timeout: float | None,
+    *,
+    transfer: Transfer | None = None,
+    caller_event: Any = True,
+    after: Unit | None = None,
+) -> Unit:
+    deadline = _deadline(ctx, timeout)
+    if transfer is None:
+        transfer = Transfer(_describe(messages), deadline=deadline, value=value)
+    else:
+        transfer._deadline = deadline
+        transfer._value = value
+    event = _caller_event(messages) if caller_event is True else caller_event
+    unit = Unit(messages, transfer, deadline, caller_event=event, after=after)
+    if after is not None:
+        unit.after_issued_is_enough = all(m.op.tensors[0].is_cuda for m in messages) and all(
+            m.op.tensors[0].is_cuda for m in after.messages
+        )
+    ctx.engine.submit(unit)
+    return unit
+
+
+def send(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    dst: int,
+    *,
+    static: bool = False,
+    transport: str = "auto",
+    timeout: float | None = None,
+) -> Transfer:
+    """Sends tensors to rank ``dst``; returns at once.
+
+    Args:
+        tensors: a tensor or a non-empty list of contiguous tensors on this rank's device (or
+            the CPU). The receiver's buffers must have the same count, shapes and dtypes.
+        dst: the receiving rank (not this one).
+        static: promise that every message on this channel (this rank → ``dst``) keeps these
+            shapes and dtypes: once both sides passed ``static=True`` and agreed, later
+            messages skip the header exchange. A later change raises ``MismatchError`` on both
+            sides (and resets the pair).
+        transport: ``"auto"`` (chosen by device and size), ``"nccl"``, ``"gloo"`` or any
+            registered transport.
+        timeout: seconds until the transfer fails with ``TransferTimeoutError`` (default: the
+            ``tf.init`` timeout).
+
+    Returns:
+        A :class:`Transfer`; ``result()`` is ``None``. Reads of ``tensors`` are ordered after
+        the work already queued on the caller's current stream; do not overwrite them before
+        the transfer is done.
+
+    Raises:
+        TypeError, ValueError: bad arguments (nothing was sent).
+        RuntimeError: ``tf.init()`` was not called.
+    """
+    ctx = _context.current()
+    _check_options(static, timeout)
+    message, _ = _message(
+        ctx, "send", tensors, dst, static=static, transport=transport, what="tensors"
+    )
+    return _submit(ctx, [message], None, timeout).transfer
+
+
+def recv(
+    buffers: Any,
+    src: int,
+    *,
+    static: bool = False,
+    transport: str = "auto",
+    timeout: float | None = None,
+) -> Transfer:
+    """Receives tensors from rank ``src``; returns at once.
+
+    Args:
+        buffers: a tensor, a :class:`TensorSpec`, or a non-empty list of them. Tensors are
+            written in place; specs are allocated here (on this rank's device). Count, shapes
+            and dtypes must equal the sender's, else both sides get ``MismatchError``.
+        src: the sending rank (not this one).
+        static, transport, timeout: as for :func:`send`.
+
+    Returns:
+        A :class:`Transfer` whose ``result()`` is the received tensor (one buffer passed) or
+        list of tensors. They are safe to use on any stream once ``wait()`` returned (or
+        after ``transfer.wait_stream()`` on the consuming stream).
+
+    Raises:
+        TypeError, ValueError: bad arguments (nothing was received).
+        RuntimeError: ``tf.init()`` was not called.
+    """
+    ctx = _context.current()
+    _check_options(static, timeout)
+    message, single = _message(
+        ctx, "recv", buffers, src, static=static, transport=transport, what="buffers"
+    )
+    received = message.op.tensors[0] if single else list(message.op.tensors)
+    return _submit(ctx, [message], received, timeout).transfer
+
+
+def sendrecv(
+    send_tensors: Any,
+    send_peer: int,
+    recv_buffers: Any,
+    recv_peer: int,
+    *,
+    static: bool = False,
+    transport: str = "auto",
+    timeout: float | None = None,
+) -> Transfer:
+    """Sends to ``send_peer`` and receives from ``recv_peer`` as one group (they may differ:
+    rings). Arguments as for :func:`send` and :func:`recv`.
+
+    Returns:
+        A :class:`Transfer` whose ``result()`` is what was received (tensor or list).
+    """
+    ctx = _context.current()
+    _check_options(static, timeout)
+    out, _ = _message(
+        ctx,
+        "send",
+        send_tensors,
+        send_peer,
+        static=static,
+        transport=transport,
+        what="send_tensors",
+    )
+    inc, single = _message(
+        ctx,
+        "recv",
+        recv_buffers,
+        recv_peer,
+        static=static,
+        transport=transport,
+        what="recv_buffers",
+    )
+    received = inc.op.tensors[0] if single else list(inc.op.tensors)
+    return _submit(ctx, [out, inc], received, timeout).transfer
+
+
+class Batch(Transfer):
+    """Sends and receives collected in a ``with tf.batch() as b:`` block, issued as one group
+    call on exit; the batch is itself the :class:`Transfer` of the whole group.
+
+    ``result()`` is a list with one entry per :meth:`recv` call, in call order.
+    """
+
+    def __init__(self, *, static: bool, transport: str, timeout: float | None) -> None:
+        _check_options(static, timeout)
+        self._ctx = _context.current()
+        super().__init__("batch (open)", deadline=math.inf, value=[])
+        self._static = static
+        self._transport = transport
+        self._timeout = timeout
+        self._messages: list[Message] = []
+        self._received: list[Any] = []
+        self._state = "new"
+
+    def __enter__(self) -> Batch:
+        if self._state != "new":
+            raise RuntimeError("a tf.batch() can be entered once")
+        self._state = "open"
+        return self
+
+    def send(self, tensors: Any, dst: int) -> None:  # type: ignore[override]
+        """Adds a send of ``tensors`` to ``dst`` (validated now). See :func:`tf.send`."""
+        self._check_open()
+        message, _ = _message(
+            self._ctx,
+            "send",
+            tensors,
+            dst,
+            static=self._static,
+            transport=self._transport,
+            what="tensors",
+        )
+        self._messages.append(message)
+
+    def recv(self, buffers: Any, src: int) -> Any:
+        """Adds a receive from ``src``; returns the destination tensor(s) (allocated now for
+        specs), valid once the batch is done."""
+        self._check_open()
+        message, single = _message(
+            self._ctx,
+            "recv",
+            buffers,
+            src,
+            static=self._static,
+            transport=self._transport,
+            what="buffers",
+        )
+        self._messages.append(message)
+        received = message.op.tensors[0] if single else list(message.op.tensors)
+        self._received.append(received)
+        return received
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self._state = "discarded"
+            self._finish(exc if isinstance(exc, BaseException) else RuntimeError("discarded"))
+            return  # the body raised: nothing was issued; let its error propagate
+        if not self._messages:
+            self._state = "discarded"
+            err = ValueError("tf.batch() is empty: add at least one send or recv")
+            self._finish(err)
+            raise err
+        self._state = "submitted"
+        self.description = f"batch: {_describe(self._messages)}"
+        _submit(self._ctx, self._messages, self._received, self._timeout, transfer=self)
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError("add sends/recvs inside the `with tf.batch() as b:` block")
+
+    def wait(self, timeout: float | None = None) -> Batch:
+        if self._state in ("new", "open"):
+            raise RuntimeError("the batch is issued when its `with` block exits; wait after it")
+        super().wait(timeout)
+        return self
+
+
+def batch(*, static: bool = False, transport: str = "auto", timeout: float | None = None) -> Batch:
+    """A batch of sends and receives to any peers, issued as one group call on exit.
+
+    Example::
+
+        with tf.batch() as b:
+            b.send(x, 1)
+            y = b.recv(tf.TensorSpec((4, 4), torch.float32), 1)
+        b.wait(timeout=10)
+
+    Args: as for :func:`send` (applied to every message of the batch).
+    """
+    return Batch(static=static, transport=transport, timeout=timeout)
+
+
+def prepare(
+    peers: int | Sequence[int],
+    *,
+    transports: Sequence[str] | None = None,
+) -> None:
+    """Creates communicators with ``peers`` now, so the first transfer pays no set-up.
+
+    Blocking: each peer must call ``prepare`` (or transfer) with this rank too. Pairs are
+    prepared in ascending (lo, hi) order, which keeps rings of prepares from deadlocking.
+
+    Args:
+        peers: a rank or ranks (not this one).
+        transports: names to prepare (default: this rank's default, ``nccl`` or ``gloo``).
+
+    Raises:
+        TypeError, ValueError: bad peers or transports.
+        TransferTimeoutError, PeerLostError, TransportError: a peer did not show up in time.
+    """
+    ctx = _context.current()
+    ranks = [peers] if isinstance(peers, int) and not isinstance(peers, bool) else peers
+    if not isinstance(ranks, (list, tuple)):
+        raise TypeError(f"peers must be a rank or a list of ranks, got {type(peers).__name__}")
+    ranks = sorted(
+        {check_peer(p, rank=ctx.rank, world_size=ctx.world_size, what="peer") for p in ranks}
+    )
+    names = list(transports) if transports is not None else [ctx.backend]
+    for name in names:
+        ctx.transport(name)  # validates the name
+    for peer in ranks:
+        for name in names:
+            ctx.transport(name).prepare([peer])
+            ctx.engine.call(lambda p=peer, n=name: ctx.engine.mark_prepared(p, n)).result(
+                ctx.timeout_s
+            )
+
+
+def ring_all_gather(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    *,
+    transport: str = "auto",
+    timeout: float | None = None,
+) -> Transfer:
+    """All-gather around a ring built from :func:`sendrecv`: each step sends to rank + 1 what
+    arrived from rank − 1 one step before.
+
+    Args:
+        inp: this rank's contribution; same shape and dtype on every rank.
+        out: contiguous, ``inp.dtype``, on the same device; shape ``[world * inp.numel()]``
+            (flat) or ``[world, *inp.shape]``. Row ``r`` receives rank ``r``'s ``inp``.
+        transport, timeout: as for :func:`send` (timeout covers each step).
+
+    Returns:
+        A :class:`Transfer` whose ``result()`` is ``out``.
+
+    Raises:
+        TypeError, ValueError: bad shapes, dtypes or devices (nothing moved).
+    """
+    ctx = _context.current()
+    _check_options(False, timeout)
+    (inp,), _ = as_tensor_list(inp, ctx.device, "inp")
+    (out,), _ = as_tensor_list(out, ctx.device, "out")
+    world, rank = ctx.world_size, ctx.rank
+    if out.dtype != inp.dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from inp dtype {inp.dtype}")
+    if out.device != inp.device:
+        raise ValueError(f"out is on {out.device}, inp on {inp.device}")
+    flat, stacked = (world * inp.numel(),), (world, *inp.shape)
+    if tuple(out.shape) not in (flat, stacked):
+        raise ValueError(
+            f"out shape {list(out.shape)} must be {list(flat)} or {list(stacked)} "
+            f"(world {world} × inp {list(inp.shape)})"
+        )
+    rows = out.view(world, -1)
+    rows[rank].copy_(inp.reshape(-1))  # on the caller's current stream, before the event
+    ring = Transfer(
+        f"ring_all_gather of {inp.numel()} element(s)", deadline=_deadline(ctx, timeout), value=out
+    )
+    if world == 1:
+        ring._finish(None)
+        return ring
+    right, left = (rank + 1) % world, (rank - 1) % world
+    steps: list[Unit] = []
+    for step in range(world - 1):
+        send_row, recv_row = (rank - step) % world, (rank - step - 1) % world
+        out_msg, _ = _message(
+            ctx, "send", rows[send_row], right, static=False, transport=transport, what="out row"
+        )
+        in_msg, _ = _message(
+            ctx, "recv", rows[recv_row], left, static=False, transport=transport, what="out row"
+        )
+        unit = _submit(
+            ctx,
+            [out_msg, in_msg],
+            None,
+            timeout,
+            caller_event=True if step == 0 else None,
+            after=steps[-1] if steps else None,
+        )
+        steps.append(unit)
+
+    def on_step_done(index: int, transfer: Transfer) -> None:
+        exc = transfer._future.exception()
+        if exc is not None:
+            ring._finish(exc)
+        elif index == len(steps) - 1:
+            ring._finish(None)
+
+    for index, unit in enumerate(steps):
+        unit.transfer.add_done_callback(lambda t, i=index: on_step_done(i, t))
+    return ring

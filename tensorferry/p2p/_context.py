@@ -1,0 +1,383 @@
+"""The process's p2p context: ``init``/``shutdown``, transports, streams, issuing.
+
+One process per device: the CUDA device is the local rank's when CUDA is present (else the
+CPU). The context holds a :class:`tensorferry.Client` for its ``send``/``recv`` streams (exclusive
+streams from the runtime's pool, not ``torch.cuda.Stream()``'s shared round-robin ones), the
+world store, the transports made so far and the issuing :class:`~._engine.Engine`.
+
+Thread-safety: ``init``/``shutdown`` hold a module lock; the context's transport table has its
+own lock; everything else is read-only after ``init``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorferry import envs
+from tensorferry.p2p import _link
+from tensorferry.p2p._transport import (
+    Transport,
+    TransportContext,
+    registered_transports,
+)
+
+__all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+# Packages of transports built beside this layer; imported at init so they can register.
+_OPTIONAL_TRANSPORT_PACKAGES = ("tensorferry.p2p.nvlink", "tensorferry.p2p.copy_engine")
+
+_lock = threading.Lock()
+_context: P2PContext | None = None
+_incarnation = 0  # inits in this process: keeps store keys of successive inits apart
+
+
+class P2PContext:
+    """Everything ``tf.init`` set up. Reached through :func:`current`."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        backend: str,
+        store: Any,
+        timeout_s: float,
+        master_addr: str | None,
+    ) -> None:
+        from tensorferry.runtime import Client, completion_pool
+
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.store = store
+        self.host = _link.advertised_host(master_addr)
+        self.completions = completion_pool()
+        self.client = Client(devices=[device]) if device.type == "cuda" else None
+        self.send_stream = self.client.stream(device, "send") if self.client else None
+        self.recv_stream = self.client.stream(device, "recv") if self.client else None
+        self._transports: dict[str, Transport] = {}
+        self._transports_lock = threading.Lock()
+        from tensorferry.p2p._engine import Engine
+
+        self.engine = Engine(self)
+        self.transport_ctx = TransportContext(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            store=store,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            epoch_of=lambda peer: self.engine._peer(peer).epoch,
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> None:
+        self.store.set(f"addr/{self.rank}", self.engine.address)
+        self.engine.start()
+
+    def bind_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def peer_address(self, rank: int) -> str:
+        return self.store.get(f"addr/{rank}").decode()
+
+    # ------------------------------------------------------------------ transports
+    def transport(self, name: str) -> Transport:
+        """The process's instance of transport ``name`` (made on first use).
+
+        Raises:
+            ValueError: ``name`` is not registered.
+        """
+        with self._transports_lock:
+            transport = self._transports.get(name)
+            if transport is not None:
+                return transport
+            factory = registered_transports().get(name)
+            if factory is None:
+                known = ", ".join(["auto", *registered_transports()])
+                raise ValueError(f"unknown transport {name!r}; registered: {known}")
+            transport = factory(self.transport_ctx)
+            if not isinstance(transport, Transport):
+                raise TypeError(f"transport factory {name!r} returned {type(transport).__name__}")
+            self._transports[name] = transport
+            return transport
+
+    def choose(self, requested: str, peer: int, tensors: Sequence[torch.Tensor]) -> str:
+        """The transport for one message (on the caller's thread, before anything moves).
+
+        Raises:
+            TypeError: ``requested`` is not a string.
+            ValueError: unknown transport, or it cannot carry these tensors.
+        """
+        if not isinstance(requested, str):
+            raise TypeError(f"transport must be a str, got {type(requested).__name__}")
+        device_type = tensors[0].device.type
+        if requested != "auto":
+            transport = self.transport(requested)
+            reason = transport.unsupported_reason(peer=peer, tensors=tensors)
+            if reason is not None:
+                raise ValueError(f"transport {requested!r} cannot carry this message: {reason}")
+            return requested
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        best, best_time, reasons = None, float("inf"), []
+        for name in registered_transports():
+            transport = self.transport(name)
+            if transport.device_type != device_type:
+                continue
+            reason = transport.unsupported_reason(peer=peer, tensors=tensors)
+            if reason is not None:
+                reasons.append(f"{name}: {reason}")
+                continue
+            estimate = transport.estimate_seconds(
+                peer=peer, nbytes=nbytes, num_tensors=len(tensors)
+            )
+            if estimate is not None and estimate < best_time:
+                best, best_time = name, estimate
+        if best is None:
+            detail = "; ".join(reasons) or f"none registered for {device_type} tensors"
+            raise ValueError(f"no transport can carry this message ({detail})")
+        return best
+
+    # ------------------------------------------------------------------ issuing
+    def issue(self, unit: Any) -> Any:
+        """Starts a unit's transports (engine thread). Returns the CUDA completion event."""
+        groups: dict[str, list[Any]] = {}
+        for message in unit.messages:
+            groups.setdefault(message.transport, []).append(message.op)
+        cuda_groups = {n: ops for n, ops in groups.items() if ops[0].tensors[0].is_cuda}
+        for name, ops in groups.items():
+            if name not in cuda_groups:
+                unit.pending.append(self.transport(name).start(ops, stream=None))
+        if not cuda_groups:
+            return None
+        has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
+        stream = self.send_stream if has_send else self.recv_stream
+        with torch.cuda.stream(stream):
+            if unit.caller_event is not None:
+                stream.wait_event(unit.caller_event)
+            for name, ops in cuda_groups.items():
+                unit.pending.append(self.transport(name).start(ops, stream=stream))
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        try:
+            self.engine.stop()
+        finally:
+            with self._transports_lock:
+                transports = list(self._transports.values())
+                self._transports.clear()
+            for transport in transports:
+                try:
+                    transport.close()
+                except Exception:
+                    log.exception("p2p: closing transport %s failed", transport.name)
+            if self.client is not None:
+                try:
+                    self.client.close()
+                except Exception:
+                    log.exception("p2p: closing the client failed")
+
+
+# ---------------------------------------------------------------------- module API
+def current() -> P2PContext:
+    """The initialised context.
+
+    Raises:
+        RuntimeError: ``tf.init()`` was not called (or ``tf.shutdown()`` was).
+    """
+    context = _context
+    if context is None:
+        raise RuntimeError("tensorferry p2p is not initialised: call tf.init() first")
+    return context
+
+
+def is_initialized() -> bool:
+    return _context is not None
+
+
+def get_rank() -> int:
+    """This process's rank. Raises RuntimeError before ``tf.init()``."""
+    return current().rank
+
+
+def get_world_size() -> int:
+    """Number of ranks. Raises RuntimeError before ``tf.init()``."""
+    return current().world_size
+
+
+def init(
+    backend: str = "auto",
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Sets up point-to-point transfers for this process (one process per device).
+
+    Rank and world size come from the arguments, else from torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``LOCAL_RANK``). With CUDA present the device
+    is ``cuda:LOCAL_RANK`` (made current); without, the CPU. If ``torch.distributed`` is already
+    initialised and no ``init_method`` is given, its store, rank and world size are reused.
+    No collective runs: communicators are made later, per pair, by the two ranks involved.
+
+    Args:
+        backend: ``"auto"`` (NCCL with CUDA, else gloo), ``"nccl"`` or ``"gloo"`` — the default
+            device of this process: ``"gloo"`` keeps a CUDA machine's process on the CPU.
+        rank: this process's rank (default: ``$RANK``).
+        world_size: number of processes (default: ``$WORLD_SIZE``).
+        init_method: rendezvous URL (``env://``, ``tcp://host:port``, ``file://…``); default
+            ``env://``.
+        timeout: seconds; default timeout of every transfer and bound of every rendezvous
+            (default ``TENSORFERRY_TRANSFER_TIMEOUT_S``).
+
+    Raises:
+        TypeError / ValueError: bad arguments (unknown backend, rank out of range, NCCL without
+            CUDA, missing environment).
+        RuntimeError: already initialised with different settings (call ``tf.shutdown()``).
+    """
+    global _context, _incarnation
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout_s = float(timeout) if timeout is not None else envs.transfer_timeout_s()
+    with _lock:
+        if _context is not None:
+            same = (
+                (rank is None or rank == _context.rank)
+                and (world_size is None or world_size == _context.world_size)
+                and backend in ("auto", _context.backend)
+            )
+            if same:
+                return  # idempotent
+            raise RuntimeError(
+                f"tensorferry p2p is already initialised (rank {_context.rank} of "
+                f"{_context.world_size}, {_context.backend}); call tf.shutdown() first"
+            )
+        _import_optional_transports()
+        store, rank, world_size, master_addr = _rendezvous(rank, world_size, init_method, timeout_s)
+        device, backend = _pick_device(backend, rank)
+        _incarnation += 1
+        import torch.distributed as dist
+
+        prefixed = dist.PrefixStore(f"tensorferry/p2p/{_incarnation}", store)
+        context = P2PContext(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            backend=backend,
+            store=prefixed,
+            timeout_s=timeout_s,
+            master_addr=master_addr,
+        )
+        context.bind_device()
+        context.start()
+        _context = context
+        log.info("p2p: rank %d of %d on %s (%s)", rank, world_size, device, backend)
+
+
+def shutdown() -> None:
+    """Stops the p2p layer: in-flight transfers fail, peers are told, communicators closed.
+
+    Calling it when not initialised does nothing.
+    """
+    global _context
+    with _lock:
+        context, _context = _context, None
+    if context is not None:
+        context.close()
+
+
+def _rendezvous(
+    rank: int | None, world_size: int | None, init_method: str | None, timeout_s: float
+) -> tuple[Any, int, int, str | None]:
+    import torch.distributed as dist
+
+    if init_method is None and dist.is_available() and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        return store, dist.get_rank(), dist.get_world_size(), os.environ.get("MASTER_ADDR")
+    method = init_method or "env://"
+    if rank is None:
+        rank = _env_int("RANK", method)
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", method)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world size {world_size}")
+    if method.startswith("env://"):
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise ValueError(
+                    f"init_method env:// needs ${var} (run under torchrun, or pass "
+                    "init_method='tcp://host:port')"
+                )
+        master = os.environ["MASTER_ADDR"]
+    elif method.startswith("tcp://"):
+        master = method[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    else:
+        master = None
+    store, rank, world_size = next(
+        dist.rendezvous(method, rank, world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    )
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store, rank, world_size, master
+
+
+def _env_int(name: str, method: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise ValueError(
+            f"${name} is not set: run under torchrun or pass {name.lower()}= (init_method {method})"
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+
+
+def _pick_device(backend: str, rank: int) -> tuple[torch.device, str]:
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if backend == "nccl" and not has_cuda:
+        raise ValueError("backend='nccl' needs CUDA, and this process sees no CUDA device")
+    if backend == "gloo" or not has_cuda:
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_RANK", rank % count))
+    if not 0 <= local < count:
+        raise ValueError(f"LOCAL_RANK={local} but this process sees {count} CUDA device(s)")
+    return torch.device("cuda", local), "nccl"
+
+
+def _import_optional_transports() -> None:
+    for package in _OPTIONAL_TRANSPORT_PACKAGES:
+        try:
+            if importlib.util.find_spec(package) is None:
+                continue
+            importlib.import_module(package)
+        except Exception:
+            log.warning(
+                "p2p: could not import optional transport package %s", package, exc_info=True
+            )

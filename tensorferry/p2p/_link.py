@@ -1,0 +1,130 @@
+"""The side channel: one TCP connection per pair of ranks, for headers and fault notices.
+
+Headers must not travel on the data transport: the receiver has to know what arrives before it
+posts a receive of the right size, and NCCL would need a device-to-host sync to read one. A
+plain socket per pair is cheap (tens of microseconds per small frame), non-blocking under a
+selector on the p2p issuing thread, and tells us at once when the peer process dies (the
+kernel closes its end: EOF or a reset), which NCCL alone does not.
+
+Set-up, only between the two ranks of a pair: every rank listens on one port and publishes
+``host:port`` in the store at init; the lower rank of a pair connects to the higher one when it
+first needs the pair and says hello with its rank.
+
+Frames: a 4-byte big-endian length, then UTF-8 JSON of a small dict (never pickle: a peer's
+bytes are never executed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+from typing import Any
+
+__all__ = ["Link", "open_listener", "connect", "advertised_host"]
+
+_LEN = struct.Struct(">I")
+_MAX_FRAME = 64 << 20
+
+
+def advertised_host(master_addr: str | None) -> str:
+    """The address peers should use to reach this host: the local end of a route to the
+    rendezvous host (loopback when that is local)."""
+    if not master_addr or master_addr in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect((master_addr, 9))  # UDP connect sends nothing
+            return probe.getsockname()[0]
+        finally:
+            probe.close()
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def open_listener(host: str) -> socket.socket:
+    """A non-blocking listening socket on an ephemeral port of ``host``'s interface."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def connect(address: str, *, my_rank: int, timeout: float) -> socket.socket:
+    """Connects to a peer's listener (``host:port``) and says hello. Blocking."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    payload = json.dumps({"hello": my_rank}).encode()
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+    return sock
+
+
+class Link:
+    """A framed, non-blocking connection to one peer. Used only on the p2p issuing thread."""
+
+    def __init__(self, sock: socket.socket, peer: int | None) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+        self._in = bytearray()
+        self._out = bytearray()
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, frame: dict[str, Any]) -> None:
+        """Queues ``frame`` and writes what the socket takes now."""
+        payload = json.dumps(frame, separators=(",", ":")).encode()
+        self._out += _LEN.pack(len(payload))
+        self._out += payload
+        self.flush()
+
+    def flush(self) -> None:
+        """Writes queued bytes until the socket would block. Raises OSError if it is broken."""
+        while self._out:
+            try:
+                sent = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                return
+            del self._out[:sent]
+
+    @property
+    def wants_write(self) -> bool:
+        return bool(self._out)
+
+    def receive(self) -> list[dict[str, Any]] | None:
+        """Reads what is available. Returns the complete frames, or ``None`` at EOF/reset."""
+        try:
+            while True:
+                chunk = self.sock.recv(1 << 16)
+                if not chunk:
+                    return None
+                self._in += chunk
+                if len(chunk) < (1 << 16):
+                    break
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            return None
+        frames = []
+        while len(self._in) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._in)
+            if size > _MAX_FRAME:
+                return None  # garbage on the wire: treat as a lost peer
+            if len(self._in) < _LEN.size + size:
+                break
+            frames.append(json.loads(bytes(self._in[_LEN.size : _LEN.size + size])))
+            del self._in[: _LEN.size + size]
+        return frames
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.close()

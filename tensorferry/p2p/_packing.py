@@ -1,0 +1,46 @@
+"""Packing small tensors of one message into one byte buffer (shared by the transports).
+
+Which tensors are packed depends only on the agreed shapes and dtypes, so sender and receiver
+derive the same wire layout: first the packed buffer (if any), then each large tensor alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["as_bytes", "wire_plan", "unpack"]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor (every dtype travels as bytes)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def wire_plan(tensors: Sequence[torch.Tensor], *, pack_below: int) -> tuple[list[int], list[int]]:
+    """``(packed, alone)``: indices of the tensors packed together, and of those sent alone.
+
+    Tensors under ``pack_below`` bytes are packed when there are at least two of them; empty
+    tensors are skipped (both sides agree they carry nothing).
+    """
+    packed, alone = [], []
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            continue
+        (packed if nbytes < pack_below else alone).append(i)
+    if len(packed) == 1:  # one small tensor: a copy would gain nothing
+        alone, packed = sorted(alone + packed), []
+    return packed, alone
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One ``uint8`` buffer holding ``tensors`` back to back (one copy kernel on CUDA)."""
+    return torch.cat([as_bytes(t) for t in tensors])
+
+
+def unpack(packed: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copies ``packed`` back into ``targets`` (one multi-tensor copy on CUDA)."""
+    sizes = [t.numel() * t.element_size() for t in targets]
+    torch._foreach_copy_([as_bytes(t) for t in targets], list(packed.split(sizes)))

@@ -1,0 +1,182 @@
+"""What a message is: tensor specs, argument validation and the header descriptor.
+
+A *descriptor* is the list of ``(dtype, shape)`` of a message's tensors. The sender's descriptor
+travels to the receiver in the header, the receiver's expectation travels back, and both sides
+compare the two with :func:`compare` — so both raise the same :class:`MismatchError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorferry.errors import MismatchError
+
+__all__ = ["TensorSpec", "Descriptor", "as_tensor_list", "as_recv_list", "check_peer", "compare"]
+
+# (dtype name, shape) per tensor, e.g. (("float32", (4, 8)),)
+Descriptor = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype of a tensor to receive; ``tf.recv`` allocates it on this rank's device.
+
+    Attributes:
+        shape: sizes, e.g. ``(4, 1024)``; must equal the sender's tensor shape.
+        dtype: element type; must equal the sender's.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __init__(self, shape: Any, dtype: torch.dtype = torch.float32) -> None:
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            shape = (shape,)
+        if isinstance(shape, torch.Size):
+            shape = tuple(shape)
+        if not isinstance(shape, (tuple, list)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in shape
+        ):
+            raise TypeError(f"TensorSpec shape must be a tuple of ints, got {shape!r}")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"TensorSpec shape has a negative size: {tuple(shape)}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"TensorSpec dtype must be a torch.dtype, got {dtype!r}")
+        object.__setattr__(self, "shape", tuple(shape))
+        object.__setattr__(self, "dtype", dtype)
+
+    @classmethod
+    def like(cls, tensor: torch.Tensor) -> TensorSpec:
+        """The spec of an existing tensor."""
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe(tensors: Sequence[torch.Tensor]) -> Descriptor:
+    return tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in tensors)
+
+
+def check_peer(peer: Any, *, rank: int, world_size: int, what: str) -> int:
+    """Validates a peer rank. Raises TypeError/ValueError naming ``what`` (e.g. ``"dst"``)."""
+    if isinstance(peer, bool) or not isinstance(peer, int):
+        raise TypeError(f"{what} must be an int rank, got {type(peer).__name__} {peer!r}")
+    if not 0 <= peer < world_size:
+        raise ValueError(f"{what}={peer} is out of range: world size is {world_size}")
+    if peer == rank:
+        raise ValueError(f"{what}={peer} is this process's own rank; p2p needs another rank")
+    return peer
+
+
+def _check_tensor(t: Any, index: int, device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}[{index}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device and t.device.type != "cpu":
+        owner = (
+            " (another rank's device: each process moves tensors of its own device only)"
+            if t.device.type == device.type == "cuda"
+            else ""
+        )
+        raise ValueError(
+            f"{what}[{index}] is on {t.device}; this rank moves tensors of {device} (or the "
+            f"CPU){owner}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{what}[{index}] is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
+            "pass tensor.contiguous()"
+        )
+    if t.is_sparse or t.is_quantized:
+        raise TypeError(f"{what}[{index}]: sparse and quantized tensors are not supported")
+    return t
+
+
+def as_tensor_list(
+    tensors: Any, device: torch.device, what: str
+) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """Normalises a tensor or a sequence of tensors to send.
+
+    Returns:
+        ``(tensors, single)``: ``single`` is true when one bare tensor was passed.
+    """
+    single = isinstance(tensors, torch.Tensor)
+    items = [tensors] if single else tensors
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"{what} must be a tensor or a list of tensors, got {type(items).__name__}")
+    if not items:
+        raise ValueError(f"{what} is an empty list: nothing to transfer")
+    out = tuple(_check_tensor(t, i, device, what) for i, t in enumerate(items))
+    _check_one_device(out, what)
+    return out, single
+
+
+def _check_one_device(tensors: Sequence[torch.Tensor], what: str) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{what} mixes devices {sorted(map(str, devices))}: one call moves tensors of one "
+            "device (use a tf.batch() with one send/recv per device)"
+        )
+
+
+def as_recv_list(
+    buffers: Any, device: torch.device, what: str
+) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """Normalises receive buffers: tensors (written in place) or :class:`TensorSpec` (allocated
+    here, on the caller's current stream)."""
+    single = isinstance(buffers, (torch.Tensor, TensorSpec))
+    items = [buffers] if single else buffers
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(
+            f"{what} must be a tensor, a TensorSpec or a list of them, got {type(items).__name__}"
+        )
+    if not items:
+        raise ValueError(f"{what} is an empty list: nothing to transfer")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, TensorSpec):
+            out.append(item.empty(device))
+        elif isinstance(item, torch.Tensor):
+            out.append(_check_tensor(item, i, device, what))
+        else:
+            raise TypeError(
+                f"{what}[{i}] must be a torch.Tensor or a TensorSpec, got {type(item).__name__}"
+            )
+    _check_one_device(out, what)
+    return tuple(out), single
+
+
+def compare(sender: Descriptor, receiver: Descriptor, *, src: int, dst: int) -> None:
+    """Raises :class:`MismatchError` naming the first field where sender and receiver differ.
+
+    Both sides call this on the same pair of descriptors, so both raise the same error.
+    """
+    where = f"rank {src} -> rank {dst}"
+    if len(sender) != len(receiver):
+        raise MismatchError(
+            f"{where}: sender sends {len(sender)} tensor(s), receiver expects {len(receiver)}",
+            field="count",
+        )
+    for i, ((s_dtype, s_shape), (r_dtype, r_shape)) in enumerate(
+        zip(sender, receiver, strict=False)
+    ):
+        if s_dtype != r_dtype:
+            raise MismatchError(
+                f"{where}: tensor {i} dtype differs: sender {s_dtype}, receiver {r_dtype}",
+                field="dtype",
+            )
+        if s_shape != r_shape:
+            raise MismatchError(
+                f"{where}: tensor {i} shape differs: sender {list(s_shape)}, receiver "
+                f"{list(r_shape)}",
+                field="shape",
+            )

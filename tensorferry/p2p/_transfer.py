@@ -1,0 +1,160 @@
+"""``Transfer``: the handle every p2p call returns at once.
+
+A transfer goes through three stages: *submitted* (the call returned), *issued* (headers agreed,
+the transport's device work enqueued; a completion event is recorded after it) and *done*
+(completed by the runtime's completion pool, with a result or an exception). Its callbacks run
+on a completion-pool worker thread, never on the caller's thread or the p2p issuing thread.
+
+Thread-safe: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from tensorferry.errors import TransferTimeoutError
+
+__all__ = ["Transfer"]
+
+# A wait without its own timeout waits for the transfer's deadline plus this grace, so the
+# transfer's own (more precise) error wins over a generic wait timeout.
+_GRACE_S = 5.0
+
+
+class Transfer:
+    """A point-to-point transfer in flight (a send, a receive, a sendrecv or a whole batch).
+
+    Stream ordering (CUDA):
+        - the transfer's device work runs after all work that was queued on the caller's
+          current stream when the call was made (sends read, and receives overwrite, tensors
+          the caller may still have been producing or consuming);
+        - received tensors are safe to use on *any* stream once :meth:`wait` (or
+          :meth:`result`) returned: the data is in device memory;
+        - :meth:`wait_stream` is the non-blocking alternative: it makes a stream (the current
+          one by default) wait for the transfer on the device, without waiting on the host for
+          the transfer itself (only, briefly, for it to be issued).
+          Consumers on other streams can do the same, or ``tensor.record_stream(...)`` as usual.
+
+    Attributes:
+        description: what is transferred, for messages (``"send 2 tensor(s) to rank 1"``).
+    """
+
+    def __init__(self, description: str, *, deadline: float, value: Any = None) -> None:
+        self.description = description
+        self._deadline = deadline
+        self._value = value
+        self._future: Future = Future()
+        self._future.set_running_or_notify_cancel()
+        self._issued = threading.Event()
+        self._done_event: Any = None  # torch.cuda.Event recorded after the device work
+
+    # ------------------------------------------------------------------ futures API
+    def done(self) -> bool:
+        """True once the transfer finished (successfully or not). Never blocks."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Transfer:
+        """Blocks until the transfer finished; returns ``self``.
+
+        Args:
+            timeout: seconds to wait; ``None`` waits until the transfer's own deadline (set by
+                the ``timeout`` of the call, default ``TENSORFERRY_TRANSFER_TIMEOUT_S``).
+
+        Raises:
+            TransferTimeoutError: not finished within ``timeout`` (the transfer itself goes on
+                until its own deadline), or its deadline passed.
+            MismatchError, PeerLostError, TransportError: the transfer failed.
+        """
+        exc = self._wait_exception(timeout)
+        if exc is not None:
+            raise exc
+        return self
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Waits like :meth:`wait` and returns what was received: a tensor or a list of tensors
+        for ``recv`` (mirroring what was passed), the received list for ``sendrecv``, one entry
+        per ``b.recv`` for a batch, ``None`` for a plain ``send``."""
+        self.wait(timeout)
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits like :meth:`wait` and returns the transfer's exception, or ``None``.
+
+        Raises:
+            TransferTimeoutError: not finished within ``timeout``.
+        """
+        return self._wait_exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
+        """Calls ``fn(transfer)`` once done, on a completion-pool thread (at once, on this
+        thread, if already done). Exceptions from ``fn`` are logged and ignored."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    # ------------------------------------------------------------------ streams
+    def wait_stream(self, stream: Any = None, *, timeout: float | None = None) -> None:
+        """Makes ``stream`` (default: the caller's current CUDA stream) wait on the device for
+        this transfer. Blocks the host only until the transfer is issued.
+
+        For CPU transfers (and transfers that already failed) this is :meth:`wait`.
+
+        Raises:
+            TransferTimeoutError: not issued within ``timeout``.
+        """
+        if not self._issued.wait(self._timeout_left(timeout)):
+            raise TransferTimeoutError(f"{self.description}: not issued within the timeout")
+        if self._done_event is None or self._future.done():
+            self.wait(timeout)
+            return
+        import torch
+
+        target = stream if stream is not None else torch.cuda.current_stream()
+        target.wait_event(self._done_event)
+
+    # ------------------------------------------------------------------ internals (p2p layer)
+    def _mark_issued(self, done_event: Any = None) -> None:
+        self._done_event = done_event
+        self._issued.set()
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        """Completes the transfer (first call wins). Runs the callbacks on this thread."""
+        self._issued.set()
+        if self._future.done():
+            return
+        try:
+            if exc is None:
+                self._future.set_result(self._value)
+            else:
+                self._future.set_exception(exc)
+        except Exception:  # already completed by a racing finisher
+            pass
+
+    def _timeout_left(self, timeout: float | None) -> float:
+        if timeout is not None:
+            if timeout < 0:
+                raise ValueError(f"timeout must be >= 0, got {timeout}")
+            return timeout
+        return max(0.0, self._deadline - time.monotonic()) + _GRACE_S
+
+    def _wait_exception(self, timeout: float | None) -> BaseException | None:
+        try:
+            return self._future.exception(self._timeout_left(timeout))
+        except FutureTimeout:
+            raise TransferTimeoutError(
+                f"{self.description}: not finished within "
+                f"{self._timeout_left(timeout) if timeout is not None else 'its deadline'}"
+                f"{' s' if timeout is not None else ''}"
+            ) from None
+        except CancelledError:
+            return TransferTimeoutError(f"{self.description}: cancelled")
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            state = "issued" if self._issued.is_set() else "pending"
+        else:
+            state = "failed" if self._future.exception() is not None else "done"
+        return f"Transfer({self.description!r}, {state})"
