@@ -98,9 +98,9 @@ class _CpuComm:
                     self._cond.wait(0.01)
             for op in self._reads:
                 assert op.edge_id is not None
-                start = time.perf_counter()
-                value = runner.readers[op.edge_id].read(timeout=_FOREVER)
-                runner.record(execution, op, "recv", start)
+                channel = runner.readers[op.edge_id]
+                value = channel.read(timeout=_FOREVER)
+                runner.record(execution, op, "recv", channel.ready_at)
                 with self._cond:
                     self._arrived[(execution, op.edge_id)] = value
                     self._cond.notify_all()
@@ -113,9 +113,9 @@ class _CpuComm:
             if item is None:
                 return
             execution, op, value = item
-            start = time.perf_counter()
-            runner.writers[op.edge_id].write(value, timeout=_FOREVER)
-            runner.record(execution, op, "send", start)
+            channel = runner.writers[op.edge_id]
+            channel.write(value, timeout=_FOREVER)
+            runner.record(execution, op, "send", channel.ready_at)
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -240,9 +240,9 @@ class ScheduleRunner:
                 elif comm is not None:
                     inbox[op.edge_id] = comm.take(execution, op.edge_id)
                 else:
-                    start = time.perf_counter()
-                    inbox[op.edge_id] = self.readers[op.edge_id].read(timeout=_FOREVER)
-                    self.record(execution, op, "main", start)
+                    channel = self.readers[op.edge_id]
+                    inbox[op.edge_id] = channel.read(timeout=_FOREVER)
+                    self.record(execution, op, "main", channel.ready_at)
             elif op.kind is OpKind.COMPUTE:
                 assert op.task_id is not None
                 values[op.task_id] = self._compute(execution, op, inbox, values)
@@ -256,9 +256,9 @@ class ScheduleRunner:
                 elif comm is not None:
                     comm.send(execution, op, value)
                 else:
-                    start = time.perf_counter()
-                    self.writers[op.edge_id].write(value, timeout=_FOREVER)
-                    self.record(execution, op, "main", start)
+                    channel = self.writers[op.edge_id]
+                    channel.write(value, timeout=_FOREVER)
+                    self.record(execution, op, "main", channel.ready_at)
 
     def _arg_sources(self, task_id: int) -> tuple[list, list]:
         """How to fetch each argument of a task, worked out once: ``(where, key, index)``."""
