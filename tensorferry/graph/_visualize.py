@@ -145,9 +145,10 @@ def _draw_schedule(graph: GraphSpec, schedules: Schedules, png_path: Path) -> No
             axes.text(x0 + 0.1 + box_w / 2, y, label, ha="center", va="center", fontsize=6.3,
                       color=colour, fontweight="bold" if op.moved else "normal")  # fmt: skip
             if i:
-                axes.annotate("", (x0 + 0.1 + box_w / 2, y + box_h / 2),
-                              (x0 + 0.1 + box_w / 2, y + 1 - box_h / 2),
-                              arrowprops={"arrowstyle": "-|>", "color": "#aaaaaa", "lw": 0.6})  # fmt: skip
+                middle = x0 + 0.1 + box_w / 2
+                arrow = {"arrowstyle": "-|>", "color": "#aaaaaa", "lw": 0.6}
+                axes.annotate("", (middle, y + box_h / 2), (middle, y + 1 - box_h / 2),
+                              arrowprops=arrow)  # fmt: skip
             if op.edge_id is not None:
                 centre[(actor, op.kind, op.edge_id)] = (x0 + 0.1, y)
     for edge in graph.edges:
@@ -249,7 +250,7 @@ def write_timeline(records: list, path: str | Path, *, last: int | None = None) 
             share = sum(e - s for s, e in hidden) / comm_time
             summary.append(f"{actor}: {share:.0%} of communication overlapped compute")
     for r in records:
-        actor, execution, _, kind, label, lane, start, end = r
+        actor, execution, _, kind, _label, lane, start, end = r
         y = row[(actor, lane)]
         axes.barh(y, max((end - start) * 1e3, 1e-4), left=(start - origin) * 1e3, height=0.6,
                   color=kind_colors[kind], edgecolor="black", linewidth=0.3,
