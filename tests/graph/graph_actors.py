@@ -1,0 +1,55 @@
+"""Actor classes for the end-to-end tests (imported by the actor processes by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+class Calc:
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+        self.calls = 0
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + self.offset
+
+    def mul(self, x: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
+        return x * factor
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    def fail_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        if flag:
+            raise ValueError(f"boom on purpose (sum {float(x.sum()):.3f})")
+        return x
+
+    def die_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        if flag:
+            os._exit(7)
+        return x
+
+    def slow(self, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        time.sleep(seconds)
+        return x
+
+    def structure(self, x: torch.Tensor) -> dict:
+        return {"double": x * 2, "items": [x.sum(), "label", 3]}
+
+    def unpack(self, d: dict) -> torch.Tensor:
+        return d["double"] + d["items"][0]
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+    def count(self) -> int:
+        return self.calls
+
+
+class Broken:
+    def __init__(self) -> None:
+        raise RuntimeError("this actor cannot start")

@@ -1,0 +1,266 @@
+"""End-to-end CPU graphs over real actor processes: results, errors, deaths, teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from graph_actors import Broken, Calc
+
+import tensorferry as tf
+from tensorferry.graph import InputNode, MultiOutputNode, actor
+
+pytestmark = pytest.mark.timeout(120)
+
+CalcActor = actor(Calc)
+
+
+@pytest.fixture(scope="module")
+def trio():
+    handles = [
+        CalcActor.spawn(offset, name=f"calc{i}") for i, offset in enumerate((1.0, 10.0, 100.0))
+    ]
+    yield handles
+    for handle in handles:
+        handle.kill()
+
+
+def no_segments(prefix: str) -> bool:
+    return not glob.glob(f"/dev/shm/{prefix}*")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chain_results_are_right_every_time(trio, overlap):
+    a, b, _ = trio
+    with InputNode() as inp:
+        dag = b.mul.bind(a.add.bind(inp), 3.0)
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for _ in range(50):
+            x = torch.randn(random.randint(1, 64), 3)
+            assert torch.allclose(graph.execute(x).get(timeout=10), (x + 1.0) * 3.0)
+    finally:
+        graph.teardown(kill_actors=False)
+    assert a.is_alive() and b.is_alive()
+
+
+def test_fan_out_fan_in_keywords_and_multi_output(trio):
+    a, b, c = trio
+    with InputNode() as inp:
+        left = a.add.bind(inp[0])
+        right = b.mul.bind(inp[0], factor=inp.scale)
+        joined = c.combine.bind(left, right)
+        dag = MultiOutputNode([joined, left, c.add.bind(right)])
+    graph = dag.compile()
+    try:
+        for _ in range(20):
+            x, scale = torch.randn(5, 7), random.uniform(-2, 2)
+            joined, left, right = graph.execute(x, scale=scale).get(timeout=10)
+            assert torch.allclose(left, x + 1.0)
+            assert torch.allclose(joined, x + 1.0 + x * scale)
+            assert torch.allclose(right, x * scale + 100.0)
+        with pytest.raises(TypeError, match="scale"):
+            graph.execute(torch.ones(1))
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_many_executions_in_flight(trio, overlap):
+    a, b, c = trio
+    with InputNode() as inp:
+        dag = MultiOutputNode([c.add.bind(b.add.bind(a.add.bind(inp)))])
+    graph = dag.compile(overlap_communication=overlap, max_inflight=3)
+    try:
+        inputs = [torch.randn(8, 8) for _ in range(24)]
+        refs = [graph.execute(x) for x in inputs]  # more than max_inflight: execute makes room
+        order = list(range(len(refs)))
+        random.shuffle(order)
+        for i in order:
+            (result,) = refs[i].get(timeout=10)
+            assert torch.allclose(result, inputs[i] + 111.0), i
+        assert refs[order[0]].get() is not None  # a second get returns the kept value
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_actor_error_reaches_get_and_graph_keeps_working(trio):
+    a, b, _ = trio
+    with InputNode() as inp:
+        dag = b.add.bind(a.fail_if.bind(inp[0], inp[1]))
+    graph = dag.compile()
+    try:
+        for step in range(6):
+            x = torch.randn(4)
+            ref = graph.execute(x, step % 2 == 1)
+            if step % 2:
+                with pytest.raises(tf.ActorError) as info:
+                    ref.get(timeout=10)
+                text = str(info.value)
+                assert "boom on purpose" in text and "calc0.fail_if#0" in text
+                assert "Traceback" in text and "graph_actors.py" in text
+            else:
+                assert torch.allclose(ref.get(timeout=10), x + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_structures_and_large_tensors(trio):
+    a, b, _ = trio
+    with InputNode() as inp:
+        dag = b.unpack.bind(a.structure.bind(inp))
+    graph = dag.compile(buffer_size_bytes=64 << 10)  # small slots: large messages relocate
+    try:
+        for n in (3, 300_000, 2_000_000, 10):
+            x = torch.randn(n, dtype=torch.float64)
+            assert torch.allclose(graph.execute(x).get(timeout=30), x * 2 + x.sum())
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_execute_async(trio):
+    a, _, _ = trio
+    with InputNode() as inp:
+        dag = a.mul.bind(inp, 5.0)
+    graph = dag.compile(max_inflight=2)
+
+    async def main():
+        xs = [torch.randn(3) for _ in range(6)]
+        futures = [await graph.execute_async(x) for x in xs]
+        results = [await f for f in futures]
+        return xs, results
+
+    try:
+        xs, results = asyncio.run(main())
+        for x, result in zip(xs, results, strict=True):
+            assert torch.allclose(result, x * 5.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_get_timeout_then_result(trio):
+    a, _, _ = trio
+    with InputNode() as inp:
+        dag = a.slow.bind(inp, 0.5)
+    graph = dag.compile()
+    try:
+        x = torch.randn(2)
+        ref = graph.execute(x)
+        with pytest.raises(tf.TransferTimeoutError):
+            ref.get(timeout=0.05)
+        assert torch.equal(ref.get(timeout=10), x)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_direct_calls_and_busy_actor(trio):
+    a, b, _ = trio
+    assert a.getpid.call() == a.pid
+    with InputNode() as inp:
+        dag = a.add.bind(inp)
+    graph = dag.compile()
+    try:
+        with pytest.raises(RuntimeError, match="already runs a compiled graph"):
+            a.add.bind(InputNode()).compile()
+        with pytest.raises(RuntimeError, match="runs a compiled graph"):
+            a.count.call()
+    finally:
+        graph.teardown(kill_actors=False)
+    assert a.count.call() > 0
+
+
+def test_constructor_error_is_an_actor_error():
+    with pytest.raises(tf.ActorError, match="this actor cannot start"):
+        actor(Broken).spawn()
+
+
+def spawn_pair():
+    return CalcActor.spawn(1.0), CalcActor.spawn(2.0)
+
+
+def test_killed_actor_fails_pending_and_later_gets_promptly():
+    a, b = spawn_pair()
+    with InputNode() as inp:
+        dag = b.add.bind(a.slow.bind(inp, 1.0))
+    graph = dag.compile(max_inflight=2)
+    prefix = graph._executor.prefix
+    try:
+        assert torch.allclose(graph.execute(torch.ones(2)).get(timeout=10), torch.ones(2) + 2)
+        pending = [graph.execute(torch.ones(2)) for _ in range(2)]
+        os.kill(a.pid, signal.SIGKILL)
+        start = time.monotonic()
+        for ref in pending:
+            with pytest.raises(tf.ActorDiedError, match="died"):
+                ref.get(timeout=30)
+        assert time.monotonic() - start < 3.0
+        with pytest.raises(tf.ActorDiedError):
+            graph.execute(torch.ones(2))
+    finally:
+        start = time.monotonic()
+        graph.teardown(timeout=5.0)
+        assert time.monotonic() - start < 6.0
+    assert not a.is_alive() and not b.is_alive()
+    assert no_segments(prefix)
+
+
+def test_actor_exiting_inside_a_method_is_an_actor_died_error():
+    a, b = spawn_pair()
+    with InputNode() as inp:
+        dag = b.add.bind(a.die_if.bind(inp[0], inp[1]))
+    graph = dag.compile()
+    try:
+        assert torch.allclose(
+            graph.execute(torch.zeros(1), False).get(timeout=10), torch.ones(1) * 2
+        )
+        with pytest.raises(tf.ActorDiedError, match="exit code 7"):
+            graph.execute(torch.zeros(1), True).get(timeout=30)
+    finally:
+        graph.teardown(timeout=5.0)
+    assert not a.is_alive() and not b.is_alive()
+
+
+def test_teardown_finishes_in_time_with_a_stuck_method_and_leaves_nothing():
+    a, b = spawn_pair()
+    with InputNode() as inp:
+        dag = MultiOutputNode([b.add.bind(a.slow.bind(inp, 60.0))])
+    graph = dag.compile()
+    prefix = graph._executor.prefix
+    graph.execute(torch.ones(1))
+    time.sleep(0.3)  # a is now inside its 60 s method
+    start = time.monotonic()
+    graph.teardown(timeout=3.0)
+    assert time.monotonic() - start < 4.0
+    assert not a.is_alive() and not b.is_alive()
+    assert no_segments(prefix)
+    graph.teardown()  # idempotent
+    with pytest.raises(RuntimeError, match="torn down"):
+        graph.execute(torch.ones(1))
+
+
+def test_context_manager_tears_down(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORFERRY_VISUALIZE_SCHEDULE", "1")
+    monkeypatch.chdir(tmp_path)
+    a, b = spawn_pair()
+    with InputNode() as inp:
+        dag = b.add.bind(a.add.bind(inp))
+    with dag.compile(overlap_communication=True, profile=True) as graph:
+        for _ in range(5):
+            x = torch.randn(16)
+            assert torch.allclose(graph.execute(x).get(timeout=10), x + 3.0)
+        time.sleep(0.1)
+        records = graph.profile_records()
+        kinds = {r[3] for r in records}
+        assert kinds == {"READ", "COMPUTE", "WRITE"}
+        assert {r[5] for r in records} == {"main", "recv", "send"}
+        png = graph.visualize_timeline(tmp_path / "timeline.png")
+        assert png.stat().st_size > 10_000
+    assert not a.is_alive() and not b.is_alive()
+    pictures = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.startswith("tensorferry-schedule-") and n.endswith(".png") for n in pictures)
+    assert any(n.startswith("tensorferry-schedule-") and n.endswith(".dot") for n in pictures)

@@ -1,0 +1,128 @@
+"""Compile-time checks: each bad graph fails with a GraphCompileError that says what to fix."""
+
+from __future__ import annotations
+
+import pytest
+from graph_fakes import FakeActor
+
+from tensorferry.errors import GraphCompileError
+from tensorferry.graph import DRIVER, InputNode, MultiOutputNode
+from tensorferry.graph._lower import lower, resolve_transport
+
+
+def test_auto_picks_nccl_between_gpus_and_shm_elsewhere():
+    assert resolve_transport("auto", "cuda:0", "cuda:1", where="e") == "nccl"
+    assert resolve_transport("auto", "cuda:0", "cuda:0", where="e") == "shm"
+    assert resolve_transport("auto", "cpu", "cuda:1", where="e") == "shm"
+    assert resolve_transport("shm", "cuda:0", "cuda:1", where="e") == "shm"
+
+
+def test_nccl_between_two_actors_on_one_device_is_rejected():
+    a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:0")
+    with InputNode() as inp:
+        dag = b.consume.bind(a.produce.bind(inp).with_transport("nccl"))
+    with pytest.raises(GraphCompileError, match="same device.*'auto'"):
+        lower(dag)
+    with InputNode() as inp:
+        dag = b.consume.bind(a.produce.bind(inp).with_transport("auto"))
+    graph = lower(dag)
+    assert [e.transport for e in graph.edges if e.src_actor == "A" and e.dst_actor == "B"] == [
+        "shm"
+    ]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "nvlink", "ce"])
+def test_gpu_transports_need_gpus_at_both_ends(transport):
+    a, b = FakeActor("A", "cpu"), FakeActor("B", "cuda:0")
+    with InputNode() as inp:
+        dag = b.consume.bind(a.produce.bind(inp).with_transport(transport))
+    with pytest.raises(GraphCompileError, match="needs CUDA devices"):
+        lower(dag)
+
+
+def test_transport_the_executor_lacks_is_rejected():
+    a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:1")
+    with InputNode() as inp:
+        dag = b.consume.bind(a.produce.bind(inp).with_transport("nvlink"))
+    with pytest.raises(GraphCompileError, match="not available"):
+        lower(dag, available_transports={"shm", "nccl"})
+    assert lower(dag).edges[1].transport == "nvlink"
+
+
+def test_lost_leaf_is_rejected_with_its_name():
+    a = FakeActor("A")
+    with InputNode() as inp:
+        kept = a.produce.bind(inp)
+        a.consume.bind(kept)  # nobody reads this one
+        dag = MultiOutputNode([kept])
+    with pytest.raises(GraphCompileError, match=r"A\.consume.*would be lost"):
+        lower(dag)
+
+
+def test_missing_and_unknown_arguments_are_rejected():
+    a = FakeActor("A")
+    with InputNode() as inp:
+        dag = a.combine.bind(inp)
+    with pytest.raises(GraphCompileError, match="combine.*missing"):
+        lower(dag)
+    with InputNode() as inp:
+        dag = a.consume.bind(inp, y=3)
+    with pytest.raises(GraphCompileError, match="unexpected keyword"):
+        lower(dag)
+
+
+def test_graph_without_input_is_rejected():
+    a = FakeActor("A")
+    dag = a.consume.bind(5)
+    with pytest.raises(GraphCompileError, match="exactly one InputNode"):
+        lower(dag)
+
+
+def test_transport_hint_on_a_method_returning_none_is_rejected():
+    a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:1")
+    with InputNode() as inp:
+        dag = b.consume.bind(a.log.bind(inp).with_transport("nccl"))
+    with pytest.raises(GraphCompileError, match="return no tensor"):
+        lower(dag)
+    with InputNode() as inp:  # unannotated: allowed, checked at run time
+        dag = b.consume.bind(a.anything.bind(inp).with_transport("nccl"))
+    assert lower(dag).tasks[0].returns_tensor is None
+
+
+def test_transport_hint_on_input_is_rejected():
+    a = FakeActor("A")
+    with InputNode() as inp:
+        dag = a.consume.bind(inp[0].with_transport("shm"))
+    with pytest.raises(GraphCompileError, match="only method calls take one"):
+        lower(dag)
+
+
+def test_unknown_transport_is_a_value_error():
+    a = FakeActor("A")
+    with InputNode() as inp, pytest.raises(ValueError, match="transport must be one of"):
+        a.consume.bind(inp).with_transport("carrier-pigeon")
+
+
+def test_outputs_must_be_method_calls():
+    a = FakeActor("A")
+    with InputNode() as inp:
+        node = a.consume.bind(inp)
+        dag = MultiOutputNode([node, inp])
+    with pytest.raises(GraphCompileError, match="outputs must be actor method calls"):
+        lower(dag)
+
+
+def test_edges_inputs_and_outputs():
+    a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:1")
+    with InputNode() as inp:
+        x = a.produce.bind(inp[0])
+        y = b.combine.bind(x, inp.scale)
+        dag = MultiOutputNode([y, x, y])
+    graph = lower(dag)
+    inputs = {e.dst_actor: e.input_keys for e in graph.edges if e.src_actor == DRIVER}
+    assert inputs == {"A": (0,), "B": ("scale",)}
+    assert graph.outputs == (1, 0, 1)
+    outputs = [e for e in graph.edges if e.dst_actor == DRIVER]
+    assert sorted(e.src_task for e in outputs) == [0, 1]  # one edge per distinct output
+    (cross,) = [e for e in graph.edges if e.src_actor == "A" and e.dst_actor == "B"]
+    assert cross.transport == "nccl"  # auto between two GPUs
