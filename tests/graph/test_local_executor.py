@@ -160,7 +160,7 @@ def test_get_timeout_then_result(trio):
 
 
 def test_direct_calls_and_busy_actor(trio):
-    a, b, _ = trio
+    a, _, _ = trio
     assert a.getpid.call() == a.pid
     with InputNode() as inp:
         dag = a.add.bind(inp)

@@ -21,7 +21,7 @@ def test_nccl_between_two_actors_on_one_device_is_rejected():
     a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:0")
     with InputNode() as inp:
         dag = b.consume.bind(a.produce.bind(inp).with_transport("nccl"))
-    with pytest.raises(GraphCompileError, match="same device.*'auto'"):
+    with pytest.raises(GraphCompileError, match=r"same device.*'auto'"):
         lower(dag)
     with InputNode() as inp:
         dag = b.consume.bind(a.produce.bind(inp).with_transport("auto"))
@@ -63,7 +63,7 @@ def test_missing_and_unknown_arguments_are_rejected():
     a = FakeActor("A")
     with InputNode() as inp:
         dag = a.combine.bind(inp)
-    with pytest.raises(GraphCompileError, match="combine.*missing"):
+    with pytest.raises(GraphCompileError, match=r"combine.*missing"):
         lower(dag)
     with InputNode() as inp:
         dag = a.consume.bind(inp, y=3)
