@@ -207,7 +207,12 @@ def _send_lane(
         if error != 0:
             tl.atomic_max(status, error, sem="relaxed", scope="sys")
         tl.store(step_word, step0 + count)
-        tl.store(msg_word, msg + 1)
+        # Every lane's copy of the message count advances, including lanes this launch does
+        # not run (a later message may use more lanes); lane j is written only by lane
+        # j % num_ctas, so no lane of this launch reads a word another lane already wrote.
+        msg_base = local_sig + 4 * lanes + peer * MAX_BLOCKS
+        for j in range(lane, MAX_BLOCKS, num_ctas):
+            tl.store(msg_base + j, msg + 1)
 
 
 @triton.jit
