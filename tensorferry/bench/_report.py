@@ -1,86 +1,88 @@
-"""Benchmark reports: a printed table, plus CSV and Markdown files with the run's provenance."""
+"""Writing benchmark results: a printed table, CSV and Markdown with the run's context."""
 
 from __future__ import annotations
 
 import csv
-import datetime as _dt
-import os
+import datetime
 import platform
-import shlex
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "format_table", "write_report"]
+__all__ = ["context", "write_report"]
 
 
-def environment() -> dict[str, str]:
-    """Hardware and software the numbers were measured on."""
+def context() -> dict[str, str]:
+    """Hardware, versions, date and command of this run."""
     import torch
 
-    info = {
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "command": "tensorferry " + shlex.join(sys.argv[1:]) if sys.argv else "",
-    }
+    import tensorferry
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = "none"
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        info["devices"] = f"{len(names)} × {names[0]}" if len(set(names)) == 1 else ", ".join(names)
-        info["cuda"] = str(torch.version.cuda)
-        try:
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # NCCL missing from this build
-            info["nccl"] = "n/a"
-    else:
-        info["devices"] = f"CPU only ({os.cpu_count()} cores, {platform.machine()})"
-    for env in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
-        if env in os.environ:
-            info[env] = os.environ[env]
-    return info
+        gpus = f"{len(names)} x {names[0]}" if names else "none"
+    import os
 
-
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A fixed-width text table of ``rows`` (floats to 3 significant digits)."""
-    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(lines)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["tensorferry", *sys.argv[1:]]),
+        "cpu": f"{cpu} ({os.cpu_count()} cores)",
+        "gpus": gpus,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-",
+        "tensorferry": tensorferry.__version__,
+    }
 
 
 def write_report(
-    out_dir: str | os.PathLike[str],
     name: str,
-    rows: Sequence[dict[str, Any]],
-    columns: Sequence[str],
+    rows: list[dict[str, Any]],
+    out: str | Path,
     *,
     title: str,
-    notes: Sequence[str] = (),
+    notes: list[str],
 ) -> tuple[Path, Path]:
-    """Writes ``<name>.csv`` and ``<name>.md`` (provenance, table, notes) under ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out / f"{name}.csv", out / f"{name}.md"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+    """Prints ``rows`` as a table and writes ``<out>/<name>.csv`` and ``<out>/<name>.md``."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    columns = list(rows[0]) if rows else []
+    widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns}
+    print(title)
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row[c]).ljust(widths[c]) for c in columns))
+    for note in notes:
+        print(f"note: {note}")
+    csv_path = folder / f"{name}.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    env = environment()
+    info = context()
     lines = [f"# {title}", ""]
-    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- {key}: `{value}`" for key, value in info.items()]
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
     if notes:
-        lines += ["", "Notes:", *(f"- {n}" for n in notes)]
+        lines += ["", "Notes and fairness caveats:", ""] + [f"- {n}" for n in notes]
+    md_path = folder / f"{name}.md"
     md_path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {csv_path} and {md_path}")
     return csv_path, md_path
 
 
-def _cell(value: Any) -> str:
+def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)

@@ -23,14 +23,18 @@ import torch
 __all__ = ["DemoSender", "DemoReceiver", "run_graph_demo", "expected_result"]
 
 
-def _data(seed: int, step: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed * 100_003 + step)
-    return torch.randn(size, size, generator=generator).to(dtype)
+def _data(
+    seed: int, step: int, size: int, dtype: torch.dtype, device: str = "cpu"
+) -> torch.Tensor:
+    # Generated where it is used (a 10000 x 10000 randn on the host takes seconds); the same
+    # seed on the same kind of device gives the same numbers, so the driver can recompute it.
+    generator = torch.Generator(device=device).manual_seed(seed * 100_003 + step)
+    return torch.randn(size, size, generator=generator, device=device).to(dtype)
 
 
-def _weight(size: int, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(7)
-    return (torch.randn(size, size, generator=generator) / size**0.5).to(dtype)
+def _weight(size: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(7)
+    return (torch.randn(size, size, generator=generator, device=device) / size**0.5).to(dtype)
 
 
 class DemoSender:
@@ -40,7 +44,7 @@ class DemoSender:
         self.size, self.dtype, self.device = size, dtype, torch.device(device)
 
     def produce(self, step: int, branch: int) -> torch.Tensor:
-        return _data(branch, step, self.size, self.dtype).to(self.device)
+        return _data(branch, step, self.size, self.dtype, str(self.device))
 
 
 class DemoReceiver:
@@ -48,21 +52,28 @@ class DemoReceiver:
 
     def __init__(self, size: int, dtype: torch.dtype, device: str) -> None:
         self.device = torch.device(device)
-        self.weight = _weight(size, dtype).to(self.device)
+        self.weight = _weight(size, dtype, device)
 
     def consume(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.weight).float().sum(dim=0)
 
 
-def expected_result(step: int, branch: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """What ``consume(produce(step, branch))`` must return, computed in float64 on the host."""
-    x = _data(branch, step, size, dtype).double()
-    return (x @ _weight(size, dtype).double()).sum(dim=0)
+def expected_result(
+    step: int, branch: int, size: int, dtype: torch.dtype, device: str = "cpu"
+) -> torch.Tensor:
+    """What ``consume(produce(step, branch))`` must return, recomputed by the driver.
+
+    On the host in float64; for GPU data (``device`` a CUDA device of the same kind as the
+    sender's) in float32 on that device.
+    """
+    wide = torch.float64 if device == "cpu" else torch.float32
+    x = _data(branch, step, size, dtype, device).to(wide)
+    return (x @ _weight(size, dtype, device).to(wide)).sum(dim=0).double().cpu()
 
 
-def _check(results: list, step: int, size: int, dtype: torch.dtype) -> None:
+def _check(results: list, step: int, size: int, dtype: torch.dtype, device: str = "cpu") -> None:
     for branch, got in enumerate(results):
-        want = expected_result(step, branch, size, dtype)
+        want = expected_result(step, branch, size, dtype, device)
         tolerance = 1e-3 if dtype == torch.float32 else 3e-2
         scale = want.abs().max().item() + 1.0
         error = (got.double().cpu() - want).abs().max().item() / scale
@@ -107,6 +118,7 @@ def run_graph_demo(
     dtype = torch.float16 if on_gpu else torch.float32
     size = size or (8192 if on_gpu else 512)
     say = (lambda *a: None) if quiet else print
+    reference = "cuda:1" if on_gpu else "cpu"  # where the driver recomputes results
     if on_gpu:
         senders = [actor(DemoSender).spawn(size, dtype, "cuda:0", device=0, name="sender")]
         receiver = actor(DemoReceiver).spawn(size, dtype, "cuda:1", device=1, name="receiver")
@@ -128,13 +140,14 @@ def run_graph_demo(
             mode = "on" if overlap else "off"
             graph = dag.compile(overlap_communication=overlap, profile=True)
             try:
-                _check(graph.execute(0).get(timeout=120), 0, size, dtype)
+                _check(graph.execute(0).get(timeout=120), 0, size, dtype, reference)
                 samples = []
                 for step in range(1, iterations + 1):
                     start = time.perf_counter()
                     results = graph.execute(step).get(timeout=120)
                     samples.append(time.perf_counter() - start)
-                    _check(results, step, size, dtype)
+                    if not on_gpu or step in (1, iterations):  # GPU checks cost a matmul
+                        _check(results, step, size, dtype, reference)
                 times[mode] = statistics.median(samples) * 1e3
                 dot, png = graph.visualize_schedule(out / f"schedule_overlap_{mode}")
                 timeline = graph.visualize_timeline(out / f"timeline_overlap_{mode}.png", last=2)
