@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tensorferry.bench._report import write_report
+    from tensorferry.graph._bench_report import write_report
     from tensorferry.graph import InputNode, actor
 
     rows = []
