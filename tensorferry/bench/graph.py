@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tensorferry.graph._bench_report import write_report
     from tensorferry.graph import InputNode, actor
+    from tensorferry.graph._bench_report import write_report
 
     rows = []
     x = torch.randn(16)
