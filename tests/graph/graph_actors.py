@@ -53,3 +53,33 @@ class Calc:
 class Broken:
     def __init__(self) -> None:
         raise RuntimeError("this actor cannot start")
+
+
+class GpuCalc:
+    """GPU-side methods; ``device`` is the actor's CUDA device."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+    def make(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device) * 2
+
+    def make_pair(self, x: torch.Tensor) -> dict:
+        x = x.to(self.device)
+        return {"a": x, "b": [x + 1, "tag"]}
+
+    def fail_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        if flag:
+            raise ValueError("gpu boom on purpose")
+        return x.to(self.device)
+
+    def resize(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.to(self.device)[:n]
+
+    def scale(self, t: torch.Tensor, k: float) -> torch.Tensor:
+        assert t.device == self.device, (t.device, self.device)
+        return (t * k).cpu()
+
+    def unpair(self, d: dict) -> torch.Tensor:
+        assert d["b"][1] == "tag"
+        return (d["a"] + d["b"][0]).cpu()

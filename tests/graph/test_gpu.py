@@ -1,0 +1,125 @@
+"""GPU tier: graphs with CUDA actors (skipped without CUDA; run by scripts/gpu-graph.sh)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from graph_actors import GpuCalc
+
+import tensorferry as tf
+from tensorferry.graph import InputNode, MultiOutputNode, actor
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.timeout(180)
+needs_one = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
+
+Gpu = actor(GpuCalc)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    if GPUS < 2:
+        pytest.skip("needs two CUDA devices")
+    handles = [Gpu.spawn(f"cuda:{i}", device=i, name=f"gpu{i}") for i in range(2)]
+    yield handles
+    for handle in handles:
+        handle.kill()
+
+
+@pytest.mark.multigpu
+@needs_two
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("max_inflight", [1, 3])
+def test_nccl_edge_results(pair, overlap, max_inflight):
+    a, b = pair
+    with InputNode() as inp:
+        sent = a.make.bind(inp[0]).with_transport("nccl")
+        dag = MultiOutputNode([b.scale.bind(sent, inp[1])])
+    graph = dag.compile(overlap_communication=overlap, max_inflight=max_inflight)
+    try:
+        inputs = [(torch.randn(257, 33), float(k)) for k in range(12)]
+        refs = [graph.execute(x, k) for x, k in inputs]
+        for (x, k), ref in zip(inputs, refs, strict=True):
+            (got,) = ref.get(timeout=60)
+            assert torch.allclose(got, x * 2 * k)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
+def test_nccl_structures_static_shapes_and_errors(pair):
+    a, b = pair
+    with InputNode() as inp:
+        structured = b.unpair.bind(a.make_pair.bind(inp[0]).with_transport("auto"))
+        failing = b.scale.bind(
+            a.fail_if.bind(inp[0], inp[1]).with_transport("nccl", static_shape=True), 1.0
+        )
+        resized = b.scale.bind(a.resize.bind(inp[0], inp[2]).with_transport(
+            "nccl", static_shape=True, direct_return=True), 3.0)  # fmt: skip
+        dag = MultiOutputNode([structured, failing, resized])
+    graph = dag.compile(overlap_communication=True)
+    try:
+        x = torch.randn(64)
+        pair_sum, same, tripled = graph.execute(x, False, 64).get(timeout=60)
+        assert torch.allclose(pair_sum, 2 * x + 1)
+        assert torch.allclose(same, x)
+        assert torch.allclose(tripled, 3 * x)
+        with pytest.raises(tf.ActorError, match="gpu boom on purpose"):
+            graph.execute(x, True, 64).get(timeout=60)
+        with pytest.raises(tf.ActorError, match="static_shape"):
+            graph.execute(x, False, 32).get(timeout=60)
+        x = torch.randn(64)
+        assert torch.allclose(graph.execute(x, False, 64).get(timeout=60)[2], 3 * x)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.gpu
+@needs_one
+def test_two_actors_on_one_gpu_use_shared_memory_with_auto():
+    a = Gpu.spawn("cuda:0", device=0)
+    b = Gpu.spawn("cuda:0", device=0)
+    with InputNode() as inp:
+        dag = b.scale.bind(a.make.bind(inp).with_transport("auto"), 5.0)
+    with dag.compile(overlap_communication=True) as graph:
+        assert graph.graph.edges[1].transport == "shm"
+        x = torch.randn(1000)
+        assert torch.allclose(graph.execute(x).get(timeout=60), x * 10)
+    with InputNode() as inp:
+        dag = b.scale.bind(a.make.bind(inp).with_transport("nccl"), 5.0)
+    with pytest.raises(tf.GraphCompileError, match="same device"):
+        dag.compile()
+
+
+@pytest.mark.multigpu
+@needs_two
+def test_killed_gpu_actor_is_reported():
+    a = Gpu.spawn("cuda:0", device=0)
+    b = Gpu.spawn("cuda:1", device=1)
+    with InputNode() as inp:
+        dag = b.scale.bind(a.make.bind(inp).with_transport("nccl"), 1.0)
+    graph = dag.compile(overlap_communication=True)
+    try:
+        x = torch.randn(8)
+        assert torch.allclose(graph.execute(x).get(timeout=60), 2 * x)
+        os.kill(a.pid, signal.SIGKILL)
+        with pytest.raises(tf.ActorDiedError):
+            graph.execute(x).get(timeout=60)
+    finally:
+        graph.teardown(timeout=10.0)
+    assert not a.is_alive() and not b.is_alive()
+
+
+@pytest.mark.multigpu
+@needs_two
+def test_demo_on_two_gpus(tmp_path):
+    from tensorferry.graph.demo import run_graph_demo
+
+    result = run_graph_demo(tmp_path, size=4096, iterations=4, quiet=True)
+    assert result["device"] == "2 GPUs"
+    assert all((tmp_path / p).exists() for p in result["pictures"])
