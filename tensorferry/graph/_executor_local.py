@@ -192,6 +192,7 @@ class LocalExecutor:
             if ready and not self._closing.is_set():
                 index = sentinels[ready[0]]
                 handle = self.handles[self._names[index]]
+                handle._process.join(timeout=1.0)  # reap it so its exit code is known
                 self._dead = (
                     f"actor {handle.name} (pid {handle.pid}) died "
                     f"(exit code {handle._process.exitcode})"

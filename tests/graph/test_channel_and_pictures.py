@@ -1,0 +1,125 @@
+"""Shared-memory channels in one process, and schedule pictures from fake graphs."""
+
+from __future__ import annotations
+
+import glob
+import uuid
+
+import pytest
+import torch
+from graph_fakes import FakeActor
+
+from tensorferry.errors import TransferTimeoutError
+from tensorferry.graph import InputNode, MultiOutputNode, build_schedules
+from tensorferry.graph._channel import (
+    Channel,
+    Control,
+    GraphStopped,
+    PeerDied,
+    RemoteError,
+    unlink_prefix,
+)
+from tensorferry.graph._lower import lower
+from tensorferry.graph._visualize import schedule_dot, write_schedule, write_timeline
+
+
+@pytest.fixture
+def ring():
+    prefix = f"tftest{uuid.uuid4().hex[:8]}"
+    control = Control(f"{prefix}c", create=True)
+    Channel.create(f"{prefix}e", slots=2, slot_size=4096)
+    writer, reader = Channel(f"{prefix}e", control), Channel(f"{prefix}e", control)
+    yield control, writer, reader
+    writer.close()
+    reader.close()
+    control.close()
+    unlink_prefix(prefix)
+    assert not glob.glob(f"/dev/shm/{prefix}*")
+
+
+def test_values_round_trip_in_order(ring):
+    _, writer, reader = ring
+    values = [
+        torch.randn(3, 5),
+        torch.randint(0, 100, (7,), dtype=torch.int64),
+        torch.randn(4, 6).t(),  # not contiguous
+        torch.tensor(2.5, dtype=torch.bfloat16),
+        torch.zeros(0, 3),
+        {"a": [torch.randn(2), "text", 3], "b": (torch.ones(2, dtype=torch.bool),)},
+        torch.randn(100_000),  # larger than a slot: the ring relocates
+        torch.randn(5),
+    ]
+    for value in values:
+        writer.write(value, timeout=1)
+        got = reader.read(timeout=1)
+        if isinstance(value, torch.Tensor):
+            assert got.dtype == value.dtype and torch.equal(got, value)
+        else:
+            assert torch.equal(got["a"][0], value["a"][0]) and got["a"][1:] == ["text", 3]
+            assert torch.equal(got["b"][0], value["b"][0])
+
+
+def test_full_ring_times_out_and_errors_travel(ring):
+    _, writer, reader = ring
+    writer.write(torch.ones(1), timeout=1)
+    writer.write(RemoteError("A.f#0", "ValueError: x", "Traceback ..."), timeout=1)
+    with pytest.raises(TransferTimeoutError):
+        writer.write(torch.ones(1), timeout=0.05)  # two slots, both full
+    assert torch.equal(reader.read(timeout=1), torch.ones(1))
+    error = reader.read(timeout=1)
+    assert isinstance(error, RemoteError) and error.where == "A.f#0"
+    with pytest.raises(TransferTimeoutError):
+        reader.read(timeout=0.05)
+
+
+def test_control_ends_waits(ring):
+    control, _, reader = ring
+    control.mark_dead(2)
+    with pytest.raises(PeerDied) as info:
+        reader.read(timeout=5)
+    assert info.value.index == 2
+    control.stop()
+    assert control.stopped
+
+
+def test_stop_ends_a_wait():
+    prefix = f"tftest{uuid.uuid4().hex[:8]}"
+    control = Control(f"{prefix}c", create=True)
+    Channel.create(f"{prefix}e", slots=1, slot_size=1024)
+    reader = Channel(f"{prefix}e", control)
+    control.stop()
+    with pytest.raises(GraphStopped):
+        reader.read(timeout=5)
+    reader.close()
+    control.close()
+    assert unlink_prefix(prefix) == 2
+
+
+def test_schedule_picture_and_dot(tmp_path):
+    s, r = FakeActor("S", "cuda:0"), FakeActor("R", "cuda:1")
+    with InputNode() as inp:
+        dag = MultiOutputNode(
+            [r.consume.bind(s.produce.bind(inp).with_transport("nccl")) for _ in range(3)]
+        )
+    graph = lower(dag)
+    schedules = build_schedules(graph, overlap=True)
+    dot = schedule_dot(graph, schedules)
+    assert dot.count("subgraph cluster_") == 4  # driver, S, R, legend
+    assert dot.count('color="#d62728", fontcolor="#d62728", penwidth=2') == 2  # moved READs
+    assert 'label="nccl"' in dot
+    dot_path, png_path = write_schedule(graph, schedules, tmp_path / "s.png")
+    assert dot_path.read_text() == dot
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_picture(tmp_path):
+    records = [
+        ("R", 0, 0, "READ", "READ x", "recv", 0.000, 0.004),
+        ("R", 0, 1, "COMPUTE", "COMPUTE y", "main", 0.001, 0.006),
+        ("S", 0, 0, "COMPUTE", "COMPUTE x", "main", 0.000, 0.001),
+        ("S", 0, 1, "WRITE", "WRITE x", "send", 0.001, 0.002),
+    ]
+    png = write_timeline(records, tmp_path / "t.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="profile=True"):
+        write_timeline([], tmp_path / "none.png")
