@@ -273,7 +273,7 @@ def main() -> int:
             ce.sendrecv(x, peer_next, out, peer_prev).wait()
             expect_equal(out, want, f"ce sendrecv {nbytes} B")
 
-        for nbytes in SIZES + [(200 << 20) + 7]:
+        for nbytes in [*SIZES, (200 << 20) + 7]:
             for src in (0, 1):
                 checks.run(
                     f"ce one-way {nbytes} B from {src}", ce_one_way, nbytes, torch.uint8, src

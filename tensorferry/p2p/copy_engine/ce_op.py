@@ -23,9 +23,10 @@ Receiver R, on its own recv stream::
                  write S.FREE(R, slot) = 1
 
 A size or dtype mismatch leaves both streams waiting on the agreement words; the host-side
-``wait(timeout)`` then reads the words the peer posted and raises
-:class:`~tensorferry.MismatchError`. Such a channel is broken (its streams stay blocked) and
-must be closed with ``force=True``.
+``wait(timeout)`` then reads the words the peer posted, satisfies its own streams' waits from the
+host until they drain (so the caller's stream is not blocked forever; the receive tensor holds
+garbage) and raises :class:`~tensorferry.MismatchError`. Such a channel is broken; close it
+with ``force=True``.
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class CopyEngineChannel:
         self._diag_stream = torch.cuda.Stream(self.device)
         self._broken: str | None = None
         self._closed = False
+        self._last_events: list[Any] = []
         dist.barrier(group=group)
         log.info(
             "copy-engine channel rank %d/%d on %s: %d x %d B slots",
@@ -273,6 +275,7 @@ class CopyEngineChannel:
             checks.append(("send", send_peer, agreement_codes(send.nbytes, send.dtype)))
         for event in events:
             caller.wait_event(event)
+        self._last_events = events
         return CeTransfer(self, events, checks)
 
     def _issue_send(self, tensor: torch.Tensor, peer: int, start: Any) -> Any:
@@ -342,6 +345,7 @@ class CopyEngineChannel:
             got_n, got_d = int(words[base]), int(words[base + 1])
             if got_n and got_n != nbytes_code:
                 self._broken = "nbytes mismatch"
+                self._drain(checks)
                 raise MismatchError(
                     f"rank {self.rank}: {role} to/from rank {peer}: the peer's message has a "
                     "different size",
@@ -349,6 +353,7 @@ class CopyEngineChannel:
                 )
             if got_d and got_d != dtype_word:
                 self._broken = "dtype mismatch"
+                self._drain(checks)
                 raise MismatchError(
                     f"rank {self.rank}: {role} to/from rank {peer}: the peer's dtype differs",
                     field="dtype",
@@ -357,6 +362,29 @@ class CopyEngineChannel:
         raise TransferTimeoutError(
             f"rank {self.rank}: copy-engine transfer did not finish in time (peer absent?)"
         )
+
+    def _drain(self, checks: list[tuple], budget_s: float = 2.0) -> None:
+        """After a mismatch, satisfies our own streams' waits from the host until they finish,
+        so the caller's stream (which waits on them) is not blocked forever. What lands in the
+        receive tensor is then garbage — the caller gets the MismatchError instead."""
+        lay = self.layout
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline and not all(
+            e.query() for e in self._pending_events(checks)
+        ):
+            with torch.cuda.stream(self._diag_stream):
+                for role, peer, (nbytes_code, dtype_word) in checks:
+                    base = lay.post(peer) if role == "send" else lay.sent(peer)
+                    self._flags[base] = nbytes_code
+                    self._flags[base + 1] = dtype_word
+                    for slot in range(lay.num_slots):
+                        word = lay.free(peer, slot) if role == "send" else lay.ready(peer, slot)
+                        self._flags[word] = 1
+            self._diag_stream.synchronize()
+            time.sleep(1e-3)
+
+    def _pending_events(self, checks: list[tuple]) -> list[Any]:
+        return [e for e in self._last_events if e is not None]
 
     @property
     def broken(self) -> str | None:

@@ -125,7 +125,7 @@ class NvlinkChannel:
 
     # ------------------------------------------------------------------ transfers
     def send(self, tensor: torch.Tensor, peer: int, **options: Any) -> None:
-        """One-way send of ``tensor`` to ``peer`` (which calls :meth:`recv`). See :meth:`sendrecv`."""
+        """One-way send to ``peer`` (which calls :meth:`recv`); see :meth:`sendrecv`."""
         self.sendrecv(tensor, peer, None, None, **options)
 
     def recv(self, tensor: torch.Tensor, peer: int, **options: Any) -> None:
