@@ -23,9 +23,7 @@ import torch
 __all__ = ["DemoSender", "DemoReceiver", "run_graph_demo", "expected_result"]
 
 
-def _data(
-    seed: int, step: int, size: int, dtype: torch.dtype, device: str = "cpu"
-) -> torch.Tensor:
+def _data(seed: int, step: int, size: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     # Generated where it is used (a 10000 x 10000 randn on the host takes seconds); the same
     # seed on the same kind of device gives the same numbers, so the driver can recompute it.
     generator = torch.Generator(device=device).manual_seed(seed * 100_003 + step)
