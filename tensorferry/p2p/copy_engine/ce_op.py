@@ -137,6 +137,8 @@ class CopyEngineChannel:
         slot_bytes: bytes per staging slot (largest chunk).
         num_slots: staging slots per source rank.
         timeout_s: default bound of :meth:`CeTransfer.wait`.
+        members: instead of ``group``, ``(group name, rank, world size, store)`` of a
+            symmetric-memory group registered here (the transport's pair channels).
     """
 
     def __init__(
@@ -147,11 +149,17 @@ class CopyEngineChannel:
         slot_bytes: int = 32 << 20,
         num_slots: int = 2,
         timeout_s: float = 60.0,
+        members: tuple[str, int, int, Any] | None = None,
     ) -> None:
         import torch.distributed as dist
         from torch.distributed import _symmetric_memory as symm_mem
 
         from tensorferry.runtime import Client
+
+        store = None
+        if members is not None:
+            group_name, rank, world_size, store = members
+            symm_mem._SymmetricMemory.set_group_info(group_name, rank, world_size, store)
 
         if not _streamops.available():
             raise TransportError("the copy-engine transport needs cuda-python (cuda.bindings)")
@@ -166,9 +174,10 @@ class CopyEngineChannel:
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"device must be an indexed CUDA device, got {self.device}")
-        self.group_name = group_name_of(group)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        if members is None:
+            group_name = group_name_of(group)
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self.layout = CeLayout(self.world_size, num_slots)
@@ -199,7 +208,15 @@ class CopyEngineChannel:
         self._broken: str | None = None
         self._closed = False
         self._last_events: list[Any] = []
-        dist.barrier(group=group)
+        if store is not None:
+            store.add("ce-ready", 1)
+            deadline = time.monotonic() + 300
+            while int(store.add("ce-ready", 0)) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError("copy-engine channel: peers did not initialise")
+                time.sleep(1e-3)
+        else:
+            dist.barrier(group=group)
         log.info(
             "copy-engine channel rank %d/%d on %s: %d x %d B slots",
             self.rank,
@@ -389,6 +406,11 @@ class CopyEngineChannel:
     @property
     def broken(self) -> str | None:
         return self._broken
+
+    def abort(self) -> None:
+        """Drops the channel without waiting (its streams may be blocked)."""
+        self._broken = self._broken or "aborted"
+        self.close(force=True)
 
     def close(self, *, force: bool = False) -> None:
         """Releases buffers and streams. A broken channel's streams may be blocked forever:

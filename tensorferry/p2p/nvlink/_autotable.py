@@ -18,14 +18,15 @@ __all__ = ["AutoTable", "DEFAULT_TABLES", "TRANSPORTS", "default_table"]
 TRANSPORTS = ("nvlink", "ce", "nccl")
 MODES = ("one_way", "both")
 
-# Measured on 2 x H200 (benchmarks/results/sendrecv_h200x2_2026-11-21.md): the NVLink kernels
-# win at every size; the copy engine is the choice when compute runs at the same time (no SMs)
-# or when no CTA may be spent. H100 is not measured here: it ships the same rules.
+# 2 x H200, one way, graph-replayed (benchmarks/results/sendrecv_h200x2_2026-11-21.md):
+# up to 64 KiB NCCL (9.7-10.6 µs) beat the staged NVLink kernel (11.1-13.1 µs). Larger sizes
+# and both-ways were not measured yet: above 64 KiB the rule follows the design expectation
+# (NVLink kernels), to be replaced by a `--tune` table. H100 is not measured: same rules.
 _H200 = {
     "device": "NVIDIA H200",
     "rules": {
-        "one_way": [[None, "nvlink"]],
-        "both": [[None, "nvlink"]],
+        "one_way": [[64 << 10, "nccl"], [None, "nvlink"]],
+        "both": [[64 << 10, "nccl"], [None, "nvlink"]],
     },
     "concurrent_compute_min_bytes": 1 << 20,
     "min_ctas_for_nvlink": 1,

@@ -8,6 +8,7 @@ documented in ``sendrecv.py``. A channel is not thread-safe: one thread issues o
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -68,8 +69,15 @@ class NvlinkChannel:
     """
 
     def __init__(
-        self, group: Any = None, *, device: Any = None, config: ChannelConfig | None = None
+        self,
+        group: Any = None,
+        *,
+        device: Any = None,
+        config: ChannelConfig | None = None,
+        members: tuple[str, int, int, Any] | None = None,
     ) -> None:
+        """``members``: instead of a process group, ``(group name, rank, world size, store)``
+        of a symmetric-memory group registered here (the pair channels of the transport)."""
         import torch.distributed as dist
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -82,9 +90,16 @@ class NvlinkChannel:
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"device must be an indexed CUDA device, got {self.device}")
         self.group = group
-        self.group_name = _symm.group_name_of(group)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self._store = None
+        if members is not None:
+            self.group_name, self.rank, self.world_size, self._store = members
+            symm_mem._SymmetricMemory.set_group_info(
+                self.group_name, self.rank, self.world_size, self._store
+            )
+        else:
+            self.group_name = _symm.group_name_of(group)
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
         if self.world_size < 2:
             raise ValueError("an NVLink channel needs a group of at least 2 ranks")
         self.layout = SignalLayout(self.world_size, self.config.max_blocks)
@@ -113,7 +128,15 @@ class NvlinkChannel:
         self._broken: str | None = None
         self._closed = False
         # Every rank's signals are zero before any peer may write them.
-        dist.barrier(group=group, device_ids=[self.device.index])
+        if self._store is not None:
+            self._store.add("zeroed", 1)
+            deadline = time.monotonic() + 300
+            while int(self._store.add("zeroed", 0)) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError("NVLink channel: peers did not initialise")
+                time.sleep(1e-3)
+        else:
+            dist.barrier(group=group, device_ids=[self.device.index])
         log.info(
             "nvlink channel rank %d/%d on %s: %d signal words, %d staging bytes",
             self.rank,
@@ -318,6 +341,13 @@ class NvlinkChannel:
         self._peer_sig = self._peer_stage = []
         self._handles = ()
         self._sig = self._stage = self._zc_delta = None
+
+    def abort(self) -> None:
+        """Drops the buffers without waiting for queued kernels (they end at their timeout)."""
+        self._broken = self._broken or "aborted"
+        self._closed = True
+        self._peer_sig = self._peer_stage = []
+        self._handles = ()
 
     def __enter__(self) -> NvlinkChannel:
         return self
