@@ -21,6 +21,24 @@ from tensorferry.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from tensorferry.graph import actor
+from tensorferry.p2p import (
+    Batch,
+    TensorSpec,
+    Transfer,
+    batch,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+    prepare,
+    recv,
+    register_transport,
+    ring_all_gather,
+    send,
+    sendrecv,
+    shutdown,
+)
 from tensorferry.runtime import Client, ClientConfig
 
 __version__ = "0.1.0"
@@ -29,6 +47,24 @@ __all__ = [
     "runtime",
     "Client",
     "ClientConfig",
+    # point to point
+    "init",
+    "shutdown",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "prepare",
+    "send",
+    "recv",
+    "sendrecv",
+    "batch",
+    "Batch",
+    "ring_all_gather",
+    "Transfer",
+    "TensorSpec",
+    "register_transport",
+    # graphs
+    "actor",
     "TensorFerryError",
     "ClientClosedError",
     "TransferTimeoutError",
