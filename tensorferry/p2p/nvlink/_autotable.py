@@ -8,10 +8,11 @@ for H100/H200 ship in :data:`DEFAULT_TABLES`. Pure Python, testable without a GP
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from tensorferry import envs
 
 __all__ = ["AutoTable", "DEFAULT_TABLES", "TRANSPORTS", "default_table"]
 
@@ -163,7 +164,7 @@ class AutoTable:
 def default_table(device_name: str | None = None) -> AutoTable:
     """The table for this machine: ``TENSORFERRY_AUTO_TABLE`` (a JSON path) if set, else the
     shipped default matching ``device_name`` (H100/H200), else the H200 one."""
-    path = os.environ.get("TENSORFERRY_AUTO_TABLE", "")
+    path = envs.auto_table_path()
     if path:
         return AutoTable.load(path)
     if device_name is None:
