@@ -94,7 +94,9 @@ class P2PContext:
             torch.cuda.set_device(self.device)
 
     def peer_address(self, rank: int) -> str:
-        return self.store.get(f"addr/{rank}").decode()
+        # Own client connection: this wait must not queue behind a pair's rendezvous.
+        store = self.store.clone() if hasattr(self.store, "clone") else self.store
+        return store.get(f"addr/{rank}").decode()
 
     # ------------------------------------------------------------------ transports
     def transport(self, name: str) -> Transport:

@@ -120,6 +120,9 @@ class _Peer:
     said_bye: bool = False
     prepared: dict = field(default_factory=dict)  # transport -> "running" | "done"
     future_frames: list = field(default_factory=list)
+    # Per channel: messages of a static channel the peer numbered (and failed) before a fault
+    # that we have not posted yet; ours fail on arrival. {kind: (count, error)}
+    debts: dict = field(default_factory=dict)
     channels: dict = field(default_factory=lambda: {"send": _Channel(), "recv": _Channel()})
 
 
@@ -293,6 +296,7 @@ class Engine:
         rank = peer.rank
 
         def connect() -> None:
+            log.debug("p2p: connecting to rank %d", rank)
             try:
                 sock = _link.connect(
                     self.ctx.peer_address(rank), my_rank=self.rank, timeout=self.ctx.timeout_s
@@ -392,14 +396,39 @@ class Engine:
             if peer.lost is not None:
                 self._finish(unit, PeerLostError(str(peer.lost)))
                 return
+        debt_error = self._pay_debts(unit)
+        if debt_error is not None:
+            unit.state = "waiting"  # so _fail_unit cascades to the unit's other peers
+            self._units.append(unit)
+            self._fail_unit(unit, debt_error, cascade=True, skip_peer=None)
+            return
         unit.state = "waiting"
         self._units.append(unit)
         for message in unit.messages:
             self._number(self._peer(message.op.peer), message)
             self._ensure_prepared(self._peer(message.op.peer), message.transport)
 
+    def _pay_debts(self, unit: Unit) -> BaseException | None:
+        """The error of a debt ``unit`` pays off (see ``_Peer.debts``), else ``None``."""
+        error = None
+        for message in unit.messages:
+            peer = self._peer(message.op.peer)
+            count, err = peer.debts.get(message.op.kind, (0, None))
+            if count > 0:
+                peer.debts[message.op.kind] = (count - 1, err)
+                error = error or err
+        return error
+
     def _number(self, peer: _Peer, message: Message) -> None:
         channel = peer.channels[message.op.kind]
+        log.debug(
+            "p2p: %s message %d, epoch %d, peer %d, static agreed %s",
+            message.op.kind,
+            channel.next_seq,
+            peer.epoch,
+            peer.rank,
+            channel.static_desc is not None,
+        )
         message.seq = channel.next_seq
         message.epoch = peer.epoch
         message.header = None
@@ -436,11 +465,13 @@ class Engine:
         epoch, rank = peer.epoch, peer.rank
 
         def prepare() -> None:
+            log.debug("p2p: preparing %s with rank %d (epoch %d)", transport, rank, epoch)
             try:
                 self.ctx.transport(transport).prepare([rank])
                 error = None
             except BaseException as exc:
                 error = exc
+            log.debug("p2p: prepared %s with rank %d: %s", transport, rank, error or "ok")
             self.call(lambda: self._on_prepared(rank, transport, epoch, error))
 
         self._helpers.submit(prepare)
@@ -562,6 +593,7 @@ class Engine:
         )
 
     def _issue(self, unit: Unit) -> None:
+        log.debug("p2p: issuing %s", unit.transfer.description)
         self._units.remove(unit)
         unit.state = "issued"
         self._issued.add(unit)
@@ -678,7 +710,11 @@ class Engine:
         """Moves the pair to its next epoch; see the module docstring."""
         old_epoch = peer.epoch
         if notify:
-            counts = {kind: peer.channels[kind].next_seq for kind in ("send", "recv")}
+            # Only messages both sides numbered (headers agreed, or static) count as matched:
+            # the peer fails its counterparts of those and renumbers the rest. A message the
+            # peer had not yet posted is simply dropped; if it posts it later, it becomes the
+            # first message of the new epoch.
+            counts = {kind: self._agreed_count(peer.channels[kind]) for kind in ("send", "recv")}
             field_name = getattr(err, "field", None)
             self._send_frame(
                 peer,
@@ -691,7 +727,13 @@ class Engine:
                     "msg": str(err),
                 },
             )
-        log.info("p2p: pair with rank %d faulted in epoch %d: %s", peer.rank, old_epoch, err)
+        log.info(
+            "p2p: pair with rank %d faulted in epoch %d (%s): %s",
+            peer.rank,
+            old_epoch,
+            "ours" if matched is None else f"theirs, matched {matched}",
+            err,
+        )
         # Messages the faulting side numbered failed with it; ours after those are renumbered.
         keep: list[Message] = []
         doomed: list[Unit] = []
@@ -710,12 +752,26 @@ class Engine:
                 elif unit not in doomed:
                     doomed.append(unit)
         keep = [m for m in keep if self._unit_of(m) not in doomed]
+        debts = {}
+        for kind in ("send", "recv") if matched is not None else ():
+            owed = matched[kind] - peer.channels[kind].next_seq
+            if owed > 0:  # only on static channels: see _agreed_count
+                debts[kind] = (owed, err)
         self._new_epoch(peer, abort=True, reason=str(err))
+        peer.debts = debts
         for unit in doomed:
             self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
         for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
             self._number(peer, message)
             self._ensure_prepared(peer, message.transport)
+
+    @staticmethod
+    def _agreed_count(channel: _Channel) -> int:
+        # On a static channel every message is matched one to one without negotiation, so
+        # all numbered ones count (the peer will post them: it promised static shapes).
+        if channel.static_desc is not None or not channel.waiting:
+            return channel.next_seq
+        return channel.waiting[0].seq  # everything before the oldest unresolved message
 
     def _new_epoch(self, peer: _Peer, *, abort: bool, reason: str) -> None:
         peer.epoch += 1

@@ -156,12 +156,18 @@ class TransportContext:
 
     def pair_store(self, peer: int, purpose: str) -> Any:
         """A store private to this pair, its current epoch and ``purpose`` (e.g. the transport
-        name). Both ranks of the pair get the same prefix; no other rank uses it."""
+        name). Both ranks of the pair get the same prefix; no other rank uses it.
+
+        It is a fresh client connection where the store supports ``clone()``: a blocking wait
+        on one pair's rendezvous must not hold up another pair's (TCPStore clients serialise
+        their requests, so a shared client could deadlock rendezvous around a ring).
+        """
         import torch.distributed as dist
 
         lo, hi = self.pair(peer)
         prefix = f"pair/{lo}-{hi}/epoch{self.epoch_of(peer)}/{purpose}"
-        return dist.PrefixStore(prefix, self.store)
+        base = self.store.clone() if hasattr(self.store, "clone") else self.store
+        return dist.PrefixStore(prefix, base)
 
 
 class PendingOps(abc.ABC):

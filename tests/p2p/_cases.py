@@ -1,0 +1,408 @@
+"""Test cases run inside the worker processes (one call per rank; see ``_pool.py``).
+
+Each case takes ``(rank, world, *args)``, checks what it received byte for byte against a
+payload both sides derive from (src, dst, tag), and returns something small for the test to
+assert on. Outputs are poisoned before receiving so a transfer that writes nothing fails.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+import tensorferry.p2p as tf
+from tensorferry.errors import MismatchError, PeerLostError, TransferTimeoutError
+
+T = 10.0  # seconds: every wait in these cases is bounded
+
+
+def payload(src: int, dst: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """Random data both sides can derive: seeded by (src, dst, tag), rank-encoded."""
+    gen = torch.Generator().manual_seed(src * 1_000_003 + dst * 1_009 + tag)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) + src * 100).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    return torch.randint(0, 120, shape, generator=gen).to(dtype) + src
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype)
+    t.view(-1).view(torch.uint8).fill_(0xA5) if t.numel() else None
+    return t
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+SHAPES = [
+    ((), torch.float32),
+    ((7,), torch.int64),
+    ((3, 5), torch.bfloat16),
+    ((33,), torch.bool),
+    ((0, 4), torch.float32),
+    ((128, 1024), torch.float32),  # 512 KiB: sent alone (not packed)
+    ((2, 3, 4), torch.uint8),
+]
+
+
+# ---------------------------------------------------------------------- basic API
+def send_recv_all_dtypes(rank: int, world: int, tag: int) -> str:
+    """Rank 0 sends a many-dtype message to rank 1 (tensors) and rank 1 → 0 (specs)."""
+    if rank == 0:
+        out = [payload(0, 1, tag + i, s, d) for i, (s, d) in enumerate(SHAPES)]
+        h = tf.send(out, 1)
+        specs = [tf.TensorSpec(s, d) for s, d in SHAPES]
+        got = tf.recv(specs, 1).result(T)
+        h.wait(T)
+        assert h.done() and h.exception() is None and h.result() is None
+        expect = [payload(1, 0, tag + i, s, d) for i, (s, d) in enumerate(SHAPES)]
+    elif rank == 1:
+        got_buffers = [poisoned(s, d) for s, d in SHAPES]
+        h = tf.recv(got_buffers, 0)
+        back = [payload(1, 0, tag + i, s, d) for i, (s, d) in enumerate(SHAPES)]
+        tf.send(back, 0).wait(T)
+        got = h.result(T)
+        assert all(g is b for g, b in zip(got, got_buffers, strict=True)), "recv into buffers"
+        expect = [payload(0, 1, tag + i, s, d) for i, (s, d) in enumerate(SHAPES)]
+    else:
+        return "idle"
+    assert isinstance(got, list) and len(got) == len(expect)
+    for i, (g, e) in enumerate(zip(got, expect, strict=True)):
+        assert same_bytes(g, e), f"tensor {i} ({e.dtype}, {tuple(e.shape)}) differs"
+    return "ok"
+
+
+def single_tensor_and_callbacks(rank: int, world: int) -> dict:
+    """A bare tensor in, a bare tensor out; callbacks run off the caller's thread."""
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 registers its callback before anything can arrive
+        tf.send(payload(1, 0, 7, (64,), torch.float32), 0).wait(T)
+        return {}
+    if rank != 0:
+        return {}
+    seen = {}
+    done = threading.Event()
+
+    def callback(transfer: tf.Transfer) -> None:
+        seen["thread"] = threading.current_thread().name
+        seen["done"] = transfer.done()
+        done.set()
+
+    h_recv = tf.recv(tf.TensorSpec((64,), torch.float32), 1)
+    h_recv.add_done_callback(callback)
+    got = h_recv.result(T)
+    assert done.wait(T)
+    assert isinstance(got, torch.Tensor)
+    assert same_bytes(got, payload(1, 0, 7, (64,), torch.float32))
+    late = []
+    h_recv.add_done_callback(lambda t: late.append(threading.current_thread().name))
+    return {
+        "callback_thread": seen["thread"],
+        "caller_thread": threading.current_thread().name,
+        "callback_saw_done": seen["done"],
+        "late_callback_ran": late == [threading.current_thread().name],
+        "repr": repr(h_recv),
+    }
+
+
+def ring_sendrecv(rank: int, world: int, rounds: int) -> str:
+    """sendrecv with send_peer = rank+1 ≠ recv_peer = rank-1, several rounds back to back."""
+    right, left = (rank + 1) % world, (rank - 1) % world
+    handles = []
+    for r in range(rounds):
+        out = payload(rank, right, 100 + r, (1000 + r,), torch.float32)
+        into = poisoned((1000 + r,), torch.float32)
+        handles.append((tf.sendrecv(out, right, into, left), into, r))
+    for h, into, r in handles:
+        got = h.result(T)
+        assert got is into
+        assert same_bytes(into, payload(left, rank, 100 + r, (1000 + r,), torch.float32)), r
+    return "ok"
+
+
+def mixed_batch(rank: int, world: int, tag: int) -> int:
+    """One batch: to every peer several sends, from every peer several receives."""
+    recvs = []
+    with tf.batch() as b:
+        for peer in range(world):
+            if peer == rank:
+                continue
+            sizes = [(16,), (3, 300), (70_000,)]  # the last is 273 KiB: sent alone
+            b.send(
+                [payload(rank, peer, tag + i, s, torch.float32) for i, s in enumerate(sizes)], peer
+            )
+            b.send(payload(rank, peer, tag + 50, (5,), torch.int32), peer)
+            got = b.recv([tf.TensorSpec(s, torch.float32) for s in sizes], peer)
+            into = poisoned((5,), torch.int32)
+            got2 = b.recv(into, peer)
+            assert got2 is into
+            recvs.append((peer, sizes, got, into))
+    b.wait(T)
+    assert len(b.result()) == 2 * (world - 1)
+    checked = 0
+    for peer, sizes, got, into in recvs:
+        for i, s in enumerate(sizes):
+            assert same_bytes(got[i], payload(peer, rank, tag + i, s, torch.float32))
+            checked += 1
+        assert same_bytes(into, payload(peer, rank, tag + 50, (5,), torch.int32))
+        checked += 1
+    return checked
+
+
+def many_small_batch(rank: int, world: int, count: int) -> str:
+    """``count`` tensors of 4 KiB in one batch (the packed path) and as separate calls."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    if rank == 0:
+        with tf.batch() as b:
+            for i in range(count):
+                b.send(payload(0, 1, 1000 + i, (1024,), torch.float32), 1)
+        b.wait(T)
+        hs = [tf.send(payload(0, 1, 3000 + i, (1024,), torch.float32), 1) for i in range(count)]
+        for h in hs:
+            h.wait(T)
+        return "sent"
+    into = [poisoned((1024,), torch.float32) for _ in range(count)]
+    with tf.batch() as b:
+        for t in into:
+            b.recv(t, peer)
+    b.wait(T)
+    into2 = [poisoned((1024,), torch.float32) for _ in range(count)]
+    hs = [tf.recv(t, peer) for t in into2]
+    for h in hs:
+        h.wait(T)
+    for i in range(count):
+        assert same_bytes(into[i], payload(0, 1, 1000 + i, (1024,), torch.float32)), i
+        assert same_bytes(into2[i], payload(0, 1, 3000 + i, (1024,), torch.float32)), i
+    return "ok"
+
+
+def all_gather(rank: int, world: int, stacked: bool) -> str:
+    shape = (3, 5)
+    inp = payload(rank, rank, 77, shape, torch.float32)
+    out = poisoned((world, *shape) if stacked else (world * 15,), torch.float32)
+    result = tf.ring_all_gather(out, inp).result(T)
+    assert result is out
+    rows = out.view(world, *shape)
+    for r in range(world):
+        assert same_bytes(rows[r].contiguous(), payload(r, r, 77, shape, torch.float32)), r
+    return "ok"
+
+
+# ---------------------------------------------------------------------- static and mismatch
+def static_channel(rank: int, world: int, steps: int) -> str:
+    if rank > 1:
+        return "idle"
+    for step in range(steps):
+        if rank == 0:
+            tf.send(payload(0, 1, 500 + step, (4, 4), torch.float32), 1, static=True).wait(T)
+        else:
+            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True).result(T)
+            assert same_bytes(got, payload(0, 1, 500 + step, (4, 4), torch.float32)), step
+    return "ok"
+
+
+def static_broken(rank: int, world: int) -> str | None:
+    """After the static agreement, the sender changes the shape: both sides must raise."""
+    if rank > 1:
+        return None
+    try:
+        if rank == 0:
+            tf.send(torch.zeros(5, 4), 1, static=True).wait(T)
+        else:
+            tf.recv(tf.TensorSpec((4, 4)), 0, static=True).wait(T)
+    except MismatchError as exc:
+        return exc.field
+    raise AssertionError("no MismatchError")
+
+
+def mismatch(rank: int, world: int, kind: str) -> str | None:
+    """Sender and receiver disagree on ``kind``; returns the field each side saw."""
+    if rank > 1:
+        return None
+    send = [torch.zeros(4), torch.ones(2)]
+    recv = [torch.zeros(4), torch.ones(2)]
+    if kind == "count":
+        recv = recv[:1]
+    elif kind == "dtype":
+        recv[1] = torch.ones(2, dtype=torch.float64)
+    elif kind == "shape":
+        recv[0] = torch.zeros(5)
+    poison = [r.clone() for r in recv]
+    try:
+        if rank == 0:
+            tf.send(send, 1).wait(T)
+        else:
+            tf.recv(recv, 0).wait(T)
+    except MismatchError as exc:
+        if rank == 1:
+            assert all(torch.equal(r, p) for r, p in zip(recv, poison, strict=True)), "wrote"
+        return exc.field
+    raise AssertionError("no MismatchError")
+
+
+# ---------------------------------------------------------------------- validation
+def bad_arguments(rank: int, world: int) -> list[str]:
+    """Every bad call raises TypeError/ValueError before anything moves."""
+    peer = (rank + 1) % world
+    x = torch.zeros(4)
+    calls = {
+        "self": lambda: tf.send(x, rank),
+        "out of range": lambda: tf.send(x, world),
+        "negative": lambda: tf.recv(x, -1),
+        "bool peer": lambda: tf.send(x, True),
+        "str peer": lambda: tf.send(x, "1"),
+        "non-contiguous": lambda: tf.send(torch.zeros(4, 4).t(), peer),
+        "empty list": lambda: tf.send([], peer),
+        "not a tensor": lambda: tf.send([x, 3], peer),
+        "numpy": lambda: tf.send(x.numpy(), peer),
+        "spec shape": lambda: tf.recv(tf.TensorSpec("abc"), peer),
+        "cpu on nccl": lambda: tf.send(x, peer, transport="nccl"),
+        "unknown transport": lambda: tf.send(x, peer, transport="pigeon"),
+        "static not bool": lambda: tf.send(x, peer, static=1),
+        "bad timeout": lambda: tf.send(x, peer, timeout=-1),
+        "empty batch": lambda: tf.batch().__enter__().__exit__(None, None, None),
+        "gather shape": lambda: tf.ring_all_gather(torch.zeros(3), torch.zeros(2)),
+        "gather dtype": lambda: tf.ring_all_gather(
+            torch.zeros(world * 2, dtype=torch.int32), torch.zeros(2)
+        ),
+        "meta device": lambda: tf.send(torch.zeros(2, device="meta"), peer),
+    }
+    outcomes = []
+    for name, call in calls.items():
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            outcomes.append(f"{name}: {type(exc).__name__}")
+            continue
+        raise AssertionError(f"{name}: no error")
+    return outcomes
+
+
+# ---------------------------------------------------------------------- faults
+def timeout_unmatched(rank: int, world: int) -> float:
+    """Rank 0 sends to rank 1, which never receives: TransferTimeoutError within the timeout."""
+    if rank != 0:
+        time.sleep(0.2)
+        return 0.0
+    t0 = time.monotonic()
+    h = tf.send(torch.ones(8), 1, timeout=1.0)
+    try:
+        h.wait()
+    except TransferTimeoutError:
+        return time.monotonic() - t0
+    raise AssertionError("no TransferTimeoutError")
+
+
+def wait_timeout_then_complete(rank: int, world: int) -> str:
+    """wait(timeout) on a transfer whose peer is late raises, and the transfer goes on."""
+    if rank > 1:
+        return "idle"
+    if rank == 1:
+        time.sleep(0.6)
+        tf.send(payload(1, 0, 9, (8,), torch.float32), 0).wait(T)
+        return "sent"
+    h = tf.recv(tf.TensorSpec((8,)), 1)
+    try:
+        h.wait(timeout=0.1)
+        raise AssertionError("wait(0.1) returned before the peer sent")
+    except TransferTimeoutError:
+        pass
+    assert not h.done()
+    got = h.result(T)
+    assert same_bytes(got, payload(1, 0, 9, (8,), torch.float32))
+    return "ok"
+
+
+def prepare_eagerly(rank: int, world: int) -> dict:
+    from tensorferry.runtime import communicator_cache
+
+    peers = [p for p in range(world) if p != rank]
+    tf.prepare(peers)
+    keys = {k for k in communicator_cache().keys() if k[0] == "gloo"}  # noqa: SIM118
+    before = communicator_cache().stats()["created"]
+    for peer in peers:  # transfers after prepare make no communicator
+        tf.sendrecv(torch.ones(2) * rank, peer, torch.empty(2), peer).wait(T)
+    return {"keys": sorted(keys), "created_after": communicator_cache().stats()["created"] - before}
+
+
+def init_twice(rank: int, world: int) -> str:
+    tf.init(rank=rank, world_size=world)  # same settings: no-op
+    try:
+        tf.init(rank=rank, world_size=world + 1)
+    except RuntimeError:
+        return f"{tf.get_rank()}/{tf.get_world_size()}"
+    raise AssertionError("second init with other settings did not raise")
+
+
+def recv_from_doomed(rank: int, world: int, doomed: int) -> dict:
+    """Rank 0 waits for a message from ``doomed`` (killed by the test meanwhile)."""
+    if rank != 0:
+        return {}
+    t0 = time.monotonic()
+    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, timeout=8.0)
+    try:
+        h.wait()
+    except PeerLostError as exc:
+        from tensorferry.runtime import communicator_cache
+
+        return {
+            "seconds": time.monotonic() - t0,
+            "message": str(exc),
+            "cache_keys": [list(k) for k in communicator_cache().keys()],
+        }  # noqa: SIM118
+    raise AssertionError("no PeerLostError")
+
+
+def prepare_with(rank: int, world: int, peers: list[int]) -> str:
+    tf.prepare(peers)
+    return "ok"
+
+
+def after_loss(rank: int, world: int, doomed: int) -> str:
+    """Transfers with the dead peer fail fast; with the others they still work."""
+    try:
+        tf.send(torch.ones(2), doomed).wait(T)
+        raise AssertionError("send to a dead peer succeeded")
+    except PeerLostError:
+        pass
+    return ring_among(rank, [r for r in range(world) if r != doomed])
+
+
+def ring_among(rank: int, ranks: list[int]) -> str:
+    i = ranks.index(rank)
+    right, left = ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
+    into = poisoned((300,), torch.float32)
+    tf.sendrecv(payload(rank, right, 4242, (300,), torch.float32), right, into, left).wait(T)
+    assert same_bytes(into, payload(left, rank, 4242, (300,), torch.float32))
+    return "ok"
+
+
+def die(rank: int, world: int) -> None:
+    os._exit(3)
+
+
+def debug_concurrent_prepare(rank: int, world: int) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorferry.p2p import _context
+
+    ctx = _context.current()
+    t0 = time.monotonic()
+    out = []
+
+    def prep(peer):
+        ctx.transport("gloo").prepare([peer])
+        out.append((peer, round(time.monotonic() - t0, 3)))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(prep, [p for p in range(world) if p != rank]))
+    return out

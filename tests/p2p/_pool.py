@@ -1,0 +1,141 @@
+"""A pool of spawned worker processes, one per rank, reused by every test of a module.
+
+Spawning a torch process costs ~2 s on the CI machine; each test module starts its world once
+and sends it cases by name (functions of ``_cases.py``). Every wait has a timeout; a pool whose
+worker missed one is torn down so later tests fail fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, timeout: float, conn: Any) -> None:
+    sys.path.insert(0, _HERE)
+    import logging
+
+    logging.basicConfig(
+        level=os.environ.get("TENSORFERRY_LOG_LEVEL", "WARNING").upper(),
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        import _cases
+
+        import tensorferry.p2p as p2p
+
+        p2p.init(
+            rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
+        )
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        job = conn.recv()
+        if job is None:
+            p2p.shutdown()
+            conn.send(("bye", None))
+            return
+        name, args = job
+        if os.environ.get("TF_TEST_DUMP_AFTER"):
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(os.environ["TF_TEST_DUMP_AFTER"]))
+        try:
+            result = getattr(_cases, name)(rank, world, *args)
+            conn.send(("ok", result))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+
+
+class WorkerPool:
+    """``world`` ranks over gloo on loopback, each a spawned process with ``tf.init`` done."""
+
+    def __init__(self, world: int, *, transfer_timeout: float = 10.0, start_timeout: float = 60):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.world = world
+        self.broken: str | None = None
+        self._conns, self._procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, world, port, transfer_timeout, child), daemon=True
+            )
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for rank in range(world):
+            status, detail = self._receive(rank, start_timeout)
+            if status != "ready":
+                self.close()
+                raise RuntimeError(f"rank {rank} failed to start:\n{detail}")
+
+    def _receive(self, rank: int, timeout: float) -> tuple[str, Any]:
+        conn = self._conns[rank]
+        if not conn.poll(timeout):
+            self.broken = f"rank {rank} did not answer within {timeout} s"
+            raise TimeoutError(self.broken)
+        return conn.recv()
+
+    def run(self, name: str, *args: Any, ranks: list[int] | None = None, timeout: float = 30):
+        """Runs case ``name`` on ``ranks`` (default all) at once; returns their results.
+
+        Raises:
+            AssertionError: a rank raised (its traceback is in the message).
+            TimeoutError: a rank did not finish in ``timeout`` (the pool is then torn down).
+        """
+        if self.broken:
+            raise RuntimeError(f"worker pool is broken: {self.broken}")
+        ranks = list(range(self.world)) if ranks is None else ranks
+        for rank in ranks:
+            self._conns[rank].send((name, args))
+        deadline = time.monotonic() + timeout
+        results, errors = {}, []
+        for rank in ranks:
+            try:
+                status, value = self._receive(rank, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                self.close()
+                raise
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise AssertionError(f"case {name} failed:\n" + "\n".join(errors))
+        return [results[r] for r in ranks]
+
+    def kill(self, rank: int) -> None:
+        """SIGKILLs a worker (a peer that dies without saying goodbye)."""
+        self._procs[rank].kill()
+        self._procs[rank].join(5)
+
+    def close(self) -> None:
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                    if conn.poll(5):
+                        conn.recv()
+                except (OSError, EOFError):
+                    pass
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            del rank

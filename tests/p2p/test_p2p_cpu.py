@@ -1,0 +1,164 @@
+"""CPU tier: the p2p API over gloo between 3 real processes (one shared pool per module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _pool import WorkerPool
+
+import tensorferry.p2p as tf
+from tensorferry.errors import TensorFerryError
+from tensorferry.p2p._transport import Transport
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(WORLD, transfer_timeout=10.0)
+    yield workers
+    workers.close()
+
+
+# ---------------------------------------------------------------------- in this process
+def test_calls_before_init_raise_clearly():
+    assert not tf.is_initialized()
+    with pytest.raises(RuntimeError, match="tf.init"):
+        tf.send(torch.zeros(2), 1)
+    with pytest.raises(RuntimeError, match="tf.init"):
+        tf.get_rank()
+    tf.shutdown()  # not initialised: a no-op
+
+
+def test_init_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        tf.init("mpi")
+    with pytest.raises(TypeError, match="rank"):
+        tf.init(rank="0", world_size=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            tf.init("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:1")
+    assert not tf.is_initialized()
+
+
+def test_tensor_spec():
+    spec = tf.TensorSpec((2, 3), torch.bfloat16)
+    assert spec.shape == (2, 3) and spec.empty(torch.device("cpu")).dtype == torch.bfloat16
+    assert tf.TensorSpec(4).shape == (4,)
+    assert tf.TensorSpec.like(torch.zeros(1, 2, dtype=torch.int8)) == tf.TensorSpec(
+        (1, 2), torch.int8
+    )
+    with pytest.raises(ValueError):
+        tf.TensorSpec((-1,))
+    with pytest.raises(TypeError):
+        tf.TensorSpec((2,), "float32")
+
+
+def test_registry():
+    assert {"nccl", "gloo"} <= set(tf.registered_transports())
+    with pytest.raises(ValueError, match="already registered"):
+        tf.register_transport("gloo", lambda ctx: None)
+    with pytest.raises(ValueError):
+        tf.register_transport("auto", lambda ctx: None)
+    with pytest.raises(TypeError):
+        tf.register_transport("x", 3)
+
+    class Fake(Transport):
+        name = "fake"
+
+        def prepare(self, peers):
+            pass
+
+        def start(self, ops, *, stream=None):
+            raise NotImplementedError
+
+    tf.register_transport("fake", Fake)
+    try:
+        assert tf.registered_transports()["fake"] is Fake
+    finally:
+        assert tf.unregister_transport("fake")
+
+
+# ---------------------------------------------------------------------- across processes
+def test_send_recv_every_dtype_and_shape(pool):
+    assert pool.run("send_recv_all_dtypes", 11)[:2] == ["ok", "ok"]
+
+
+def test_single_tensor_result_and_callbacks(pool):
+    for result in pool.run("single_tensor_and_callbacks")[:1]:
+        assert result["callback_thread"] != result["caller_thread"]
+        assert result["callback_thread"].startswith("tensorferry-completion")
+        assert result["callback_saw_done"] and result["late_callback_ran"]
+        assert "done" in result["repr"]
+
+
+def test_ring_sendrecv_send_peer_differs_from_recv_peer(pool):
+    assert pool.run("ring_sendrecv", 4) == ["ok"] * WORLD
+
+
+def test_mixed_batch_to_every_peer(pool):
+    # 4 tensors from each of the 2 peers, every byte compared.
+    assert pool.run("mixed_batch", 20) == [4 * (WORLD - 1)] * WORLD
+
+
+def test_many_small_tensors_batched_and_separate(pool):
+    assert pool.run("many_small_batch", 64)[:2] == ["sent", "ok"]
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_ring_all_gather(pool, stacked):
+    assert pool.run("all_gather", stacked) == ["ok"] * WORLD
+
+
+def test_static_channel_then_change_raises_on_both_sides(pool):
+    assert pool.run("static_channel", 4)[:2] == ["ok", "ok"]
+    assert pool.run("static_broken")[:2] == ["shape", "shape"]
+    # The pair was reset: transfers work again, static or not.
+    assert pool.run("static_channel", 2)[:2] == ["ok", "ok"]
+    # A static channel stays static: a later, different message is a mismatch (and resets).
+    assert pool.run("static_broken")[:2] == ["shape", "shape"]
+    assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "shape"])
+def test_mismatch_raises_on_both_sides_and_pair_keeps_working(pool, kind):
+    assert pool.run("mismatch", kind)[:2] == [kind, kind]
+    assert pool.run("send_recv_all_dtypes", 40)[:2] == ["ok", "ok"]
+
+
+def test_bad_arguments_raise_before_anything_moves(pool):
+    outcomes = pool.run("bad_arguments")
+    assert len(outcomes[0]) == 18
+    assert "cpu on nccl: ValueError" in outcomes[0] and "self: ValueError" in outcomes[0]
+    assert "not a tensor: TypeError" in outcomes[0]
+    assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD  # still usable
+
+
+def test_timeout_unmatched_send_then_pair_works(pool):
+    seconds = pool.run("timeout_unmatched")[0]
+    assert 0.9 <= seconds < 4.0
+    assert pool.run("send_recv_all_dtypes", 60)[:2] == ["ok", "ok"]
+
+
+def test_wait_timeout_leaves_transfer_running(pool):
+    assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
+
+
+def test_prepare_makes_communicators_once(pool):
+    results = pool.run("prepare_eagerly")
+    assert results[0]["keys"] == [("gloo", 0, 1), ("gloo", 0, 2)] or results[0]["keys"] == [
+        ["gloo", 0, 1],
+        ["gloo", 0, 2],
+    ]
+    assert all(r["created_after"] == 0 for r in results)
+
+
+def test_init_twice(pool):
+    assert pool.run("init_twice") == [f"{r}/{WORLD}" for r in range(WORLD)]
+
+
+def test_errors_are_tensorferry_errors():
+    from tensorferry.errors import MismatchError, PeerLostError, TransferTimeoutError
+
+    for cls in (MismatchError, PeerLostError, TransferTimeoutError):
+        assert issubclass(cls, TensorFerryError)

@@ -1,0 +1,36 @@
+"""CPU tier: a peer killed mid-transfer; the survivor raises PeerLostError in time and keeps
+working with the other peers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from _pool import WorkerPool
+
+WORLD = 3
+DOOMED = 2
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(WORLD, transfer_timeout=10.0)
+    yield workers
+    workers.close()
+
+
+def test_peer_killed_mid_transfer(pool):
+    # Every pair's communicator exists first, so the doomed rank dies with live ones.
+    assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD
+    # Rank 0 waits for a message from the doomed rank; kill it meanwhile.
+    pool._conns[0].send(("recv_from_doomed", (DOOMED,)))
+    time.sleep(0.5)
+    pool.kill(DOOMED)
+    status, result = pool._receive(0, 15)
+    assert status == "ok", result
+    assert result["seconds"] < 8.0, "PeerLostError must come before the transfer timeout"
+    assert f"rank {DOOMED}" in result["message"]
+    assert ["gloo", 0, DOOMED] not in result["cache_keys"], "the dead pair was not evicted"
+    # Rank 1 learns of the loss too (its side channel to rank 2 closed); 0 and 1 still talk.
+    time.sleep(0.3)
+    assert pool.run("after_loss", DOOMED, ranks=[0, 1]) == ["ok", "ok"]
