@@ -3,6 +3,9 @@
 Each actor is one process (``multiprocessing`` spawn context, so CUDA works in it) pinned to its
 device. The driver talks to it over a pipe for the slow, rare things — construct, direct calls,
 start and stop a graph — and over shared-memory channels for every execution of a graph.
+
+``.spawn(..., executor="ray")`` starts a Ray actor instead, placed by Ray on any node of the
+cluster (:mod:`tensorferry.graph._actor_ray`).
 """
 
 from __future__ import annotations
@@ -85,27 +88,67 @@ class ActorClass:
     def spawn(
         self,
         *args: Any,
-        device: Any = "cpu",
+        device: Any = None,
         name: str | None = None,
         start_timeout: float = 120.0,
+        executor: str = "local",
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
+        resources: dict[str, float] | None = None,
+        ray_options: dict[str, Any] | None = None,
         **kwargs: Any,
-    ) -> ActorHandle:
-        """Starts an actor process and constructs ``cls(*args, **kwargs)`` in it.
+    ) -> Any:
+        """Starts an actor and constructs ``cls(*args, **kwargs)`` in it.
 
         Args:
-            device: ``"cpu"``, a CUDA index or ``"cuda:N"``; the process makes it current.
+            device: ``"cpu"``, a CUDA index or ``"cuda:N"``; the actor makes it current. Local
+                actors: a device of this machine (default ``"cpu"``). Ray actors: one of the
+                GPUs Ray gives the actor, numbered from 0 (default ``"cuda:0"`` with
+                ``num_gpus``, else ``"cpu"``).
             name: the actor's name in schedules and pictures (default ``ClassName-N``).
-            start_timeout: seconds to wait for the process to start and construct.
+            start_timeout: seconds to wait for the actor to start and construct (for Ray
+                actors this includes waiting for a node with the resources asked for).
+            executor: ``"local"`` (a process on this machine) or ``"ray"`` (a Ray actor on any
+                node of the Ray cluster; ``ray.init()`` is called first if needed).
+            num_cpus, num_gpus, resources: Ray resources the actor asks for (Ray actors only).
+            ray_options: other options for Ray's ``.options()`` (e.g. ``scheduling_strategy``,
+                ``runtime_env``; Ray actors only).
 
         Returns:
-            The :class:`ActorHandle`.
+            An :class:`ActorHandle` (local) or a ``RayActorHandle`` (Ray); both bind, call and
+            kill the same way.
 
         Raises:
             ActorError: the constructor raised (with the remote traceback).
-            ActorDiedError: the process died or did not start in time.
+            ActorDiedError: the actor died or did not start in time.
+            ValueError: an unknown executor, or Ray options for a local actor.
+            ImportError: ``executor="ray"`` without Ray installed.
         """
-        device = normalise_device(device)
-        handle = ActorHandle(self.cls, device, name or f"{self.cls.__name__}-{next(_names)}")
+        name = name or f"{self.cls.__name__}-{next(_names)}"
+        if executor == "ray":
+            from tensorferry.graph._actor_ray import spawn_ray_actor
+
+            return spawn_ray_actor(
+                self.cls,
+                args,
+                kwargs,
+                device=device,
+                name=name,
+                start_timeout=start_timeout,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=resources,
+                ray_options=ray_options,
+            )
+        if executor != "local":
+            raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+        ray_only = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources,
+                    "ray_options": ray_options}  # fmt: skip
+        given = [key for key, value in ray_only.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to Ray actors (executor='ray')")
+        device = normalise_device("cpu" if device is None else device)
+        handle = ActorHandle(self.cls, device, name)
         handle._start(args, kwargs, start_timeout)
         return handle
 
@@ -141,6 +184,9 @@ class ActorMethod:
 class ActorHandle:
     """One running actor. Attribute access gives its methods (:class:`ActorMethod`)."""
 
+    executor = "local"
+    """The executor that runs graphs of this actor."""
+
     def __init__(self, cls: type, device: str, name: str) -> None:
         self.actor_class = cls
         self.device = device
@@ -150,6 +196,11 @@ class ActorHandle:
         self._lock = threading.Lock()
         self.graph: Any = None
         """The compiled graph running on this actor, if any."""
+
+    @property
+    def device_key(self) -> str:
+        """What tells this actor's device apart from other actors' (the device string)."""
+        return self.device
 
     # ------------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> ActorMethod:

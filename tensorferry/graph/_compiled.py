@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorferry import envs
-from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
+from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError, TransferTimeoutError
 from tensorferry.graph._channel import RemoteError
 from tensorferry.graph._dag import ClassMethodNode, DAGNode, MultiOutputNode
 from tensorferry.graph._lower import lower
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["CompiledGraph", "CompiledGraphRef", "CompileOptions", "Executor"]
 
 _graph_ids = itertools.count()
+
+EXECUTORS = ("auto", "local", "ray")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -45,8 +47,9 @@ class CompileOptions:
     """Initial slot size of each shared-memory channel."""
     profile: bool = False
     """Record operation spans for :meth:`CompiledGraph.visualize_timeline`."""
-    executor: str = "local"
-    """``"local"``: one process per actor on this machine."""
+    executor: str = "auto"
+    """``"local"``: one process per actor on this machine; ``"ray"``: Ray actors on any node;
+    ``"auto"``: whichever the graph's actors were spawned with."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int):
@@ -58,17 +61,21 @@ class CompileOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.buffer_size_bytes < 64:
             raise ValueError(f"buffer_size_bytes must be >= 64, got {self.buffer_size_bytes}")
-        if self.executor != "local":
-            raise ValueError(
-                f"executor must be 'local' (the Ray executor is not available yet), got "
-                f"{self.executor!r}"
-            )
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
 class Executor(Protocol):
-    """What runs compiled schedules; the local process executor implements it."""
+    """What runs compiled schedules: the local process executor and the Ray executor.
+
+    Constructed as ``Executor(graph, schedules, handles, *, overlap, max_inflight,
+    buffer_size_bytes, profile)``.
+    """
 
     transports: frozenset[str]
+    """Transports it can run between actors."""
+    host_transport: str
+    """Its buffered host channel: ``auto``'s choice without NCCL, and the driver's edges."""
 
     def start(self) -> None: ...
 
@@ -79,6 +86,39 @@ class Executor(Protocol):
     def profile_records(self) -> list: ...
 
     def teardown(self, *, timeout: float, kill_actors: bool) -> None: ...
+
+
+def _executor_class(name: str, handles: dict[str, Any]) -> type:
+    """The executor that runs a graph of these actors, checked against what was asked for.
+
+    Raises:
+        GraphCompileError: the actors were spawned for another executor, or for two.
+        ImportError: ``"ray"`` without Ray installed.
+    """
+    kinds: dict[str, list[str]] = {}
+    for handle in handles.values():
+        kinds.setdefault(getattr(handle, "executor", "local"), []).append(handle.name)
+    if len(kinds) > 1:
+        listing = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items())
+        raise GraphCompileError(
+            f"the graph mixes actors of several executors ({listing}); spawn them all with "
+            "the same executor="
+        )
+    spawned = next(iter(kinds), None)
+    if name == "auto":
+        name = spawned or "local"
+    elif spawned is not None and spawned != name:
+        raise GraphCompileError(
+            f"compile(executor={name!r}) but the actors were spawned with "
+            f"executor={spawned!r}; spawn them with .spawn(..., executor={name!r})"
+        )
+    if name == "ray":
+        from tensorferry.graph._executor_ray import RayExecutor
+
+        return RayExecutor
+    from tensorferry.graph._executor_local import LocalExecutor
+
+    return LocalExecutor
 
 
 def _collect_handles(output: DAGNode) -> dict[str, ActorHandle]:
@@ -151,18 +191,21 @@ class CompiledGraph:
     """
 
     def __init__(self, output: DAGNode, options: Any) -> None:
-        from tensorferry.graph._executor_local import LocalExecutor
-
         self.options = options
         self.graph_id = next(_graph_ids)
-        self.graph: GraphSpec = lower(output, available_transports=LocalExecutor.transports)
+        handles = _collect_handles(output)
+        executor_class = _executor_class(options.executor, handles)
+        self.graph: GraphSpec = lower(
+            output,
+            available_transports=executor_class.transports,
+            host_transport=executor_class.host_transport,
+        )
         self.schedules: Schedules = build_schedules(
             self.graph,
             overlap=options.overlap_communication,
             capacity=options.max_inflight,
             max_inflight=options.max_inflight,
         )
-        handles = _collect_handles(output)
         for handle in handles.values():
             if not handle.is_alive():
                 raise ActorDiedError(f"actor {handle.name} is not running")
@@ -173,7 +216,7 @@ class CompiledGraph:
         self._handles = handles
         if envs.visualize_schedule():
             self.visualize_schedule(f"tensorferry-schedule-{self.graph_id}.png")
-        self._executor: Executor = LocalExecutor(
+        self._executor: Executor = executor_class(
             self.graph,
             self.schedules,
             handles,
@@ -191,7 +234,8 @@ class CompiledGraph:
         self._profile: list = []
         self._input_edges = [e for e in self.graph.edges if e.src_actor == DRIVER]
         self._executor.start()
-        # Tear down (and remove the shared memory) even if the user forgets.
+        # Tear down (and remove the shared memory, close the connections) even if the user
+        # forgets.
         self._finalizer = weakref.finalize(
             self, self._executor.teardown, timeout=options.teardown_timeout, kill_actors=False
         )

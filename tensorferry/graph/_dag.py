@@ -68,9 +68,11 @@ class DAGNode:
         """Chooses how this node's result travels to other actors; returns the node.
 
         Args:
-            transport: ``"auto"`` (NCCL between GPUs, shared memory otherwise), ``"nccl"``,
-                ``"nvlink"`` (copy kernels over symmetric memory), ``"ce"`` (copy engine) or
-                ``"shm"`` (host shared memory; GPU tensors are staged through the host).
+            transport: ``"auto"`` (NCCL between GPUs, the executor's host channel
+                otherwise), ``"nccl"``, ``"nvlink"`` (copy kernels over symmetric memory),
+                ``"ce"`` (copy engine), ``"shm"`` (host shared memory, local executor; GPU
+                tensors are staged through the host) or ``"tcp"`` (a TCP connection, Ray
+                executor; GPU tensors are staged through the host).
             static_shape: the result has the same shapes and dtypes every execution, so the
                 receiver learns them once.
             direct_return: the result is a single tensor (not a list or dict of them).
@@ -94,7 +96,7 @@ class DAGNode:
         teardown_timeout: float = 10.0,
         buffer_size_bytes: int = 1 << 20,
         profile: bool = False,
-        executor: str = "local",
+        executor: str = "auto",
     ) -> CompiledGraph:
         """Compiles the graph ending at this node into per-actor schedules and starts them.
 
@@ -111,7 +113,10 @@ class DAGNode:
             buffer_size_bytes: initial slot size of each shared-memory channel (channels grow
                 when a larger message comes).
             profile: record each operation's start and end for :meth:`visualize_timeline`.
-            executor: ``"local"`` (a process per actor on this machine).
+            executor: ``"local"`` (a process per actor on this machine), ``"ray"`` (Ray
+                actors on any node of a Ray cluster; spawn the actors with
+                ``.spawn(..., executor="ray")``) or ``"auto"``: the one the actors were
+                spawned with.
 
         Returns:
             A :class:`~tensorferry.graph.CompiledGraph`, already running.

@@ -9,9 +9,9 @@ A watchdog thread waits on the actor processes' sentinels: when one dies it rais
 dead flag, which ends every wait in every process of the graph at once, so pending and later
 results raise :class:`ActorDiedError` promptly instead of timing out.
 
-This module is the executor interface's local implementation; another executor (Ray actors) only
-needs the same five methods: ``start``, ``submit``, ``read_outputs``, ``profile_records`` and
-``teardown``.
+This module is the executor interface's local implementation; the Ray executor
+(:mod:`tensorferry.graph._executor_ray`) implements the same five methods: ``start``,
+``submit``, ``read_outputs``, ``profile_records`` and ``teardown``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class LocalExecutor:
 
     transports = frozenset({"shm", "nccl"})
     """Transports this executor runs (``nvlink`` and ``ce`` come with tensorferry.p2p)."""
+    host_transport = "shm"
+    """Driver inputs and outputs, and ``auto`` edges without NCCL, go over shared memory."""
 
     def __init__(
         self,

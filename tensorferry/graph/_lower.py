@@ -7,8 +7,13 @@ Checks (each a :class:`GraphCompileError` with what to change):
 - no call bound in the graph is left out of the outputs (its result would be lost);
 - transport hints sit only on method calls, and not on a method annotated to return no tensor;
 - each actor-to-actor edge gets a transport that works between the two devices: ``nccl``,
-  ``nvlink`` and ``ce`` need two different CUDA devices; ``auto`` picks NCCL there and shared
-  memory otherwise (two actors on one GPU, or a CPU at either end).
+  ``nvlink`` and ``ce`` need two different CUDA devices; ``auto`` picks NCCL there and the
+  executor's host channel otherwise (two actors on one GPU, or a CPU at either end): shared
+  memory (``shm``) for local processes, ``tcp`` for Ray actors.
+
+Two actors are on "the same device" when their handles' ``device_key`` match: the device string
+for local actors; node, GPU id for Ray actors (whose device strings are local to each actor, so
+two Ray actors on different GPUs may both say ``cuda:0``).
 """
 
 from __future__ import annotations
@@ -73,28 +78,55 @@ def returns_tensor(cls: type, method: str) -> bool | None:
     return "Tensor" in text or "Any" in text
 
 
-def resolve_transport(hint: str, src_device: str, dst_device: str, *, where: str) -> str:
+def resolve_transport(
+    hint: str,
+    src_device: str,
+    dst_device: str,
+    *,
+    where: str,
+    same_device: bool | None = None,
+    host_transport: str = "shm",
+) -> str:
     """The transport an actor-to-actor edge uses.
+
+    Args:
+        hint: the node's transport hint.
+        src_device, dst_device: the two actors' devices (``"cpu"`` or ``"cuda:N"``).
+        where: the edge, for error messages.
+        same_device: whether both actors use one device (default: the device strings match).
+        host_transport: what ``auto`` picks when NCCL cannot connect the two.
 
     Raises:
         GraphCompileError: ``hint`` cannot work between these devices.
     """
     both_cuda = src_device.startswith("cuda") and dst_device.startswith("cuda")
-    if hint == "shm":
-        return "shm"
+    if same_device is None:
+        same_device = src_device == dst_device
+    if hint in ("shm", "tcp"):
+        return hint
     if hint == "auto":
-        return "nccl" if both_cuda and src_device != dst_device else "shm"
+        return "nccl" if both_cuda and not same_device else host_transport
     if not both_cuda:
         raise GraphCompileError(
             f"{where}: transport {hint!r} needs CUDA devices at both ends, got {src_device} -> "
             f"{dst_device}; use 'auto' or 'shm'"
         )
-    if src_device == dst_device:
+    if same_device:
         raise GraphCompileError(
             f"{where}: transport {hint!r} cannot connect two actors on the same device "
-            f"({src_device}); use 'auto' (picks shared memory there) or 'shm'"
+            f"({src_device}); use 'auto' (picks a host channel there) or {host_transport!r}"
         )
     return hint
+
+
+def _device_key(handle: Any) -> Any:
+    """What tells the handle's device apart from other actors' (its device string by default).
+
+    Looked up statically: handles answer unknown attributes with actor methods.
+    """
+    if inspect.getattr_static(handle, "device_key", None) is None:
+        return handle.device
+    return handle.device_key
 
 
 def _check_signature(node: ClassMethodNode) -> None:
@@ -130,12 +162,20 @@ def _arg_ref(value: Any, task_ids: dict[int, int], where: str) -> ArgRef:
     return ArgRef("const", value)
 
 
-def lower(output: DAGNode, *, available_transports: Iterable[str] | None = None) -> GraphSpec:
+def lower(
+    output: DAGNode,
+    *,
+    available_transports: Iterable[str] | None = None,
+    host_transport: str = "shm",
+) -> GraphSpec:
     """Turns the graph ending at ``output`` into plain data, checking it on the way.
 
     Args:
         output: a method-call node or a :class:`MultiOutputNode` of them.
         available_transports: transports the executor can run (all when ``None``).
+        host_transport: the executor's buffered host channel (``"shm"`` or ``"tcp"``): what
+            ``auto`` picks when NCCL cannot connect two actors, and what carries the driver's
+            inputs and outputs.
 
     Returns:
         The :class:`GraphSpec`: actors, tasks in bind order, edges with resolved transports.
@@ -182,10 +222,11 @@ def lower(output: DAGNode, *, available_transports: Iterable[str] | None = None)
         if node._hint is not None and not isinstance(node, ClassMethodNode):
             raise GraphCompileError(
                 f"{node!r} has a transport hint; only method calls take one (inputs and "
-                "outputs always travel between the driver and actors over shared memory)"
+                "outputs always travel between the driver and actors over the host channel)"
             )
 
     actors: dict[str, ActorSpec] = {}
+    device_keys: dict[str, Any] = {}
     task_ids: dict[int, int] = {}
     tasks: list[TaskSpec] = []
     for node in calls:
@@ -194,6 +235,7 @@ def lower(output: DAGNode, *, available_transports: Iterable[str] | None = None)
         if name in actors and actors[name].device != node.actor.device:
             raise GraphCompileError(f"two actors are named {name!r}")
         actors[name] = ActorSpec(name, node.actor.device)
+        device_keys[name] = _device_key(node.actor)
         where = repr(node)
         task_id = len(tasks)
         task_ids[node._node_id] = task_id
@@ -218,7 +260,9 @@ def lower(output: DAGNode, *, available_transports: Iterable[str] | None = None)
             if task.actor == actor:
                 keys.extend(k for k in task.input_keys() if k not in keys)
         if keys:
-            edges.append(EdgeSpec(len(edges), DRIVER, actor, None, "shm", input_keys=tuple(keys)))
+            edges.append(
+                EdgeSpec(len(edges), DRIVER, actor, None, host_transport, input_keys=tuple(keys))
+            )
     # Actor-to-actor edges: one per (producing task, consuming actor).
     for task in tasks:
         for src_id in task.arg_tasks():
@@ -230,7 +274,12 @@ def lower(output: DAGNode, *, available_transports: Iterable[str] | None = None)
             hint = hints[src_id]
             where = f"{src.actor}.{src.label} -> {task.actor}"
             transport = resolve_transport(
-                hint.transport, actors[src.actor].device, actors[task.actor].device, where=where
+                hint.transport,
+                actors[src.actor].device,
+                actors[task.actor].device,
+                where=where,
+                same_device=device_keys[src.actor] == device_keys[task.actor],
+                host_transport=host_transport,
             )
             if allowed is not None and transport not in allowed:
                 raise GraphCompileError(
@@ -251,5 +300,5 @@ def lower(output: DAGNode, *, available_transports: Iterable[str] | None = None)
     outputs = tuple(task_ids[n._node_id] for n in out_nodes)
     for task_id in dict.fromkeys(outputs):
         task = tasks[task_id]
-        edges.append(EdgeSpec(len(edges), task.actor, DRIVER, task_id, "shm"))
+        edges.append(EdgeSpec(len(edges), task.actor, DRIVER, task_id, host_transport))
     return GraphSpec(tuple(actors.values()), tuple(tasks), tuple(edges), outputs, multi)

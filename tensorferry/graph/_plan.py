@@ -1,8 +1,8 @@
 """Plain data that the compiler passes around: tasks, edges, operations, schedules.
 
 Nothing here knows about processes, tensors or devices beyond their names, so the scheduler and
-the deadlock check run on the CPU with fake actors, and an executor (local processes today, Ray
-later) receives exactly these objects.
+the deadlock check run on the CPU with fake actors, and every executor (local processes, Ray
+actors) receives exactly these objects.
 
 Vocabulary:
     task       one bound actor method call (``actor.method.bind(...)``), numbered in bind order.
@@ -36,13 +36,18 @@ __all__ = [
 DRIVER = "driver"
 """Name of the pseudo-actor that writes the inputs and reads the outputs."""
 
-TRANSPORTS = ("auto", "nccl", "nvlink", "ce", "shm")
-"""Transport hints a node accepts; ``auto`` is resolved at compile time."""
+TRANSPORTS = ("auto", "nccl", "nvlink", "ce", "shm", "tcp")
+"""Transport hints a node accepts; ``auto`` is resolved at compile time.
+
+``shm`` (host shared memory, local executor) and ``tcp`` (a TCP connection per edge, Ray
+executor) are the buffered host channels; the driver's inputs and outputs use the executor's.
+"""
 
 RENDEZVOUS_TRANSPORTS = frozenset({"nccl", "nvlink", "ce"})
 """Transports whose send completes only together with the matching receive (no buffering).
 
-``shm`` channels buffer up to their capacity, so a write returns before the read happens.
+``shm`` and ``tcp`` channels buffer up to their capacity, so a write returns before the read
+happens.
 """
 
 
@@ -119,7 +124,7 @@ class EdgeSpec:
     dst_actor: str
     src_task: int | None
     transport: str
-    """Resolved: ``"shm"``, ``"nccl"``, ``"nvlink"`` or ``"ce"``."""
+    """Resolved: ``"shm"``, ``"tcp"``, ``"nccl"``, ``"nvlink"`` or ``"ce"``."""
     static_shape: bool = False
     direct_return: bool = False
     input_keys: tuple[Any, ...] = ()

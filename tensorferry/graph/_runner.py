@@ -1,4 +1,8 @@
-"""The actor side of the local executor: runs one actor's schedule, execution after execution.
+"""The actor side of every executor: runs one actor's schedule, execution after execution.
+
+Where the channels come from is the executor's business (:class:`Endpoints`): shared-memory
+rings named in the plan for the local executor (:class:`ShmEndpoints`, the default), TCP
+connections opened beforehand for the Ray executor. The loop below is the same for both.
 
 The loop walks the schedule's operations in order. How an operation runs depends on the device
 and on overlap:
@@ -23,14 +27,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tensorferry.graph._channel import Channel, Control, GraphStopped, PeerDied, RemoteError
 from tensorferry.graph._plan import DRIVER, ArgRef, EdgeSpec, GraphSpec, Operation, OpKind
 
-__all__ = ["ActorRunPlan", "ScheduleRunner", "ProfileRecord"]
+__all__ = ["ActorRunPlan", "Endpoints", "ScheduleRunner", "ShmEndpoints", "ProfileRecord"]
 
 _FOREVER = 1e9  # actors wait for their next input as long as the graph lives (stop-aware)
 
@@ -46,17 +50,57 @@ class ActorRunPlan:
     device: str
     schedule: tuple[Operation, ...]
     channels: dict[int, str]
-    """Edge id to shared-memory channel name (the metadata channel for rendezvous edges)."""
+    """Edge id to shared-memory channel name (the metadata channel for rendezvous edges);
+    empty when the executor hands the runner its channels (:class:`Endpoints`)."""
     control: str
+    """Name of the shared-memory control block (local executor)."""
     overlap: bool
     max_inflight: int
     profile_channel: str | None = None
+    """Where profile records go; ``None``: the actor does not record them."""
     nccl: Any = None
     """:class:`tensorferry.graph._nccl.NcclSetup` when this actor has NCCL edges."""
 
 
 ProfileRecord = tuple[str, int, int, str, str, str, float, float]
 """(actor, execution, op index, kind, label, lane, start s, end s) on the monotonic clock."""
+
+
+class Endpoints(Protocol):
+    """Where a runner's channels come from; every wait on them checks ``control``.
+
+    Channels have ``read(timeout=)``, ``write(value, timeout=)``, ``ready_at`` and ``close()``;
+    ``control`` has ``check()`` (raises ``GraphStopped`` or ``PeerDied``) and ``close()``.
+    """
+
+    control: Any
+
+    def reader(self, edge_id: int, device: torch.device | None) -> Any: ...
+
+    def writer(self, edge_id: int) -> Any: ...
+
+    def profile_sink(self) -> Any:
+        """Where profile records go (``writable()``, ``write(records, timeout=)``), or ``None``."""
+        ...
+
+
+class ShmEndpoints:
+    """The local executor's channels: shared-memory segments named in the plan."""
+
+    def __init__(self, plan: ActorRunPlan) -> None:
+        self._plan = plan
+        self.control = Control(plan.control, create=False)
+        self.control.watch_parent()
+
+    def reader(self, edge_id: int, device: torch.device | None) -> Channel:
+        return Channel(self._plan.channels[edge_id], self.control, device=device)
+
+    def writer(self, edge_id: int) -> Channel:
+        return Channel(self._plan.channels[edge_id], self.control)
+
+    def profile_sink(self) -> Channel | None:
+        name = self._plan.profile_channel
+        return Channel(name, self.control) if name else None
 
 
 class _CpuComm:
@@ -145,32 +189,36 @@ class _CpuComm:
 
 
 class ScheduleRunner:
-    """Runs ``plan.schedule`` for ``instance`` until the graph stops."""
+    """Runs ``plan.schedule`` for ``instance`` until the graph stops.
 
-    def __init__(self, instance: Any, plan: ActorRunPlan) -> None:
+    Args:
+        instance: the actor's object, whose methods the schedule calls.
+        plan: the actor's part of the graph.
+        endpoints: its channels (default: the local executor's shared-memory ones).
+    """
+
+    def __init__(
+        self, instance: Any, plan: ActorRunPlan, endpoints: Endpoints | None = None
+    ) -> None:
+        endpoints = endpoints if endpoints is not None else ShmEndpoints(plan)
         self.instance = instance
         self.plan = plan
         self.graph = plan.graph
-        self.control = Control(plan.control, create=False)
-        self.control.watch_parent()
+        self.control = endpoints.control
         self.device = torch.device(plan.device)
         reader_device = self.device if self.device.type == "cuda" else None
-        self.readers: dict[int, Channel] = {}
-        self.writers: dict[int, Channel] = {}
+        self.readers: dict[int, Any] = {}
+        self.writers: dict[int, Any] = {}
         for edge in self.graph.edges:
             if edge.dst_actor == plan.actor:
-                self.readers[edge.edge_id] = Channel(
-                    plan.channels[edge.edge_id], self.control, device=reader_device
-                )
+                self.readers[edge.edge_id] = endpoints.reader(edge.edge_id, reader_device)
             elif edge.src_actor == plan.actor:
-                self.writers[edge.edge_id] = Channel(plan.channels[edge.edge_id], self.control)
+                self.writers[edge.edge_id] = endpoints.writer(edge.edge_id)
         mine = [t for t in self.graph.tasks if t.actor == plan.actor]
         self._methods = {t.task_id: getattr(instance, t.method) for t in mine}
         self._sources = {t.task_id: self._arg_sources(t.task_id) for t in mine}
         self._profile: list[ProfileRecord] = []
-        self._profile_channel = (
-            Channel(plan.profile_channel, self.control) if plan.profile_channel else None
-        )
+        self._profile_channel = endpoints.profile_sink() if plan.profile_channel else None
         self.gpu: Any = None
         if self.device.type == "cuda":
             from tensorferry.graph._gpu import GpuOps

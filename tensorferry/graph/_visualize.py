@@ -16,7 +16,13 @@ from tensorferry.graph._plan import DRIVER, GraphSpec, OpKind, Schedules
 
 __all__ = ["schedule_dot", "write_schedule", "write_timeline", "TRANSPORT_COLORS"]
 
-TRANSPORT_COLORS = {"shm": "#4c72b0", "nccl": "#2ca02c", "nvlink": "#9467bd", "ce": "#ff7f0e"}
+TRANSPORT_COLORS = {
+    "shm": "#4c72b0",
+    "tcp": "#17becf",
+    "nccl": "#2ca02c",
+    "nvlink": "#9467bd",
+    "ce": "#ff7f0e",
+}
 KIND_COLORS = {OpKind.READ: "#dbe9f6", OpKind.COMPUTE: "#e8e8e8", OpKind.WRITE: "#fde4c8"}
 MOVED_COLOR = "#d62728"
 _LANE_ORDER = {"main": 0, "compute": 0, "recv": 1, "send": 2}
