@@ -428,3 +428,24 @@ def ring_all_gather(
     for index, unit in enumerate(steps):
         unit.transfer.add_done_callback(lambda t, i=index: on_step_done(i, t))
     return ring
+
+
+def _reset_pair(peer: int, *, timeout: float | None = None) -> None:
+    """Moves the pair with ``peer`` to a fresh epoch: its communicators are closed and the next
+    transfer makes new ones. Benchmark use only (the "uncached" baseline); both ranks must call
+    it at the same point of their programs with nothing in flight between them.
+
+    Raises:
+        ValueError: transfers with ``peer`` are still in flight.
+    """
+    ctx = _context.current()
+    peer = check_peer(peer, rank=ctx.rank, world_size=ctx.world_size, what="peer")
+    deadline = time.monotonic() + (timeout or ctx.timeout_s)
+    while True:  # transfers finished on the device may still await their completion callback
+        try:
+            ctx.engine.call(lambda: ctx.engine.reset_pair(peer)).result(timeout or ctx.timeout_s)
+            return
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1e-4)

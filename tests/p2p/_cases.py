@@ -357,8 +357,8 @@ def recv_from_doomed(rank: int, world: int, doomed: int) -> dict:
         return {
             "seconds": time.monotonic() - t0,
             "message": str(exc),
-            "cache_keys": [list(k) for k in communicator_cache().keys()],
-        }  # noqa: SIM118
+            "cache_keys": [list(k) for k in communicator_cache().keys()],  # noqa: SIM118
+        }
     raise AssertionError("no PeerLostError")
 
 

@@ -23,9 +23,9 @@ def pool():
 # ---------------------------------------------------------------------- in this process
 def test_calls_before_init_raise_clearly():
     assert not tf.is_initialized()
-    with pytest.raises(RuntimeError, match="tf.init"):
+    with pytest.raises(RuntimeError, match=r"tf\.init"):
         tf.send(torch.zeros(2), 1)
-    with pytest.raises(RuntimeError, match="tf.init"):
+    with pytest.raises(RuntimeError, match=r"tf\.init"):
         tf.get_rank()
     tf.shutdown()  # not initialised: a no-op
 

@@ -1,0 +1,118 @@
+"""Run a function on a small local world: under torchrun as is, else in spawned processes.
+
+Used by the p2p demo and the p2p benchmarks: ``tensorferry bench toy`` works both as
+``torchrun --nproc-per-node 2 -m tensorferry.cli.main bench toy`` and as a plain command that
+starts its own two processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["under_torchrun", "run_world"]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    args: tuple,
+    queue: Any,
+) -> None:
+    import tensorferry.p2p as p2p
+
+    try:
+        p2p.init(
+            backend,
+            rank=rank,
+            world_size=world,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timeout,
+        )
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            p2p.shutdown()
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    backend: str = "auto",
+    timeout: float = 60.0,
+    join_timeout: float = 600.0,
+) -> list[Any]:
+    """Runs ``fn(rank, world, *args)`` on every rank after ``tf.init``; returns the results.
+
+    Under torchrun, this process is one rank: it runs ``fn`` once and returns ``[result]``
+    (``tf.init`` from the environment). Otherwise it spawns ``world`` processes on this machine
+    (``fn`` must be importable: a module-level function).
+
+    Raises:
+        RuntimeError: a rank raised (with its traceback) or did not finish in ``join_timeout``.
+    """
+    import tensorferry.p2p as p2p
+
+    if under_torchrun():
+        p2p.init(backend, timeout=timeout)
+        try:
+            return [fn(p2p.get_rank(), p2p.get_world_size(), *args)]
+        finally:
+            p2p.shutdown()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world, port, backend, timeout, args, queue),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=join_timeout)
+            except Exception:
+                raise RuntimeError(f"a rank did not finish within {join_timeout} s") from None
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not errors else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world)]
