@@ -349,9 +349,14 @@ class Engine:
             return
         peer.lost = err
         log.log(logging.INFO if clean else logging.WARNING, "p2p: %s", err)
-        for unit in [u for u in self._all_units() if peer.rank in u.peers]:
+        # After a clean goodbye, transfers already issued may still complete (the peer's side
+        # of them was done when it left); they end on their own, or at their deadline. Its
+        # communicators are closed at our shutdown. After a crash everything with it fails now.
+        doomed = self._units if clean else self._all_units()
+        for unit in [u for u in doomed if peer.rank in u.peers]:
             self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
-        self._evict_transports(peer, abort=not clean, reason=str(err))
+        if not clean:
+            self._evict_transports(peer, abort=True, reason=str(err))
 
     # ------------------------------------------------------------------ frames
     def _on_frame(self, link: _link.Link, frame: dict) -> None:

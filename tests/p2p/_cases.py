@@ -16,22 +16,32 @@ import torch
 import tensorferry.p2p as tf
 from tensorferry.errors import MismatchError, PeerLostError, TransferTimeoutError
 
-T = 10.0  # seconds: every wait in these cases is bounded
+T = 20.0  # seconds: every wait in these cases is bounded
+
+
+def D() -> torch.device:
+    """This rank's device: cuda:N over NCCL on the GPU tier, the CPU over gloo here."""
+    from tensorferry.p2p import _context
+
+    return _context.current().device
 
 
 def payload(src: int, dst: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype):
     """Random data both sides can derive: seeded by (src, dst, tag), rank-encoded."""
     gen = torch.Generator().manual_seed(src * 1_000_003 + dst * 1_009 + tag)
     if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) + src * 100).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    return torch.randint(0, 120, shape, generator=gen).to(dtype) + src
+        t = (torch.randn(shape, generator=gen) + src * 100).to(dtype)
+    elif dtype == torch.bool:
+        t = torch.randint(0, 2, shape, generator=gen).bool()
+    else:
+        t = torch.randint(0, 120, shape, generator=gen).to(dtype) + src
+    return t.to(D())
 
 
 def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype)
-    t.view(-1).view(torch.uint8).fill_(0xA5) if t.numel() else None
+    t = torch.empty(shape, dtype=dtype, device=D())
+    if t.numel():
+        t.view(-1).view(torch.uint8).fill_(0xA5)
     return t
 
 
@@ -216,7 +226,7 @@ def static_broken(rank: int, world: int) -> str | None:
         return None
     try:
         if rank == 0:
-            tf.send(torch.zeros(5, 4), 1, static=True).wait(T)
+            tf.send(torch.zeros(5, 4, device=D()), 1, static=True).wait(T)
         else:
             tf.recv(tf.TensorSpec((4, 4)), 0, static=True).wait(T)
     except MismatchError as exc:
@@ -228,14 +238,14 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
     """Sender and receiver disagree on ``kind``; returns the field each side saw."""
     if rank > 1:
         return None
-    send = [torch.zeros(4), torch.ones(2)]
-    recv = [torch.zeros(4), torch.ones(2)]
+    send = [torch.zeros(4, device=D()), torch.ones(2, device=D())]
+    recv = [torch.zeros(4, device=D()), torch.ones(2, device=D())]
     if kind == "count":
         recv = recv[:1]
     elif kind == "dtype":
-        recv[1] = torch.ones(2, dtype=torch.float64)
+        recv[1] = torch.ones(2, dtype=torch.float64, device=D())
     elif kind == "shape":
-        recv[0] = torch.zeros(5)
+        recv[0] = torch.zeros(5, device=D())
     poison = [r.clone() for r in recv]
     try:
         if rank == 0:
@@ -253,29 +263,35 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 def bad_arguments(rank: int, world: int) -> list[str]:
     """Every bad call raises TypeError/ValueError before anything moves."""
     peer = (rank + 1) % world
-    x = torch.zeros(4)
+    x = torch.zeros(4, device=D())
     calls = {
         "self": lambda: tf.send(x, rank),
         "out of range": lambda: tf.send(x, world),
         "negative": lambda: tf.recv(x, -1),
         "bool peer": lambda: tf.send(x, True),
         "str peer": lambda: tf.send(x, "1"),
-        "non-contiguous": lambda: tf.send(torch.zeros(4, 4).t(), peer),
+        "non-contiguous": lambda: tf.send(torch.zeros(4, 4, device=D()).t(), peer),
         "empty list": lambda: tf.send([], peer),
         "not a tensor": lambda: tf.send([x, 3], peer),
         "numpy": lambda: tf.send(x.numpy(), peer),
         "spec shape": lambda: tf.recv(tf.TensorSpec("abc"), peer),
-        "cpu on nccl": lambda: tf.send(x, peer, transport="nccl"),
+        "cpu on nccl": lambda: tf.send(torch.zeros(4), peer, transport="nccl"),
         "unknown transport": lambda: tf.send(x, peer, transport="pigeon"),
         "static not bool": lambda: tf.send(x, peer, static=1),
         "bad timeout": lambda: tf.send(x, peer, timeout=-1),
         "empty batch": lambda: tf.batch().__enter__().__exit__(None, None, None),
-        "gather shape": lambda: tf.ring_all_gather(torch.zeros(3), torch.zeros(2)),
+        "gather shape": lambda: tf.ring_all_gather(
+            torch.zeros(3, device=D()), torch.zeros(2, device=D())
+        ),
         "gather dtype": lambda: tf.ring_all_gather(
-            torch.zeros(world * 2, dtype=torch.int32), torch.zeros(2)
+            torch.zeros(world * 2, dtype=torch.int32, device=D()), torch.zeros(2, device=D())
         ),
         "meta device": lambda: tf.send(torch.zeros(2, device="meta"), peer),
     }
+    if D().type == "cuda" and torch.cuda.device_count() > 1:
+        other = torch.device("cuda", (D().index + 1) % torch.cuda.device_count())
+        calls["other rank's device"] = lambda: tf.send(torch.zeros(4, device=other), peer)
+        calls["gpu on gloo"] = lambda: tf.send(x, peer, transport="gloo")
     outcomes = []
     for name, call in calls.items():
         try:
@@ -294,7 +310,7 @@ def timeout_unmatched(rank: int, world: int) -> float:
         time.sleep(0.2)
         return 0.0
     t0 = time.monotonic()
-    h = tf.send(torch.ones(8), 1, timeout=1.0)
+    h = tf.send(torch.ones(8, device=D()), 1, timeout=1.0)
     try:
         h.wait()
     except TransferTimeoutError:
@@ -327,10 +343,13 @@ def prepare_eagerly(rank: int, world: int) -> dict:
 
     peers = [p for p in range(world) if p != rank]
     tf.prepare(peers)
-    keys = {k for k in communicator_cache().keys() if k[0] == "gloo"}  # noqa: SIM118
+    backend = "nccl" if D().type == "cuda" else "gloo"
+    keys = {k for k in communicator_cache().keys() if k[0] == backend}  # noqa: SIM118
     before = communicator_cache().stats()["created"]
     for peer in peers:  # transfers after prepare make no communicator
-        tf.sendrecv(torch.ones(2) * rank, peer, torch.empty(2), peer).wait(T)
+        tf.sendrecv(torch.ones(2, device=D()) * rank, peer, torch.empty(2, device=D()), peer).wait(
+            T
+        )
     return {"keys": sorted(keys), "created_after": communicator_cache().stats()["created"] - before}
 
 
@@ -370,7 +389,7 @@ def prepare_with(rank: int, world: int, peers: list[int]) -> str:
 def after_loss(rank: int, world: int, doomed: int) -> str:
     """Transfers with the dead peer fail fast; with the others they still work."""
     try:
-        tf.send(torch.ones(2), doomed).wait(T)
+        tf.send(torch.ones(2, device=D()), doomed).wait(T)
         raise AssertionError("send to a dead peer succeeded")
     except PeerLostError:
         pass
@@ -406,3 +425,51 @@ def debug_concurrent_prepare(rank: int, world: int) -> list:
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(prep, [p for p in range(world) if p != rank]))
     return out
+
+
+# ---------------------------------------------------------------------- GPU tier only
+def send_host_time(rank: int, world: int, calls: int) -> float:
+    """Median host time (µs) of ``tf.send`` on rank 0, static channel, CUDA tensor."""
+    import statistics
+
+    if rank > 1:
+        return 0.0
+    x = torch.ones(1024, device=D())
+    samples = []
+    for _ in range(calls):
+        if rank == 0:
+            t0 = time.perf_counter()
+            h = tf.send(x, 1, static=True)
+            samples.append(time.perf_counter() - t0)
+            h.wait(T)
+        else:
+            tf.recv(x, 0, static=True).wait(T)
+    return statistics.median(samples[calls // 10 :]) * 1e6 if samples else 0.0
+
+
+def stream_ordering(rank: int, world: int) -> str:
+    """The sender's tensor is written by a slow kernel on the caller's stream right before
+    tf.send (the transfer must wait for it); the receiver consumes on another stream after
+    wait_stream (no host wait) and through wait()."""
+    if rank > 1:
+        return "idle"
+    n = 1 << 22
+    if rank == 0:
+        x = torch.zeros(n, device=D())
+        big = torch.randn(2048, 2048, device=D())
+        for _ in range(20):  # keep the current stream busy
+            big = big @ big / 2048**0.5
+        x.add_(7.0)  # queued behind the matmuls on the caller's stream
+        tf.send(x, 1).wait(T)
+        return "sent"
+    y = torch.empty(n, device=D())
+    h = tf.recv(y, 0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        h.wait_stream()  # this stream now waits for the transfer on the device
+        total = y.sum()
+    side.synchronize()
+    assert total.item() == 7.0 * n, total.item()
+    h.wait(T)
+    assert torch.all(y == 7.0)
+    return "ok"

@@ -1,0 +1,111 @@
+"""GPU tier: the p2p API over NCCL between 2 GPUs (2 spawned processes, one per GPU), plus the
+host time of ``tf.send``, stream ordering and a peer killed mid-transfer.
+
+Skipped without 2 CUDA devices. ``scripts/gpu-p2p.sh`` runs it with NCCL's default transports
+and with its socket transport (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _pool import WorkerPool
+
+pytestmark = [
+    pytest.mark.multigpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs 2 CUDA devices",
+    ),
+]
+
+WORLD = 2
+SEND_HOST_TARGET_US = 50.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(WORLD, transfer_timeout=20.0, start_timeout=120)
+    yield workers
+    workers.close()
+
+
+def test_send_recv_every_dtype_and_shape(pool):
+    assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
+
+
+def test_callbacks_off_the_caller_thread(pool):
+    result = pool.run("single_tensor_and_callbacks")[0]
+    assert result["callback_thread"].startswith("tensorferry-completion")
+
+
+def test_sendrecv_rounds(pool):
+    assert pool.run("ring_sendrecv", 4) == ["ok", "ok"]
+
+
+def test_mixed_batch(pool):
+    assert pool.run("mixed_batch", 20) == [4, 4]
+
+
+def test_many_small_tensors_packed(pool):
+    assert pool.run("many_small_batch", 64) == ["sent", "ok"]
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_ring_all_gather(pool, stacked):
+    assert pool.run("all_gather", stacked) == ["ok", "ok"]
+
+
+def test_static_and_broken_static(pool):
+    assert pool.run("static_channel", 4) == ["ok", "ok"]
+    assert pool.run("static_broken") == ["shape", "shape"]
+    assert pool.run("ring_sendrecv", 1) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "shape"])
+def test_mismatch_on_both_sides(pool, kind):
+    assert pool.run("mismatch", kind) == [kind, kind]
+    assert pool.run("send_recv_all_dtypes", 40) == ["ok", "ok"]
+
+
+def test_bad_arguments(pool):
+    outcomes = pool.run("bad_arguments")[0]
+    assert "cpu on nccl: ValueError" in outcomes
+    assert "other rank's device: ValueError" in outcomes
+    assert pool.run("ring_sendrecv", 1) == ["ok", "ok"]
+
+
+def test_timeout_then_pair_works(pool):
+    seconds = pool.run("timeout_unmatched")[0]
+    assert 0.9 <= seconds < 5.0
+    assert pool.run("send_recv_all_dtypes", 60) == ["ok", "ok"]
+
+
+def test_prepare(pool):
+    results = pool.run("prepare_eagerly")
+    assert all(r["created_after"] == 0 for r in results)
+
+
+def test_stream_ordering(pool):
+    assert pool.run("stream_ordering") == ["sent", "ok"]
+
+
+def test_send_host_time(pool):
+    median_us = pool.run("send_host_time", 500)[0]
+    print(f"tf.send host time, median: {median_us:.1f} us (target {SEND_HOST_TARGET_US} us)")
+    assert median_us <= SEND_HOST_TARGET_US
+
+
+def test_peer_killed_mid_transfer(pool):  # last: it kills rank 1
+    pool._conns[0].send(("recv_from_doomed", (1,)))
+    time.sleep(1.0)
+    pool.kill(1)
+    status, result = pool._receive(0, 30)
+    assert status == "ok", result
+    assert result["seconds"] < 8.0
+    assert ["nccl", 0, 1] not in result["cache_keys"]
+    pool.broken = "rank 1 was killed on purpose"
+    os.environ.pop("TF_TEST_DUMP_AFTER", None)
