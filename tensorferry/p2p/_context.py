@@ -35,8 +35,12 @@ __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_s
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
-# Packages of transports built beside this layer; imported at init so they can register.
-_OPTIONAL_TRANSPORT_PACKAGES = ("tensorferry.p2p.nvlink", "tensorferry.p2p.copy_engine")
+# Modules of transports built beside this layer; imported at init so they register themselves
+# (and take part in transport="auto"). A module that is missing or fails to import is skipped.
+OPTIONAL_TRANSPORT_MODULES = [
+    "tensorferry.p2p.nvlink.transport",
+    "tensorferry.p2p.copy_engine.transport",
+]
 
 _lock = threading.Lock()
 _context: P2PContext | None = None
@@ -374,12 +378,10 @@ def _pick_device(backend: str, rank: int) -> tuple[torch.device, str]:
 
 
 def _import_optional_transports() -> None:
-    for package in _OPTIONAL_TRANSPORT_PACKAGES:
+    for module in OPTIONAL_TRANSPORT_MODULES:
         try:
-            if importlib.util.find_spec(package) is None:
+            if importlib.util.find_spec(module) is None:
                 continue
-            importlib.import_module(package)
+            importlib.import_module(module)
         except Exception:
-            log.warning(
-                "p2p: could not import optional transport package %s", package, exc_info=True
-            )
+            log.warning("p2p: could not import transport module %s", module, exc_info=True)

@@ -24,7 +24,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, timeout: float, conn: Any) -> None:
+def _worker(rank: int, world: int, port: int, timeout: float, optional: bool, conn: Any) -> None:
     sys.path.insert(0, _HERE)
     import logging
 
@@ -37,6 +37,8 @@ def _worker(rank: int, world: int, port: int, timeout: float, conn: Any) -> None
 
         import tensorferry.p2p as p2p
 
+        if not optional:  # only the built-in transports: these tests are about the p2p layer
+            p2p._context.OPTIONAL_TRANSPORT_MODULES.clear()
         p2p.init(
             rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
         )
@@ -65,7 +67,14 @@ def _worker(rank: int, world: int, port: int, timeout: float, conn: Any) -> None
 class WorkerPool:
     """``world`` ranks over gloo on loopback, each a spawned process with ``tf.init`` done."""
 
-    def __init__(self, world: int, *, transfer_timeout: float = 10.0, start_timeout: float = 60):
+    def __init__(
+        self,
+        world: int,
+        *,
+        transfer_timeout: float = 10.0,
+        start_timeout: float = 60,
+        optional_transports: bool = False,
+    ):
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world = world
@@ -74,7 +83,9 @@ class WorkerPool:
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, world, port, transfer_timeout, child), daemon=True
+                target=_worker,
+                args=(rank, world, port, transfer_timeout, optional_transports, child),
+                daemon=True,
             )
             proc.start()
             self._conns.append(parent)
