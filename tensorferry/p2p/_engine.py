@@ -810,19 +810,9 @@ class Engine:
             )
         self._new_epoch(peer, abort=False, reason="reset")
 
-    def prepared_future(self, rank: int, transport: str) -> Future:
-        """Future completed once ``transport`` is prepared for ``rank`` (used by tf.prepare)."""
-        return self.call(lambda: self._ensure_prepared(self._peer(rank), transport))
-
     def mark_prepared(self, rank: int, transport: str) -> None:
         """Engine-thread command: ``transport`` was prepared for ``rank`` by ``tf.prepare``."""
         self._peer(rank).prepared[transport] = "done"
-
-    def is_prepared(self, rank: int, transport: str) -> bool:
-        return self._peer(rank).prepared.get(transport) == "done"
-
-    def peer_lost(self, rank: int) -> BaseException | None:
-        return self._peer(rank).lost
 
     def _shutdown(self) -> None:
         self._stopping = True

@@ -55,8 +55,9 @@ class _NcclPair:
             self.pg.abort()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.pg.shutdown()
+        # Abort, not shutdown(): ncclCommAbort is local and never waits for the peer (which
+        # may be gone at tf.shutdown, or closing at the same moment in the uncached bench).
+        self.abort()
 
 
 class _NcclPending(PendingOps):
