@@ -13,9 +13,14 @@ COMPUTE / WRITE operations, checked for deadlock), and run it many times with li
     dag = MultiOutputNode([y]).compile(overlap_communication=True)
     print(dag.execute(3).get(timeout=10))
     dag.teardown()
+
+Actors spawned with ``.spawn(..., executor="ray", num_gpus=1, resources={...})`` are Ray actors
+placed on any node of a Ray cluster; their graphs run on the Ray executor (docs/multihost.md).
+Ray is imported only then, never by ``import tensorferry``.
 """
 
 from tensorferry.graph._actor import ActorClass, ActorHandle, ActorMethod, actor
+from tensorferry.graph._actor_ray import RayActorHandle
 from tensorferry.graph._compiled import (
     CompiledGraph,
     CompiledGraphFuture,
@@ -49,6 +54,7 @@ __all__ = [
     "ActorClass",
     "ActorHandle",
     "ActorMethod",
+    "RayActorHandle",
     "InputNode",
     "InputAttributeNode",
     "ClassMethodNode",

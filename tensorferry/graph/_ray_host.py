@@ -134,6 +134,15 @@ def _local_device(device: str) -> str:
     return device
 
 
+def _pin(device: str) -> None:
+    """Makes ``device`` current in the calling thread (Ray may run methods on other threads
+    than the constructor's, and the current CUDA device is per thread)."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.set_device(int(device.split(":")[1]))
+
+
 class ActorHost:
     """The Ray actor behind a ``RayActorHandle`` (see the module doc).
 
@@ -182,6 +191,7 @@ class ActorHost:
         if self._session is not None:
             return ("error", f"actor {self._name} runs a compiled graph; tear it down first")
         try:
+            _pin(self._device)
             return ("ok", getattr(self._instance, method)(*args, **kwargs))
         except BaseException:
             return ("error", traceback.format_exc())
@@ -204,6 +214,7 @@ class ActorHost:
         if session is None or session.listener is None:
             return ("error", "setup_graph without open_graph")
         try:
+            _pin(self._device)
             readers, writers = establish(
                 plan.actor, plan.graph, wiring, session.listener, session.control
             )
@@ -225,6 +236,7 @@ class ActorHost:
         if session is None or session.runner is None:
             return "failed:\nrun_graph without setup_graph"
         try:
+            _pin(self._device)
             why = session.runner.run()
         except BaseException:
             why = "failed:\n" + traceback.format_exc()
