@@ -99,8 +99,13 @@ def spawn_ray_actor(
     device = _parse_device(device, num_gpus)
     if resources is not None and not isinstance(resources, dict):
         raise TypeError(f"resources must be a dict of name to amount, got {resources!r}")
-    ray = require_ray()
     options: dict[str, Any] = dict(ray_options or {})
+    for key in ("max_concurrency", "concurrency_groups"):
+        if key in options:
+            # The actor's object sees one call at a time (as in a local actor process); the
+            # control methods have their own group.
+            raise ValueError(f"ray_options may not set {key!r}: tensorferry sets it")
+    ray = require_ray()
     for key, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("resources", resources)):
         if value is not None:
             options[key] = value

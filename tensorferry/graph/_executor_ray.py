@@ -179,6 +179,9 @@ class RayExecutor:
         self._watchdog.start()
 
     def _fail(self, failures: list[str]) -> None:
+        # Actors that got through part of the setup hold it until run_graph, which sees the
+        # stop and lets go: they stay usable for direct calls and other graphs.
+        self._run_refs = {host.run_graph.remote(): i for i, host in enumerate(self._hosts)}
         self.teardown(timeout=10.0, kill_actors=False)
         raise GraphCompileError("actors failed to set up the graph:\n" + "\n".join(failures))
 

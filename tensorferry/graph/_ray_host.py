@@ -12,7 +12,8 @@ module imports nothing of Ray at import time. Its methods fall in two Ray concur
 A compiled graph on this actor goes through: ``open_graph`` (a listener for its incoming edges;
 returns the address) → ``setup_graph`` (connects every edge, builds the
 :class:`~tensorferry.graph._runner.ScheduleRunner`, sets up NCCL) → ``run_graph`` (returns why
-it ended: ``"stopped"``, ``"peer died"`` or ``"failed:"`` and a traceback).
+it ended: ``"stopped"``, ``"peer died"`` or ``"failed:"`` and a traceback). When the graph
+fails to start, ``run_graph`` is still called: it lets go of whatever was opened.
 """
 
 from __future__ import annotations
@@ -231,18 +232,26 @@ class ActorHost:
         return ("ready",)
 
     def run_graph(self) -> str:
-        """Runs the schedule until the graph stops; returns why it ended."""
+        """Runs the schedule until the graph stops; returns why it ended.
+
+        Without a complete setup (the graph failed to start) it only lets go of what was
+        opened and returns ``"no graph"``.
+        """
         session = self._session
-        if session is None or session.runner is None:
-            return "failed:\nrun_graph without setup_graph"
+        if session is None:
+            return "no graph"
+        runner = session.runner
         try:
+            if runner is None:
+                return "no graph"
             _pin(self._device)
-            why = session.runner.run()
+            why = runner.run()
         except BaseException:
             why = "failed:\n" + traceback.format_exc()
         finally:
-            with contextlib.suppress(Exception):
-                session.runner.close()
+            if runner is not None:
+                with contextlib.suppress(Exception):
+                    runner.close()
             session.close_channels()
             self._session = None
         return why

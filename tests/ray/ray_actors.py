@@ -44,6 +44,19 @@ class Calc:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
+class FailsSetup:
+    """Its method exists on the class (so the graph compiles) but not on the instance, so the
+    actor fails to set up the graph."""
+
+    def work(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def __getattribute__(self, name: str):
+        if name == "work":
+            raise RuntimeError("work cannot be looked up on this instance")
+        return object.__getattribute__(self, name)
+
+
 class Broken:
     def __init__(self) -> None:
         raise RuntimeError("this actor cannot start")

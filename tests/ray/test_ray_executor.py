@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from ray_actors import Broken, Calc, on_node
+from ray_actors import Broken, Calc, FailsSetup, on_node
 
 import tensorferry as tf
 from tensorferry.graph import InputNode, MultiOutputNode, actor
@@ -193,6 +193,26 @@ def test_direct_calls_constructor_errors_and_executor_checks(calcs):
         bad.compile()
     with pytest.raises(ValueError, match="only apply to Ray actors"):
         CalcActor.spawn(num_gpus=1)
+
+
+def test_failed_setup_is_a_compile_error_and_frees_the_actors(calcs):
+    a, b, _ = calcs
+    failing = actor(FailsSetup).spawn(name="fails_setup", **on_node("node_a"))
+    try:
+        with InputNode() as inp:
+            dag = b.add.bind(failing.work.bind(inp))
+        with pytest.raises(tf.GraphCompileError, match="cannot be looked up"):
+            dag.compile()
+        x = torch.randn(3)
+        assert torch.equal(b.add.call(x), x + 10.0)  # b let go of the failed graph
+        with InputNode() as inp:
+            graph = b.add.bind(a.add.bind(inp)).compile()
+        try:
+            assert torch.equal(graph.execute(x).get(timeout=30), x + 11.0)
+        finally:
+            graph.teardown(kill_actors=False)
+    finally:
+        failing.kill()
 
 
 def test_killed_actor_fails_pending_and_later_gets(ray_cluster):
