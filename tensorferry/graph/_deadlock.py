@@ -4,8 +4,8 @@ The simulation is deliberately pessimistic, so a schedule that passes cannot dea
 real executor interleaves its work:
 
 - a COMPUTE always completes;
-- a READ over a buffered (``shm``) edge blocks until the writer has written that execution's
-  message; a WRITE blocks while the channel holds ``capacity`` unread messages;
+- a READ over a buffered (``shm``, ``tcp``) edge blocks until the writer has written that
+  execution's message; a WRITE blocks while the channel holds ``capacity`` unread messages;
 - a READ or WRITE over a rendezvous transport (``nccl``, ``nvlink``, ``ce``) completes only
   together with its peer's matching operation, as a NCCL send of a large tensor does. Two actors
   whose rendezvous operations toward each other come in different orders wait for each other
