@@ -1,35 +1,53 @@
 #!/usr/bin/env bash
-# Runs on a GPU machine: doctor, the GPU test tiers and the benchmarks, in one go.
-# Usage: bash scripts/gpu-check.sh [runtime] [p2p] [graph] [nvlink] [demo]   (default: all)
-# Logs and results go under $OUT (or ./out).
+# Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
+# Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
+#   runtime lifecycle p2p p2p-socket toy batch graph graph-bench overlap demo sendrecv
+# Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-parts=${*:-runtime p2p graph nvlink demo}
-tf() { python3 -m tensorferry.cli.main "$@"; }
-status=0
-step() {  # step NAME COMMAND...: runs, logs, remembers failure
-  local name=$1; shift
-  echo "=== $name"
-  local t0=$SECONDS
-  if "$@" >"$OUT/$name.log" 2>&1; then echo "--- $name ok ($((SECONDS - t0)) s)";
-  else echo "--- $name FAILED ($((SECONDS - t0)) s)"; status=1; fi
-  tail -n 25 "$OUT/$name.log"
+FINAL=${OUT:-$PWD/out}
+LOGS=/tmp/tensorferry-gpu
+rm -rf "$LOGS" && mkdir -p "$LOGS/results" "$FINAL"
+# The package runs from the source tree; give it its console script and a `python`.
+mkdir -p /tmp/tf-bin
+printf '#!/bin/sh\nexec python3 -m tensorferry.cli.main "$@"\n' >/tmp/tf-bin/tensorferry
+command -v python >/dev/null || ln -sf "$(command -v python3)" /tmp/tf-bin/python
+chmod +x /tmp/tf-bin/tensorferry && export PATH=/tmp/tf-bin:$PATH
+SOCKET=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
+R=$LOGS/results
+summary=()
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1; rc=$?
+  summary+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  echo "=== $name rc=$rc ($((SECONDS - t0)) s)"
+  grep -E "passed|failed|FAILED|Error|VERDICT|speed|x cheaper|ratio" "$LOGS/$name.log" | tail -n 12
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-tf doctor
-for part in $parts; do
-  case $part in
-    runtime)
-      step runtime-tests python3 -m pytest -q -p no:cacheprovider tests/runtime
-      step lifecycle-bench tf bench lifecycle --cycles 1000 --out "$OUT/results" ;;
-    p2p) [ -f scripts/gpu-p2p.sh ] && step p2p bash scripts/gpu-p2p.sh ;;
-    graph) [ -f scripts/gpu-graph.sh ] && step graph bash scripts/gpu-graph.sh ;;
-    nvlink) [ -f scripts/gpu-nvlink.sh ] && step nvlink bash scripts/gpu-nvlink.sh ;;
-    demo) step demo tf demo ;;
+steps=${*:-runtime lifecycle p2p p2p-socket toy batch graph graph-bench overlap demo sendrecv}
+python3 -m tensorferry.cli.main doctor >"$LOGS/doctor.log" 2>&1
+head -n 20 "$LOGS/doctor.log"
+for s in $steps; do
+  case $s in
+    runtime) step runtime 60 python3 -m pytest -q -p no:cacheprovider tests/runtime ;;
+    lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
+    p2p) step p2p 90 python3 -m pytest -q -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
+    p2p-socket) step p2p-socket 75 "${SOCKET[@]}" python3 -m pytest -q -p no:cacheprovider \
+      tests/p2p/test_p2p_gpu.py ;;
+    toy) step toy 70 tensorferry bench toy --device cuda --out "$R" ;;
+    batch) step batch 45 tensorferry bench batch --device cuda --out "$R" ;;
+    graph) step graph 120 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
+    graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
+    overlap) step overlap 75 tensorferry bench overlap --iters 20 --out "$R" ;;
+    demo) step demo 60 tensorferry demo --out "$LOGS/demo" ;;
+    sendrecv) step sendrecv 90 tensorferry bench sendrecv --sizes "${SENDRECV_SIZES:-1M,64M,1G}" \
+      --transports "${SENDRECV_TRANSPORTS:-nccl,nvlink,ce}" --max-seconds-per-point 0.3 \
+      --out "$R/sendrecv" ;;
+    *) echo "unknown step $s"; exit 2 ;;
   esac
 done
-exit $status
+for line in "${summary[@]}"; do echo "$line"; done
+for f in "$R"/*.md "$R"/*/*.md; do [ -f "$f" ] && { echo "--- $f"; sed -n '/^|/p' "$f"; }; done
+tar -czf "$FINAL/gpu-logs.tgz" -C /tmp tensorferry-gpu

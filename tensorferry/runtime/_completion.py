@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # Poll back-off: start fine so short transfers complete with little added latency, grow coarse so
 # a long wait costs (almost) no CPU. Numbers are seconds.
 _POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
+_POLL_MAX_S = 2e-4
 
 
 @dataclass(slots=True)
