@@ -34,7 +34,7 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, GraphCompileError
 from tensorferry.graph._actor_ray import require_ray
-from tensorferry.graph._channel import PeerDied
+from tensorferry.graph._channel import GraphStopped, PeerDied
 from tensorferry.graph._channel_net import Listener, NetControl, NetWiring, establish
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
@@ -150,20 +150,17 @@ class RayExecutor:
             for index, (name, host) in enumerate(zip(self._names, self._hosts, strict=True))
         ]
         try:
-            readers, writers = establish(DRIVER, self.graph, wiring, self._listener, self._control)
+            readers, writers = self._wire_driver(wiring, setups)
         except BaseException as exc:
             # The actors may wait for the driver's connections: stop them before asking why.
             for host in self._hosts:
                 host.stop_graph.remote()
-            _, failures = self._gather(setups, time.monotonic() + 5.0, "set up the graph")
-            self._fail([f"driver: could not connect the graph's edges: {exc}", *failures])
-        replies, failures = self._gather(setups, deadline, "set up the graph")
-        failures += [
-            f"{name}:\n{reply[1]}"
-            for name, reply in zip(self._names, replies, strict=True)
-            if reply is not None and reply[0] == "error"
-        ]
+            failures = self._setup_failures(setups, time.monotonic() + 5.0)
+            if not isinstance(exc, GraphStopped):  # not stopped because an actor failed
+                failures.insert(0, f"driver: could not connect the graph's edges: {exc!r}")
+            self._fail(failures)
         self._inputs, self._outputs = writers, readers
+        failures = self._setup_failures(setups, deadline)
         if failures:
             self._fail(failures)
         self._listener.close()
@@ -177,6 +174,47 @@ class RayExecutor:
             target=self._watch, name=f"tensorferry-ray-watchdog-{self.prefix}", daemon=True
         )
         self._watchdog.start()
+
+    def _setup_failures(self, setups: list, deadline: float) -> list[str]:
+        replies, failures = self._gather(setups, deadline, "set up the graph")
+        return failures + [
+            f"{name}:\n{reply[1]}"
+            for name, reply in zip(self._names, replies, strict=True)
+            if reply is not None and reply[0] == "error"
+        ]
+
+    def _wire_driver(self, wiring: NetWiring, setups: list) -> tuple[dict, dict]:
+        """The driver's own connections, given up as soon as an actor's setup failed (rather
+        than waiting out the start timeout for edges that actor will never connect)."""
+        ray = self._ray
+        outcome: dict[str, Any] = {}
+
+        def wire() -> None:
+            try:
+                outcome["channels"] = establish(
+                    DRIVER, self.graph, wiring, self._listener, self._control
+                )
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=wire, name="tensorferry-ray-wiring", daemon=True)
+        thread.start()
+        pending = list(setups)
+        while thread.is_alive():
+            thread.join(0.05)
+            if not pending:
+                continue
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            for ref in done:
+                try:
+                    failed = ray.get(ref, timeout=1.0)[0] == "error"
+                except ray.exceptions.RayError:
+                    failed = True
+                if failed:
+                    self._control.stop()  # ends the driver's waits for connections
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["channels"]
 
     def _fail(self, failures: list[str]) -> None:
         # Actors that got through part of the setup hold it until run_graph, which sees the

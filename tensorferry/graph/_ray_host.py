@@ -24,6 +24,7 @@ import threading
 import traceback
 from typing import Any
 
+from tensorferry.graph._channel import GraphStopped
 from tensorferry.graph._channel_net import (
     Listener,
     NetControl,
@@ -225,6 +226,10 @@ class ActorHost:
             session.profile = _ProfileSink() if plan.profile_channel else None
             endpoints = _NetEndpoints(session.control, readers, writers, session.profile)
             session.runner = ScheduleRunner(self._instance, plan, endpoints)
+        except GraphStopped:  # the driver gave up on this graph (another actor failed)
+            session.close_channels()
+            self._session = None
+            return ("stopped",)
         except BaseException:
             session.close_channels()
             self._session = None
