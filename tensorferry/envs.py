@@ -14,6 +14,7 @@ __all__ = [
     "visualize_schedule",
     "log_level",
     "auto_table_path",
+    "auto_transports",
 ]
 
 
@@ -72,3 +73,13 @@ def auto_table_path() -> str | None:
     """A measured ``transport="auto"`` table (``TENSORFERRY_AUTO_TABLE``, a JSON file written by
     ``tensorferry bench sendrecv --tune``); unset means the shipped defaults."""
     return os.environ.get("TENSORFERRY_AUTO_TABLE") or None
+
+
+def auto_transports() -> tuple[str, ...]:
+    """Transports that ``transport="auto"`` may pick (``TENSORFERRY_AUTO_TRANSPORTS``,
+    comma-separated; default ``nccl,gloo``). Others are used only when named explicitly."""
+    raw = os.environ.get("TENSORFERRY_AUTO_TRANSPORTS", "nccl,gloo")
+    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    if not names:
+        raise ValueError("TENSORFERRY_AUTO_TRANSPORTS names no transport")
+    return names

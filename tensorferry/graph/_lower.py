@@ -61,9 +61,15 @@ def _ancestors(output: DAGNode) -> list[DAGNode]:
     return sorted(seen.values(), key=lambda n: n._node_id)
 
 
+# Return annotations that can never carry a tensor; anything else might.
+_NO_TENSOR_TYPES = (type(None), bool, int, float, complex, str, bytes)
+_NO_TENSOR_NAMES = {"None", "bool", "int", "float", "complex", "str", "bytes"}
+
+
 def returns_tensor(cls: type, method: str) -> bool | None:
-    """What ``cls.method``'s return annotation says: a tensor (or tensors) or not; ``None`` when
-    it has no annotation (checked at run time instead)."""
+    """What ``cls.method``'s return annotation says: ``True`` for a tensor type, ``False`` for a
+    type that cannot hold one (``None``, numbers, strings), ``None`` when unknown — no
+    annotation, or a container that may hold tensors (checked at run time instead)."""
     func = getattr(cls, method)
     try:
         hints = typing.get_type_hints(func)
@@ -72,10 +78,13 @@ def returns_tensor(cls: type, method: str) -> bool | None:
     annotation = hints.get("return", inspect.Signature.empty)
     if annotation is inspect.Signature.empty:
         return None
-    if annotation is None or annotation is type(None):
+    if annotation is None or annotation in _NO_TENSOR_TYPES:
         return False
     text = annotation if isinstance(annotation, str) else repr(annotation)
-    return "Tensor" in text or "Any" in text
+    if text in _NO_TENSOR_NAMES:
+        return False
+    # Containers (dict, list, tuple, dataclasses, Any) may hold tensors: known at run time.
+    return True if "Tensor" in text else None
 
 
 def resolve_transport(

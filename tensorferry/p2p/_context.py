@@ -141,7 +141,10 @@ class P2PContext:
             return requested
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         best, best_time, reasons = None, float("inf"), []
+        candidates = envs.auto_transports()
         for name in registered_transports():
+            if name not in candidates:
+                continue
             transport = self.transport(name)
             if transport.device_type != device_type:
                 continue

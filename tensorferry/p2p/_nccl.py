@@ -124,10 +124,10 @@ class NcclTransport(Transport):
             stream = torch.cuda.current_stream(device)
             out = torch.ones(1, dtype=torch.uint8, device=device)
             into = torch.zeros(1, dtype=torch.uint8, device=device)
-            pg._start_coalescing(device)
+            pg._start_coalescing()
             pg.send([out], pair.other, _TAG)
             pg.recv([into], pair.other, _TAG)
-            work = pg._end_coalescing(device)
+            work = pg._end_coalescing()
             work.wait()
             done = torch.cuda.Event()
             done.record(stream)
@@ -167,7 +167,7 @@ class NcclTransport(Transport):
             if not wire:
                 continue  # only empty tensors: nothing to move (both sides agree on that)
             pg = pair.pg
-            pg._start_coalescing(device)
+            pg._start_coalescing()
             try:
                 for kind, buf in wire:
                     if kind == "send":
@@ -175,7 +175,7 @@ class NcclTransport(Transport):
                     else:
                         pg.recv([buf], pair.other, _TAG)
             finally:
-                work = pg._end_coalescing(device)
+                work = pg._end_coalescing()
             # Orders `stream` (the current stream) after the group; the host does not wait.
             work.wait()
             works.append(work)
