@@ -95,7 +95,9 @@ def _handwritten_rank(rank: int, port: int, size: int, branches: int, iters: int
                     compute.wait_event(event)
                     buffer.record_stream(compute)
                     sums.append((buffer @ weight).float().sum(dim=0))
-            results = [s.cpu() for s in sums]  # on the host, as the graph's driver gets them
+                # On the host, as the graph's driver gets them. The copies must run on `compute`
+                # (after the products): on the default stream they would not wait for them.
+                results = [s.cpu() for s in sums]
             if step >= warmup:
                 samples.append(time.perf_counter() - start)
             with torch.cuda.stream(comm):
