@@ -337,6 +337,9 @@ class NetReader:
                 frame = self._receive_frame()
                 with self._cond:
                     if frame.kind == _KIND_BYE:
+                        # A clean stop upstream: this process stops too, and says goodbye on
+                        # its own connections, so the stop travels down the graph cleanly.
+                        self._control.stop()
                         self._ended = GraphStopped()
                         self._cond.notify_all()
                         return
@@ -346,6 +349,7 @@ class NetReader:
             if self._closed:
                 return
             if self._peer is None or self._control.stopped:
+                self._control.stop()  # the driver is gone, or the graph is stopping anyway
                 ended: BaseException = GraphStopped()
             else:
                 self._control.mark_dead(self._peer)

@@ -293,6 +293,13 @@ class RayExecutor:
         return index, f"actor {name} stopped running the graph: {why}", True
 
     def _watch(self) -> None:
+        try:
+            self._watch_runs()
+        except Exception:  # Ray shut down under a graph nobody tore down
+            if not self._closing.is_set():
+                log.exception("the Ray executor's watchdog stopped")
+
+    def _watch_runs(self) -> None:
         ray = self._ray
         pending = list(self._run_refs)
         while pending and not self._closing.is_set():
