@@ -33,10 +33,11 @@ def test_bench_lifecycle_writes_results(tmp_path, capsys):
     assert main(["bench", "lifecycle", "--cycles", "20", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "unpooled" in out
-    csv_text = (tmp_path / "lifecycle.csv").read_text()
+    (csv_path,) = tmp_path.glob("lifecycle_*.csv")
+    csv_text = csv_path.read_text()
     assert csv_text.splitlines()[0].startswith("mode,cycles,create_us")
     assert len(csv_text.splitlines()) == 4
-    md = (tmp_path / "lifecycle.md").read_text()
+    md = csv_path.with_suffix(".md").read_text()
     assert "command:" in md and "| mode |" in md
 
 

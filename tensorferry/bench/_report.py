@@ -1,7 +1,13 @@
-"""Benchmark reports: a printed table, plus CSV and Markdown files with the run's provenance."""
+"""Benchmark reports, shared by every ``tensorferry bench``: a printed table, plus CSV and
+Markdown files that carry the run's provenance (hardware, versions, date, command).
+
+Files are named ``<theme>_<hardware>_<date>.{csv,md}`` so results from different machines and
+days can sit side by side in ``benchmarks/results/``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import os
@@ -12,28 +18,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "format_table", "write_report"]
+__all__ = ["environment", "hardware_tag", "format_table", "report"]
 
 
 def environment() -> dict[str, str]:
-    """Hardware and software the numbers were measured on."""
+    """Hardware and software the numbers were measured on, and the command that ran."""
     import torch
+
+    import tensorferry
 
     info = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "command": "tensorferry " + shlex.join(sys.argv[1:]) if sys.argv else "",
+        "tensorferry": tensorferry.__version__,
+        "command": "tensorferry " + shlex.join(sys.argv[1:]),
     }
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["devices"] = f"{len(names)} × {names[0]}" if len(set(names)) == 1 else ", ".join(names)
         info["cuda"] = str(torch.version.cuda)
-        try:
+        with contextlib.suppress(Exception):  # NCCL-less builds
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # NCCL missing from this build
-            info["nccl"] = "n/a"
     else:
         info["devices"] = f"CPU only ({os.cpu_count()} cores, {platform.machine()})"
     for env in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
@@ -42,8 +49,19 @@ def environment() -> dict[str, str]:
     return info
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A fixed-width text table of ``rows`` (floats to 3 significant digits)."""
+def hardware_tag() -> str:
+    """``"2xNVIDIA-H200"``-style tag of this machine (``"cpu"`` without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).replace(" ", "-")
+        return f"{torch.cuda.device_count()}x{name}"
+    return "cpu"
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A fixed-width text table of ``rows`` (columns: every key, in first-seen order)."""
+    columns = list(columns) if columns is not None else _columns(rows)
     cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
@@ -52,21 +70,33 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    out_dir: str | os.PathLike[str],
-    name: str,
+def report(
+    out_dir: str | os.PathLike[str] | None,
+    theme: str,
     rows: Sequence[dict[str, Any]],
-    columns: Sequence[str],
     *,
     title: str,
     notes: Sequence[str] = (),
-) -> tuple[Path, Path]:
-    """Writes ``<name>.csv`` and ``<name>.md`` (provenance, table, notes) under ``out_dir``."""
+    columns: Sequence[str] | None = None,
+) -> tuple[Path, Path] | None:
+    """Prints the table and notes; with ``out_dir``, also writes the CSV and Markdown files.
+
+    Returns:
+        The ``(csv, md)`` paths, or ``None`` without ``out_dir``.
+    """
+    columns = list(columns) if columns is not None else _columns(rows)
+    print(title)
+    print(format_table(rows, columns))
+    for note in notes:
+        print(f"note: {note}")
+    if out_dir is None:
+        return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out / f"{name}.csv", out / f"{name}.md"
+    stem = f"{theme}_{hardware_tag()}_{_dt.date.today().isoformat()}"
+    csv_path, md_path = out / f"{stem}.csv", out / f"{stem}.md"
     with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     env = environment()
@@ -75,9 +105,17 @@ def write_report(
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
     if notes:
-        lines += ["", "Notes:", *(f"- {n}" for n in notes)]
+        lines += ["", "Notes and fairness caveats:", "", *(f"- {n}" for n in notes)]
     md_path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {csv_path} and {md_path}")
     return csv_path, md_path
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    columns: list[str] = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+    return columns
 
 
 def _cell(value: Any) -> str:

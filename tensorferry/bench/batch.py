@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tensorferry.p2p import _bench_report as report
+    from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
     use_cuda = args.device == "cuda" or (
@@ -103,10 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 "one_way_us": round(gbps, 2),
             }
         )
-    report.print_table(rows)
-    if args.out:
-        paths = report.write(args.out, "batch", rows, notes=__doc__)
-        print("wrote", ", ".join(paths))
+    notes = [" ".join(__doc__.split())]
+    report(args.out, "batch", rows, title=__doc__.splitlines()[0], notes=notes)
     return 0
 
 

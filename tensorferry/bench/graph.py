@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from tensorferry.bench._report import report
     from tensorferry.graph import InputNode, actor
-    from tensorferry.graph._bench_report import write_report
 
     rows = []
     x = torch.randn(16)
@@ -156,6 +156,6 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         notes.append("NCCL case skipped: fewer than two CUDA devices")
-    write_report("graph_overhead", rows, args.out, title="compiled graph per-execute overhead",
-                 notes=notes)  # fmt: skip
+    report(args.out, "graph_overhead", rows, title="compiled graph per-execute overhead",
+           notes=notes)  # fmt: skip
     return 0

@@ -60,7 +60,7 @@ def _measure(devices: list, config, cycles: int, *, use_streams: bool) -> dict[s
 
 def run(args: argparse.Namespace) -> int:
     import tensorferry as tf
-    from tensorferry.bench._report import environment, format_table, write_report
+    from tensorferry.bench._report import environment, report
 
     if args.cycles < 1:
         raise SystemExit("--cycles must be >= 1")
@@ -87,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
     env = environment()
     cpu_only = all(d == "cpu" for d in devices)
     per_device = f"{args.streams_per_device} streams/device"
-    print(f"Client lifecycle over {devices} ({env['devices']}), {per_device}")
-    print(format_table(rows, columns))
     notes = [
         "Median host time per cycle (create = tf.Client(...), close = client.close()).",
         "Pooled: streams leased from the process pool and reset on close (completion drain; an "
@@ -98,12 +96,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     if cpu_only:
         notes.append("CPU only: a CPU client holds no streams, so both modes measure bookkeeping.")
-        print("note: no CUDA device; CPU clients hold no streams, both modes measure bookkeeping")
+    title = f"Client lifecycle over {devices} ({env['devices']}), {per_device}"
+    report(args.out, "lifecycle", rows, title=title, notes=notes, columns=columns)
     for row in rows[:-1]:
         print(f"{row['mode']}: {row['speedup']:.1f}x cheaper than unpooled")
-    if args.out:
-        csv_path, md_path = write_report(
-            args.out, "lifecycle", rows, columns, title="Client lifecycle", notes=notes
-        )
-        print(f"wrote {csv_path} and {md_path}")
     return 0

@@ -156,8 +156,8 @@ def _handwritten_cpu(size: int, branches: int, iters: int, warmup: int) -> list[
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tensorferry.bench._report import report
     from tensorferry.graph import InputNode, MultiOutputNode, actor
-    from tensorferry.graph._bench_report import write_report
     from tensorferry.graph.demo import DemoReceiver, DemoSender, _check
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -242,6 +242,6 @@ def run(args: argparse.Namespace) -> int:
             f"{os.cpu_count()} cores; the hand-written row does the arithmetic alone in one "
             "process (a floor with no communication), so targets do not apply"
         )
-    write_report("overlap", rows, args.out, title="graph overlap: off / on / hand-written",
-                 notes=notes)  # fmt: skip
+    report(args.out, "overlap", rows, title="graph overlap: off / on / hand-written",
+           notes=notes)  # fmt: skip
     return 0

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tensorferry.p2p import _bench_report as report
+    from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
     programs = [p for p in args.programs.split(",") if p]
@@ -91,10 +91,8 @@ def run(args: argparse.Namespace) -> int:
         if "cached" in times and "uncached" in times:
             row["ratio"] = round(times["uncached"] / times["cached"], 1)
         rows.append(row)
-    report.print_table(rows)
-    if args.out:
-        paths = report.write(args.out, "toy", rows, notes=__doc__)
-        print("wrote", ", ".join(paths))
+    notes = [" ".join(__doc__.split())]
+    report(args.out, "toy", rows, title=__doc__.splitlines()[0], notes=notes)
     return 0
 
 

@@ -24,7 +24,6 @@ tells its reader the same, usually even sooner.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import secrets
 import threading
@@ -247,17 +246,6 @@ class RayExecutor:
         )
         from tensorferry.graph._nccl import NcclSetup, host_store
 
-        extra: dict[str, Any] = {}
-        if "store_host" in {f.name for f in dataclasses.fields(NcclSetup)}:
-            extra["store_host"] = driver_ip
-        else:
-            elsewhere = [n for n in actors if self.handles[n].node_ip != driver_ip]
-            if elsewhere:
-                raise GraphCompileError(
-                    f"GPU actors {elsewhere} run on another host than the driver ({driver_ip}), "
-                    "but this version's NCCL link meets its peers on the driver's host only; "
-                    "place the GPU actors on the driver's node"
-                )
         self._store, port = host_store()
         pairs = sorted(
             {tuple(sorted((actors.index(e.src_actor), actors.index(e.dst_actor)))) for e in edges}
@@ -271,7 +259,7 @@ class RayExecutor:
                 prefix=self.prefix,
                 pairs=tuple(pairs),  # type: ignore[arg-type]
                 timeout_s=self._start_timeout,
-                **extra,
+                store_host=driver_ip,
             )
             for rank, name in enumerate(actors)
         }

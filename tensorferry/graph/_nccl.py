@@ -36,12 +36,14 @@ class NcclSetup:
     ranks: dict[str, int]
     """Actor name to rank, for every actor with an NCCL edge."""
     store_port: int
-    """Port of the driver's TCP store on 127.0.0.1."""
+    """Port of the driver's TCP store."""
     prefix: str
     """Key prefix in the store (the graph's id), so graphs never mix."""
     pairs: tuple[tuple[int, int], ...]
     """Rank pairs that exchange tensors, sorted: communicators are created in this order."""
     timeout_s: float
+    store_host: str = "127.0.0.1"
+    """Address of the driver's TCP store (the driver's host address when actors run elsewhere)."""
 
 
 class GpuLink(Protocol):
@@ -73,7 +75,7 @@ class TorchNcclLink:
 
         self._dist = dist
         timeout = datetime.timedelta(seconds=setup.timeout_s)
-        store = dist.TCPStore("127.0.0.1", setup.store_port, is_master=False, timeout=timeout)
+        store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, timeout=timeout)
         store = dist.PrefixStore(setup.prefix, store)
         dist.init_process_group(
             "nccl",

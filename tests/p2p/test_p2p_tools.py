@@ -83,4 +83,4 @@ def test_bench_batch_cpu(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "torch batch_isend_irecv" in text and "tf send(list)" in text
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
-    assert "command:" in md and "versions:" in md
+    assert "command:" in md and "torch:" in md

@@ -1,0 +1,80 @@
+"""The p2p suite under torchrun, on any number of nodes: the cases of the CPU tier, run in
+step on every rank (a barrier between cases), each checking every byte it receives.
+
+Run by ``tests/test_multinode.py`` as two torchrun "nodes" on loopback::
+
+    python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank R \\
+        --master-addr 127.0.0.1 --master-port P tests/p2p/torchrun_suite.py
+
+Exit code 0 on every rank means every case passed there. Needs a world of at least 2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _cases
+
+import tensorferry.p2p as tf
+
+
+def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
+    """(case, args, {rank: expected result}); ranks not listed may return anything."""
+    first_two = {0: "ok", 1: "ok"}
+    everyone = dict.fromkeys(range(world), "ok")
+    cases = [
+        ("send_recv_all_dtypes", (11,), first_two),
+        ("ring_sendrecv", (4,), everyone),
+        ("mixed_batch", (20,), dict.fromkeys(range(world), 4 * (world - 1))),
+        ("many_small_batch", (64,), {0: "sent", 1: "ok"}),
+        ("all_gather", (False,), everyone),
+        ("all_gather", (True,), everyone),
+        ("static_channel", (4,), first_two),
+        ("static_broken", (), {0: "shape", 1: "shape"}),
+        ("static_channel", (2,), first_two),
+        # A static channel stays static: a different message is a mismatch and resets the pair.
+        ("static_broken", (), {0: "shape", 1: "shape"}),
+        ("ring_sendrecv", (1,), everyone),
+    ]
+    for kind in ("count", "dtype", "shape"):
+        cases.append(("mismatch", (kind,), {0: kind, 1: kind}))
+        cases.append(("send_recv_all_dtypes", (40,), first_two))
+    cases.append(("wait_timeout_then_complete", (), {0: "ok", 1: "sent"}))
+    cases.append(("ring_sendrecv", (1,), everyone))
+    return cases
+
+
+def main() -> int:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    tf.init(timeout=30)  # reuses the process group's store, rank and world size
+    rank, world = tf.get_rank(), tf.get_world_size()
+    failures = []
+    for name, args, expected in expectations(world):
+        dist.barrier()
+        try:
+            result = getattr(_cases, name)(rank, world, *args)
+        except Exception:
+            failures.append(f"{name}{args}: raised\n{traceback.format_exc()}")
+            continue
+        if rank in expected and result != expected[rank]:
+            failures.append(f"{name}{args}: got {result!r}, expected {expected[rank]!r}")
+    dist.barrier()
+    host = os.environ.get("GROUP_RANK", "?")
+    verdict = "ok" if not failures else "FAILED"
+    print(f"rank {rank}/{world} node {host}: p2p suite {verdict}", flush=True)
+    for failure in failures:
+        print(failure, file=sys.stderr, flush=True)
+    tf.shutdown()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
