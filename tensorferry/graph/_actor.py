@@ -22,17 +22,18 @@ from typing import Any
 from tensorferry.errors import ActorDiedError, ActorError
 from tensorferry.graph._dag import ClassMethodNode
 
-__all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
+__all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device", "parse_device"]
 
 _names = itertools.count()
 _live: weakref.WeakSet[ActorHandle] = weakref.WeakSet()
 
 
-def normalise_device(device: Any) -> str:
-    """``"cpu"`` or ``"cuda:N"`` from an int, a string or a ``torch.device``.
+def parse_device(device: Any) -> Any:
+    """A ``torch.device`` of type ``cpu`` or ``cuda`` from an int, a string or a device (the
+    form only: whether a CUDA index exists depends on where the actor runs).
 
     Raises:
-        ValueError: not a CPU or CUDA device, or a CUDA index this machine does not have.
+        ValueError: not a CPU or CUDA device.
         TypeError: not a device at all.
     """
     import torch
@@ -48,10 +49,23 @@ def normalise_device(device: Any) -> str:
             raise ValueError(f"unknown device {device!r}") from None
     elif not isinstance(device, torch.device):
         raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"actors run on 'cpu' or 'cuda:N', got {device}")
+    return device
+
+
+def normalise_device(device: Any) -> str:
+    """``"cpu"`` or ``"cuda:N"`` from an int, a string or a ``torch.device``.
+
+    Raises:
+        ValueError: not a CPU or CUDA device, or a CUDA index this machine does not have.
+        TypeError: not a device at all.
+    """
+    import torch
+
+    device = parse_device(device)
     if device.type == "cpu":
         return "cpu"
-    if device.type != "cuda":
-        raise ValueError(f"actors run on 'cpu' or 'cuda:N', got {device}")
     index = 0 if device.index is None else device.index
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not 0 <= index < count:

@@ -56,25 +56,13 @@ def _remote_host() -> Any:
 def _parse_device(device: Any, num_gpus: float | None) -> str:
     """``"cpu"`` or ``"cuda:N"`` (N among the GPUs Ray gives the actor), checked on the driver
     only for form: the driver may have no GPU at all."""
-    import torch
+    from tensorferry.graph._actor import parse_device
 
     if device is None:
         return "cuda:0" if num_gpus else "cpu"
-    if isinstance(device, bool):
-        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    elif isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"unknown device {device!r}") from None
-    elif not isinstance(device, torch.device):
-        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
+    device = parse_device(device)
     if device.type == "cpu":
         return "cpu"
-    if device.type != "cuda":
-        raise ValueError(f"actors run on 'cpu' or 'cuda:N', got {device}")
     if not num_gpus:
         raise ValueError(
             f"a Ray actor on {device} needs GPUs from Ray: pass num_gpus= (1 for one GPU)"

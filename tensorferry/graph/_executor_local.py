@@ -25,7 +25,8 @@ import uuid
 from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
-from tensorferry.graph._channel import Channel, Control, PeerDied, unlink_prefix
+from tensorferry.graph._channel import Channel, Control, unlink_prefix
+from tensorferry.graph._executor_io import DriverIO
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
@@ -37,7 +38,7 @@ _META_SLOT = 64 << 10  # metadata of rendezvous edges: shapes, dtypes, error fla
 _PROFILE_SLOT = 256 << 10
 
 
-class LocalExecutor:
+class LocalExecutor(DriverIO):
     """Runs schedules on local actor processes.
 
     Args:
@@ -209,29 +210,7 @@ class LocalExecutor:
         return ActorDiedError(self._dead or "an actor of the graph died")
 
     # ------------------------------------------------------------------ executions
-    def submit(self, payloads: dict[int, Any], *, timeout: float) -> None:
-        """Writes one execution's inputs (edge id to the tuple of input values)."""
-        try:
-            for edge_id, channel in self._inputs.items():
-                channel.write(payloads[edge_id], timeout=timeout)
-        except PeerDied as exc:
-            raise self.dead_error(exc.index) from None
-
-    def read_outputs(self, *, timeout: float) -> dict[int, Any]:
-        """Reads the oldest unread execution's results (edge id to value).
-
-        A timeout part-way keeps what was read, so the next call continues where this stopped.
-        """
-        deadline = time.perf_counter() + timeout
-        try:
-            for edge_id, channel in self._outputs.items():
-                if edge_id not in self._partial:
-                    left = max(0.0, deadline - time.perf_counter())
-                    self._partial[edge_id] = channel.read(timeout=left)
-        except PeerDied as exc:
-            raise self.dead_error(exc.index) from None
-        outputs, self._partial = self._partial, {}
-        return outputs
+    # submit() and read_outputs() come from DriverIO.
 
     def profile_records(self) -> list:
         """Every operation span the actors reported so far (see ``ProfileRecord``)."""

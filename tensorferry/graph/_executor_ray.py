@@ -33,8 +33,9 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, GraphCompileError
 from tensorferry.graph._actor_ray import require_ray
-from tensorferry.graph._channel import GraphStopped, PeerDied
+from tensorferry.graph._channel import GraphStopped
 from tensorferry.graph._channel_net import Listener, NetControl, NetWiring, establish
+from tensorferry.graph._executor_io import DriverIO
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 _GRACE_S = 1.0  # how long a "a peer died" report waits for the dead actor's own report
 
 
-class RayExecutor:
+class RayExecutor(DriverIO):
     """Runs schedules on Ray actors (see the module doc).
 
     Args:
@@ -329,29 +330,7 @@ class RayExecutor:
         return ActorDiedError(self._dead or "an actor of the graph died")
 
     # ------------------------------------------------------------------ executions
-    def submit(self, payloads: dict[int, Any], *, timeout: float) -> None:
-        """Writes one execution's inputs (edge id to the tuple of input values)."""
-        try:
-            for edge_id, channel in self._inputs.items():
-                channel.write(payloads[edge_id], timeout=timeout)
-        except PeerDied as exc:
-            raise self.dead_error(exc.index) from None
-
-    def read_outputs(self, *, timeout: float) -> dict[int, Any]:
-        """Reads the oldest unread execution's results (edge id to value).
-
-        A timeout part-way keeps what was read, so the next call continues where this stopped.
-        """
-        deadline = time.perf_counter() + timeout
-        try:
-            for edge_id, channel in self._outputs.items():
-                if edge_id not in self._partial:
-                    left = max(0.0, deadline - time.perf_counter())
-                    self._partial[edge_id] = channel.read(timeout=left)
-        except PeerDied as exc:
-            raise self.dead_error(exc.index) from None
-        outputs, self._partial = self._partial, {}
-        return outputs
+    # submit() and read_outputs() come from DriverIO.
 
     def profile_records(self) -> list:
         """Every operation span the actors recorded so far (each host's monotonic clock)."""
