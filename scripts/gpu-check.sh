@@ -33,14 +33,14 @@ for s in $steps; do
   case $s in
     runtime) step runtime 60 python3 -m pytest -q -p no:cacheprovider tests/runtime ;;
     lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
-    p2p) step p2p 90 python3 -m pytest -q -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
+    p2p) step p2p 75 python3 -m pytest -q -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
     p2p-socket) step p2p-socket 60 "${SOCKET[@]}" python3 -m pytest -q -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;
     toy) step toy 60 tensorferry bench toy --device cuda --out "$R" ;;
     batch) step batch 45 tensorferry bench batch --device cuda --out "$R" ;;
     graph) step graph 100 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
-    overlap) step overlap 75 tensorferry bench overlap --iters 20 --out "$R" ;;
+    overlap) step overlap 60 tensorferry bench overlap --iters 20 --out "$R" ;;
     demo) step demo 45 tensorferry demo --out "$LOGS/demo" ;;
     sendrecv) step sendrecv 70 tensorferry bench sendrecv --sizes "${SENDRECV_SIZES:-1M,64M,1G}" \
       --transports "${SENDRECV_TRANSPORTS:-nccl,nvlink,ce}" --max-seconds-per-point 0.3 \
