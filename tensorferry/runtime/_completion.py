@@ -127,6 +127,11 @@ class CompletionPool:
                 return len(self._pending)
             return self._running_per_owner.get(owner, 0)
 
+    def owners_in_flight(self, owners: list[Hashable]) -> set[Hashable]:
+        """Those of ``owners`` that still have items in flight (one lock for all of them)."""
+        with self._lock:
+            return {owner for owner in owners if owner in self._running_per_owner}
+
     def drain(self, owner: Hashable, timeout: float) -> bool:
         """Waits until every item of ``owner`` finished and its callbacks returned.
 

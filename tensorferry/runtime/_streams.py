@@ -154,8 +154,7 @@ class StreamPool:
             reused = [idle.pop() for _ in range(min(count, len(idle)))]
             self._counters["hits"] += len(reused)
             self._counters["misses"] += count - len(reused)
-            for stream in reused:
-                self._leased[stream.uid] = stream
+            self._leased.update({stream.uid: stream for stream in reused})
         streams = reused
         try:
             while len(streams) < count:
@@ -191,18 +190,28 @@ class StreamPool:
                     foreign.append(stream)
                 else:
                     mine.append(stream)
+        in_flight = (
+            self._completions.owners_in_flight([s.uid for s in mine])
+            if self._completions is not None
+            else set()
+        )
         clean = []
         for stream in mine:
-            try:
-                self._reset(stream)
-            except Exception as exc:
-                self._replace_failed(stream, exc)
-            else:
-                clean.append(stream)
+            # A stream never handed out, with no completion of its own in flight, is clean as
+            # it is: most of a client's streams take this path.
+            if stream._touched or stream.uid in in_flight:
+                try:
+                    self._reset(stream)
+                except Exception as exc:
+                    self._replace_failed(stream, exc)
+                    continue
+            clean.append(stream)
         surplus = []
+        key, idle = None, []
         with self._lock:
             for stream in clean:
-                idle = self._idle[stream.key]
+                if stream.key is not key:  # a client's streams share one key object
+                    key, idle = stream.key, self._idle[stream.key]
                 (idle if len(idle) < self._max_pooled else surplus).append(stream)
         for stream in surplus:
             self._destroy(stream)

@@ -54,6 +54,9 @@ class ClientConfig:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
 
 
+_DEFAULT_CONFIG = ClientConfig()
+
+
 def _normalise_devices(devices: Any) -> list[torch.device]:
     if devices is None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -63,6 +66,7 @@ def _normalise_devices(devices: Any) -> list[torch.device]:
     if not isinstance(devices, Iterable):
         raise TypeError(f"devices must be a device or a list of devices, got {devices!r}")
     result: list[torch.device] = []
+    count = None  # CUDA devices visible, asked once
     for entry in devices:
         if isinstance(entry, bool):
             raise TypeError(f"devices: {entry!r} is not a device")
@@ -77,13 +81,15 @@ def _normalise_devices(devices: Any) -> list[torch.device]:
             raise TypeError(f"devices: {entry!r} is not a device")
         if entry.type == "cuda":
             index = 0 if entry.index is None else entry.index
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count is None:
+                count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if index < 0 or index >= count:
                 raise ValueError(
                     f"devices: cuda:{index} is out of range (this process sees {count} CUDA "
                     "device(s))"
                 )
-            entry = torch.device("cuda", index)
+            if entry.index is None:
+                entry = torch.device("cuda", index)
         elif entry.type != "cpu":
             raise ValueError(f"devices: unsupported device type {entry.type!r} (cuda or cpu)")
         if entry in result:
@@ -120,7 +126,7 @@ class Client:
         config: ClientConfig | None = None,
         pool: StreamPool | None = None,
     ) -> None:
-        self.config = config if config is not None else ClientConfig()
+        self.config = config if config is not None else _DEFAULT_CONFIG
         if not isinstance(self.config, ClientConfig):
             raise TypeError(f"config must be a ClientConfig, got {type(self.config).__name__}")
         self.devices: tuple[torch.device, ...] = tuple(_normalise_devices(devices))

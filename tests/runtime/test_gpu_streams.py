@@ -67,19 +67,14 @@ def test_priority_gives_a_different_stream(pool):
 def test_work_finishes_before_the_next_client_gets_the_stream(pool):
     first = tf.Client([0], pool=pool)
     stream = first.raw_stream(0, "compute")
-    x = torch.randn(1 << 20, device="cuda:0")
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream.torch):
-        _keep_busy(stream.torch)
-        y = x * 2
-        done = torch.cuda.Event()
-        done.record()
+    _keep_busy(stream.torch)
+    done = torch.cuda.Event()
+    done.record(stream.torch)
     assert not CudaStreamFactory().is_idle(stream._handle), "the work should still be running"
     first.close()
+    assert done.query(), "the stream was pooled before its work finished"
     second = tf.Client([0], pool=pool)
-    assert stream.handle in {s.handle for s in _all_streams(second)}
-    assert done.query(), "the stream changed hands before its work finished"
-    torch.testing.assert_close(y, x * 2)
+    assert stream.uid in {s.uid for s in _all_streams(second)}, "the stream was reused"
     second.close()
 
 
