@@ -96,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
         gbps = min(r["bandwidth_gbps"][name] for r in results)  # the slower rank's view
         rows.append(
             {
-                "variant": f"{name} bandwidth GB/s",
+                "variant": f"{name} bandwidth",
                 "device": device,
                 "tensors": 1,
                 "bytes_each": config["large_mib"] << 20,
-                "one_way_us": round(gbps, 2),
+                "one_way_gb_per_s": round(gbps, 2),
             }
         )
     notes = [" ".join(__doc__.split())]
