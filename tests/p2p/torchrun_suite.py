@@ -47,8 +47,32 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
         cases.append(("mismatch", (kind,), {0: kind, 1: kind}))
         cases.append(("send_recv_all_dtypes", (40,), first_two))
     cases.append(("wait_timeout_then_complete", (), {0: "ok", 1: "sent"}))
+    # Bad calls fail before anything moves (each returns its list of errors), then a timeout:
+    # and the pairs still work afterwards.
+    cases.append(("bad_arguments", (), dict.fromkeys(range(world), _EVERY_BAD_CALL_REJECTED)))
+    cases.append(("timeout_unmatched", (), {0: _TIMED_OUT_IN_TIME}))
+    cases.append(("send_recv_all_dtypes", (60,), first_two))
     cases.append(("ring_sendrecv", (1,), everyone))
     return cases
+
+
+class _Check:
+    """An expected result given by a predicate (for results that are not one fixed value)."""
+
+    def __init__(self, text: str, predicate) -> None:
+        self.text, self.predicate = text, predicate
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self.predicate(other))
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+_EVERY_BAD_CALL_REJECTED = _Check(
+    "18 rejected calls", lambda r: isinstance(r, list) and len(r) == 18
+)
+_TIMED_OUT_IN_TIME = _Check("a timeout after 0.9-4 s", lambda r: 0.9 <= r < 4.0)
 
 
 def main() -> int:
@@ -63,7 +87,7 @@ def main() -> int:
         except Exception:
             failures.append(f"{name}{args}: raised\n{traceback.format_exc()}")
             continue
-        if rank in expected and result != expected[rank]:
+        if rank in expected and expected[rank] != result:
             failures.append(f"{name}{args}: got {result!r}, expected {expected[rank]!r}")
     dist.barrier()
     host = os.environ.get("GROUP_RANK", "?")
