@@ -549,7 +549,12 @@ class Engine:
                 self._fail_unit(unit, exc, cascade=True, skip_peer=None)
             self._retire(channel, message.seq)
             return
-        if message.static and frame["st"] and channel.static_desc is None:
+        if (
+            message.static
+            and frame["st"]
+            and channel.static_desc is None
+            and self.ctx.transport(message.transport).static_skips_headers
+        ):
             channel.static_desc = ours
             channel.static_transport = message.transport
 

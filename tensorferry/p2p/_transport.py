@@ -201,6 +201,11 @@ class Transport(abc.ABC):
     """Registry name; appears in headers, errors and communicator-cache keys."""
     device_type: ClassVar[str] = "cuda"
     """Device type of the tensors it moves: ``"cuda"`` or ``"cpu"``."""
+    static_skips_headers: ClassVar[bool] = False
+    """Whether a ``static=True`` channel may stop exchanging headers on this transport. Only
+    safe where a receive that the sender abandoned can never complete as if data arrived: over
+    NCCL a peer's abort can let a posted receive finish, so there every message keeps its
+    header and a changed message is caught before anything moves."""
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
