@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tensorferry.errors import (
@@ -46,9 +45,9 @@ from tensorferry.errors import (
     TransportError,
 )
 from tensorferry.p2p import _link
+from tensorferry.p2p._engine_faults import PairFaults
+from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare
-from tensorferry.p2p._transfer import Transfer
-from tensorferry.p2p._transport import P2POp, PendingOps
 
 if TYPE_CHECKING:
     from tensorferry.p2p._context import P2PContext
@@ -60,79 +59,13 @@ log = logging.getLogger(__name__)
 _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
 
 
-@dataclass(eq=False, slots=True)
-class Message:
-    """One message of a unit: its op, chosen transport and descriptor."""
-
-    op: P2POp
-    transport: str
-    desc: Descriptor
-    static: bool
-    seq: int = -1
-    epoch: int = -1
-    header: bool | None = None  # None: decided when the message reaches its channel's head
-    header_sent: bool = False
-    resolved: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class Unit:
-    """One call or batch: issued as one group (per transport) or failed as a whole."""
-
-    messages: list[Message]
-    transfer: Transfer
-    deadline: float
-    caller_event: Any = None
-    state: str = "new"  # new → waiting → issued → done
-    pending: list[PendingOps] = field(default_factory=list)
-    error: BaseException | None = None
-    symmetric_error_peers: set[int] = field(default_factory=set)
-    after: Unit | None = None
-    """A unit that must finish first (a ring step reads what the previous step received)."""
-    after_issued_is_enough: bool = False
-    """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
-
-    @property
-    def peers(self) -> set[int]:
-        return {m.op.peer for m in self.messages}
-
-
-@dataclass(eq=False, slots=True)
-class _Channel:
-    next_seq: int = 0
-    issue_next: int = 0
-    static_desc: Descriptor | None = None
-    static_transport: str | None = None
-    waiting: deque = field(default_factory=deque)  # unresolved messages, in seq order
-    retired: set[int] = field(default_factory=set)  # seqs issued or dropped, ahead of issue_next
-    peer_headers: dict[int, dict] = field(default_factory=dict)
-    static_candidates: int = 0  # waiting messages with static=True (may set an agreement)
-
-
-@dataclass(eq=False, slots=True)
-class _Peer:
-    rank: int
-    epoch: int = 0
-    link: _link.Link | None = None
-    connecting: bool = False
-    outbox: list = field(default_factory=list)
-    lost: BaseException | None = None
-    said_bye: bool = False
-    prepared: dict = field(default_factory=dict)  # transport -> "running" | "done"
-    future_frames: list = field(default_factory=list)
-    # Per channel: messages of a static channel the peer numbered (and failed) before a fault
-    # that we have not posted yet; ours fail on arrival. {kind: (count, error)}
-    debts: dict = field(default_factory=dict)
-    channels: dict = field(default_factory=lambda: {"send": _Channel(), "recv": _Channel()})
-
-
-class Engine:
+class Engine(PairFaults):
     """The p2p issuing thread of one process. Made by ``tf.init``, stopped by ``tf.shutdown``."""
 
     def __init__(self, ctx: P2PContext) -> None:
         self.ctx = ctx
         self.rank = ctx.rank
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, PeerState] = {}
         self._units: list[Unit] = []  # waiting units, in submission order
         self._issued: set[Unit] = set()
         self._commands: deque[Callable[[], None]] = deque()
@@ -270,13 +203,13 @@ class Engine:
         self._selector.modify(link, events, link)
 
     # ------------------------------------------------------------------ peers and links
-    def _peer(self, rank: int) -> _Peer:
+    def _peer(self, rank: int) -> PeerState:
         peer = self._peers.get(rank)
         if peer is None:
-            peer = self._peers[rank] = _Peer(rank)
+            peer = self._peers[rank] = PeerState(rank)
         return peer
 
-    def _send_frame(self, peer: _Peer, frame: dict) -> None:
+    def _send_frame(self, peer: PeerState, frame: dict) -> None:
         if peer.link is None:
             peer.outbox.append(frame)
             self._ensure_link(peer)
@@ -288,7 +221,7 @@ class Engine:
             return
         self._update_interest(peer.link)
 
-    def _ensure_link(self, peer: _Peer) -> None:
+    def _ensure_link(self, peer: PeerState) -> None:
         # The lower rank connects; the higher rank waits for the hello.
         if peer.link is not None or peer.connecting or peer.lost or self.rank > peer.rank:
             return
@@ -344,7 +277,7 @@ class Engine:
             err = PeerLostError(f"rank {peer.rank} is gone (its side channel closed)")
         self._lose_peer(peer, err, clean=peer.said_bye)
 
-    def _lose_peer(self, peer: _Peer, err: BaseException, *, clean: bool = False) -> None:
+    def _lose_peer(self, peer: PeerState, err: BaseException, *, clean: bool = False) -> None:
         if peer.lost is not None:
             return
         peer.lost = err
@@ -383,7 +316,7 @@ class Engine:
         elif kind == "f":
             self._on_fault_frame(peer, frame)
 
-    def _on_fault_frame(self, peer: _Peer, frame: dict) -> None:
+    def _on_fault_frame(self, peer: PeerState, frame: dict) -> None:
         cls = _ERRORS.get(frame.get("err", ""), TransportError)
         text = f"rank {peer.rank} abandoned the transfer: {frame.get('msg', '')}"
         err = MismatchError(text, field=frame.get("field")) if cls is MismatchError else cls(text)
@@ -414,7 +347,7 @@ class Engine:
             self._ensure_prepared(self._peer(message.op.peer), message.transport)
 
     def _pay_debts(self, unit: Unit) -> BaseException | None:
-        """The error of a debt ``unit`` pays off (see ``_Peer.debts``), else ``None``."""
+        """The error of a debt ``unit`` pays off (see ``PeerState.debts``), else ``None``."""
         error = None
         for message in unit.messages:
             peer = self._peer(message.op.peer)
@@ -424,7 +357,7 @@ class Engine:
                 error = error or err
         return error
 
-    def _number(self, peer: _Peer, message: Message) -> None:
+    def _number(self, peer: PeerState, message: Message) -> None:
         channel = peer.channels[message.op.kind]
         log.debug(
             "p2p: %s message %d, epoch %d, peer %d, static agreed %s",
@@ -450,7 +383,7 @@ class Engine:
             self._send_header(peer, message)
         self._ensure_link(peer)
 
-    def _send_header(self, peer: _Peer, message: Message) -> None:
+    def _send_header(self, peer: PeerState, message: Message) -> None:
         message.header_sent = True
         frame = {
             "k": "h",
@@ -463,7 +396,7 @@ class Engine:
         }
         self._send_frame(peer, frame)
 
-    def _ensure_prepared(self, peer: _Peer, transport: str) -> None:
+    def _ensure_prepared(self, peer: PeerState, transport: str) -> None:
         if peer.prepared.get(transport) is not None:
             return
         peer.prepared[transport] = "running"
@@ -504,8 +437,8 @@ class Engine:
             if unit.state == "waiting" and self._issuable(unit):
                 self._issue(unit)
 
-    def _resolve(self, peer: _Peer, kind: str) -> None:
-        channel: _Channel = peer.channels[kind]
+    def _resolve(self, peer: PeerState, kind: str) -> None:
+        channel: ChannelState = peer.channels[kind]
         while channel.waiting:
             message: Message = channel.waiting[0]
             if message.header is None:
@@ -528,7 +461,7 @@ class Engine:
                 if message.static:
                     channel.static_candidates -= 1
 
-    def _agree(self, peer: _Peer, channel: _Channel, message: Message, frame: dict) -> None:
+    def _agree(self, peer: PeerState, channel: ChannelState, message: Message, frame: dict) -> None:
         theirs: Descriptor = tuple((d, tuple(s)) for d, s in frame["d"])
         ours = message.desc
         send_desc, recv_desc = (ours, theirs) if message.op.kind == "send" else (theirs, ours)
@@ -558,7 +491,7 @@ class Engine:
             channel.static_desc = ours
             channel.static_transport = message.transport
 
-    def _check_static(self, peer: _Peer, channel: _Channel, message: Message) -> None:
+    def _check_static(self, peer: PeerState, channel: ChannelState, message: Message) -> None:
         message.resolved = True
         agreed = channel.static_desc
         assert agreed is not None
@@ -644,7 +577,7 @@ class Engine:
             exc = TransportError(f"{unit.transfer.description}: {exc}")
         self.call(lambda: self._fail_unit(unit, exc, cascade=True, skip_peer=None))
 
-    def _retire(self, channel: _Channel, seq: int) -> None:
+    def _retire(self, channel: ChannelState, seq: int) -> None:
         channel.retired.add(seq)
         while channel.issue_next in channel.retired:
             channel.retired.discard(channel.issue_next)
@@ -657,149 +590,6 @@ class Engine:
                 f"(no matching call within the transfer timeout)"
             )
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
-
-    # ------------------------------------------------------------------ failing
-    def _all_units(self) -> list[Unit]:
-        return [*self._units, *self._issued]
-
-    def _unit_of(self, message: Message) -> Unit | None:
-        for unit in self._all_units():
-            if any(m is message for m in unit.messages):
-                return unit
-        return None
-
-    def _finish(self, unit: Unit, exc: BaseException | None) -> None:
-        # Never run user callbacks on this thread: hand completion to the pool.
-        transfer = unit.transfer
-        self.ctx.completions.watch(lambda: True, then=lambda: transfer._finish(exc))
-
-    def _fail_unit(
-        self, unit: Unit, exc: BaseException, *, cascade: bool, skip_peer: int | None
-    ) -> None:
-        if unit.state in ("done", "failed"):
-            return
-        was_issued = unit.state == "issued"
-        unit.state = "failed"
-        unit.error = exc
-        if unit in self._units:
-            self._units.remove(unit)
-        self._issued.discard(unit)
-        for pending in unit.pending:
-            try:
-                pending.abort()
-            except Exception:
-                log.exception("p2p: abort of pending ops failed")
-        self._finish(unit, exc)
-        if not cascade:
-            return
-        # The peers of a failed unit may have issued their side (or will, on agreed headers):
-        # fault those pairs so both sides start afresh. A lone symmetric mismatch needs none.
-        for rank in sorted(unit.peers):
-            if rank == skip_peer:
-                continue
-            only_mismatch = (
-                rank in unit.symmetric_error_peers
-                and all(m.resolved for m in unit.messages if m.op.peer == rank)
-                and not was_issued
-                and len([m for m in unit.messages if m.op.peer == rank]) == 1
-            )
-            if only_mismatch:
-                continue
-            peer = self._peer(rank)
-            if peer.lost is None:
-                self._fault_pair(peer, exc, notify=True)
-
-    def _fault_pair(
-        self,
-        peer: _Peer,
-        err: BaseException,
-        *,
-        notify: bool,
-        matched: dict[str, int] | None = None,
-    ) -> None:
-        """Moves the pair to its next epoch; see the module docstring."""
-        old_epoch = peer.epoch
-        if notify:
-            # Only messages both sides numbered (headers agreed, or static) count as matched:
-            # the peer fails its counterparts of those and renumbers the rest. A message the
-            # peer had not yet posted is simply dropped; if it posts it later, it becomes the
-            # first message of the new epoch.
-            counts = {kind: self._agreed_count(peer.channels[kind]) for kind in ("send", "recv")}
-            field_name = getattr(err, "field", None)
-            self._send_frame(
-                peer,
-                {
-                    "k": "f",
-                    "e": old_epoch,
-                    "n": counts,
-                    "err": type(err).__name__,
-                    "field": field_name,
-                    "msg": str(err),
-                },
-            )
-        log.info(
-            "p2p: pair with rank %d faulted in epoch %d (%s): %s",
-            peer.rank,
-            old_epoch,
-            "ours" if matched is None else f"theirs, matched {matched}",
-            err,
-        )
-        # Messages the faulting side numbered failed with it; ours after those are renumbered.
-        keep: list[Message] = []
-        doomed: list[Unit] = []
-        for unit in self._all_units():
-            for message in unit.messages:
-                if message.op.peer != peer.rank:
-                    continue
-                limit = None if matched is None else matched[message.op.kind]
-                if (
-                    limit is not None
-                    and unit.state == "waiting"
-                    and message.seq >= limit
-                    and unit not in doomed
-                ):
-                    keep.append(message)
-                elif unit not in doomed:
-                    doomed.append(unit)
-        keep = [m for m in keep if self._unit_of(m) not in doomed]
-        debts = {}
-        for kind in ("send", "recv") if matched is not None else ():
-            owed = matched[kind] - peer.channels[kind].next_seq
-            if owed > 0:  # only on static channels: see _agreed_count
-                debts[kind] = (owed, err)
-        self._new_epoch(peer, abort=True, reason=str(err))
-        peer.debts = debts
-        for unit in doomed:
-            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
-        for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
-            self._number(peer, message)
-            self._ensure_prepared(peer, message.transport)
-
-    @staticmethod
-    def _agreed_count(channel: _Channel) -> int:
-        # On a static channel every message is matched one to one without negotiation, so
-        # all numbered ones count (the peer will post them: it promised static shapes).
-        if channel.static_desc is not None or not channel.waiting:
-            return channel.next_seq
-        return channel.waiting[0].seq  # everything before the oldest unresolved message
-
-    def _new_epoch(self, peer: _Peer, *, abort: bool, reason: str) -> None:
-        peer.epoch += 1
-        peer.channels = {"send": _Channel(), "recv": _Channel()}
-        self._evict_transports(peer, abort=abort, reason=reason)
-        replay, peer.future_frames = peer.future_frames, []
-        for frame in replay:
-            if peer.link is not None:
-                self._on_frame(peer.link, frame)
-
-    def _evict_transports(self, peer: _Peer, *, abort: bool, reason: str) -> None:
-        names = list(peer.prepared)
-        peer.prepared = {}
-        for name in names:
-            try:
-                self.ctx.transport(name).evict(peer.rank, abort=abort, reason=reason)
-            except Exception:
-                log.exception("p2p: evicting %s for rank %d failed", name, peer.rank)
 
     # ------------------------------------------------------------------ commands
     def reset_pair(self, rank: int) -> None:

@@ -1,0 +1,162 @@
+"""Pair faults of the p2p issuing engine: failing units, moving a pair to its next epoch.
+
+A mixin of :class:`._engine.Engine` (the module docstring there describes the fault protocol);
+it uses the engine's state and helpers (``_units``, ``_issued``, ``_peer``, ``_send_frame``,
+``_number``, ``_ensure_prepared``, ``_on_frame``, ``ctx``) and runs only on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
+
+__all__ = ["PairFaults"]
+
+log = logging.getLogger("tensorferry.p2p._engine")
+
+
+class PairFaults:
+    """Failing units and faulting pairs (mixed into the engine)."""
+
+    def _all_units(self) -> list[Unit]:
+        return [*self._units, *self._issued]
+
+    def _unit_of(self, message: Message) -> Unit | None:
+        for unit in self._all_units():
+            if any(m is message for m in unit.messages):
+                return unit
+        return None
+
+    def _finish(self, unit: Unit, exc: BaseException | None) -> None:
+        # Never run user callbacks on this thread: hand completion to the pool.
+        transfer = unit.transfer
+        self.ctx.completions.watch(lambda: True, then=lambda: transfer._finish(exc))
+
+    def _fail_unit(
+        self, unit: Unit, exc: BaseException, *, cascade: bool, skip_peer: int | None
+    ) -> None:
+        if unit.state in ("done", "failed"):
+            return
+        was_issued = unit.state == "issued"
+        unit.state = "failed"
+        unit.error = exc
+        if unit in self._units:
+            self._units.remove(unit)
+        self._issued.discard(unit)
+        for pending in unit.pending:
+            try:
+                pending.abort()
+            except Exception:
+                log.exception("p2p: abort of pending ops failed")
+        self._finish(unit, exc)
+        if not cascade:
+            return
+        # The peers of a failed unit may have issued their side (or will, on agreed headers):
+        # fault those pairs so both sides start afresh. A lone symmetric mismatch needs none.
+        for rank in sorted(unit.peers):
+            if rank == skip_peer:
+                continue
+            only_mismatch = (
+                rank in unit.symmetric_error_peers
+                and all(m.resolved for m in unit.messages if m.op.peer == rank)
+                and not was_issued
+                and len([m for m in unit.messages if m.op.peer == rank]) == 1
+            )
+            if only_mismatch:
+                continue
+            peer = self._peer(rank)
+            if peer.lost is None:
+                self._fault_pair(peer, exc, notify=True)
+
+    def _fault_pair(
+        self,
+        peer: PeerState,
+        err: BaseException,
+        *,
+        notify: bool,
+        matched: dict[str, int] | None = None,
+    ) -> None:
+        """Moves the pair to its next epoch; see the module docstring."""
+        old_epoch = peer.epoch
+        if notify:
+            # Only messages both sides numbered (headers agreed, or static) count as matched:
+            # the peer fails its counterparts of those and renumbers the rest. A message the
+            # peer had not yet posted is simply dropped; if it posts it later, it becomes the
+            # first message of the new epoch.
+            counts = {kind: self._agreed_count(peer.channels[kind]) for kind in ("send", "recv")}
+            field_name = getattr(err, "field", None)
+            self._send_frame(
+                peer,
+                {
+                    "k": "f",
+                    "e": old_epoch,
+                    "n": counts,
+                    "err": type(err).__name__,
+                    "field": field_name,
+                    "msg": str(err),
+                },
+            )
+        log.info(
+            "p2p: pair with rank %d faulted in epoch %d (%s): %s",
+            peer.rank,
+            old_epoch,
+            "ours" if matched is None else f"theirs, matched {matched}",
+            err,
+        )
+        # Messages the faulting side numbered failed with it; ours after those are renumbered.
+        keep: list[Message] = []
+        doomed: list[Unit] = []
+        for unit in self._all_units():
+            for message in unit.messages:
+                if message.op.peer != peer.rank:
+                    continue
+                limit = None if matched is None else matched[message.op.kind]
+                if (
+                    limit is not None
+                    and unit.state == "waiting"
+                    and message.seq >= limit
+                    and unit not in doomed
+                ):
+                    keep.append(message)
+                elif unit not in doomed:
+                    doomed.append(unit)
+        keep = [m for m in keep if self._unit_of(m) not in doomed]
+        debts = {}
+        for kind in ("send", "recv") if matched is not None else ():
+            owed = matched[kind] - peer.channels[kind].next_seq
+            if owed > 0:  # only on static channels: see _agreed_count
+                debts[kind] = (owed, err)
+        self._new_epoch(peer, abort=True, reason=str(err))
+        peer.debts = debts
+        for unit in doomed:
+            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
+        for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
+            self._number(peer, message)
+            self._ensure_prepared(peer, message.transport)
+
+    @staticmethod
+    def _agreed_count(channel: ChannelState) -> int:
+        # On a static channel every message is matched one to one without negotiation, so
+        # all numbered ones count (the peer will post them: it promised static shapes).
+        if channel.static_desc is not None or not channel.waiting:
+            return channel.next_seq
+        return channel.waiting[0].seq  # everything before the oldest unresolved message
+
+    def _new_epoch(self, peer: PeerState, *, abort: bool, reason: str) -> None:
+        peer.epoch += 1
+        peer.channels = {"send": ChannelState(), "recv": ChannelState()}
+        self._evict_transports(peer, abort=abort, reason=reason)
+        replay, peer.future_frames = peer.future_frames, []
+        for frame in replay:
+            if peer.link is not None:
+                self._on_frame(peer.link, frame)
+
+    def _evict_transports(self, peer: PeerState, *, abort: bool, reason: str) -> None:
+        names = list(peer.prepared)
+        peer.prepared = {}
+        for name in names:
+            try:
+                self.ctx.transport(name).evict(peer.rank, abort=abort, reason=reason)
+            except Exception:
+                log.exception("p2p: evicting %s for rank %d failed", name, peer.rank)

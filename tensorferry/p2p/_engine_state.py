@@ -1,0 +1,83 @@
+"""The plain state the p2p issuing engine keeps: units, messages, channels and peers.
+
+Touched only by the engine thread (see :mod:`._engine`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorferry.p2p import _link
+from tensorferry.p2p._spec import Descriptor
+from tensorferry.p2p._transfer import Transfer
+from tensorferry.p2p._transport import P2POp, PendingOps
+
+__all__ = ["Message", "Unit", "ChannelState", "PeerState"]
+
+
+@dataclass(eq=False, slots=True)
+class Message:
+    """One message of a unit: its op, chosen transport and descriptor."""
+
+    op: P2POp
+    transport: str
+    desc: Descriptor
+    static: bool
+    seq: int = -1
+    epoch: int = -1
+    header: bool | None = None  # None: decided when the message reaches its channel's head
+    header_sent: bool = False
+    resolved: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Unit:
+    """One call or batch: issued as one group (per transport) or failed as a whole."""
+
+    messages: list[Message]
+    transfer: Transfer
+    deadline: float
+    caller_event: Any = None
+    state: str = "new"  # new → waiting → issued → done
+    pending: list[PendingOps] = field(default_factory=list)
+    error: BaseException | None = None
+    symmetric_error_peers: set[int] = field(default_factory=set)
+    after: Unit | None = None
+    """A unit that must finish first (a ring step reads what the previous step received)."""
+    after_issued_is_enough: bool = False
+    """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
+
+    @property
+    def peers(self) -> set[int]:
+        return {m.op.peer for m in self.messages}
+
+
+@dataclass(eq=False, slots=True)
+class ChannelState:
+    next_seq: int = 0
+    issue_next: int = 0
+    static_desc: Descriptor | None = None
+    static_transport: str | None = None
+    waiting: deque = field(default_factory=deque)  # unresolved messages, in seq order
+    retired: set[int] = field(default_factory=set)  # seqs issued or dropped, ahead of issue_next
+    peer_headers: dict[int, dict] = field(default_factory=dict)
+    static_candidates: int = 0  # waiting messages with static=True (may set an agreement)
+
+
+@dataclass(eq=False, slots=True)
+class PeerState:
+    rank: int
+    epoch: int = 0
+    link: _link.Link | None = None
+    connecting: bool = False
+    outbox: list = field(default_factory=list)
+    lost: BaseException | None = None
+    said_bye: bool = False
+    prepared: dict = field(default_factory=dict)  # transport -> "running" | "done"
+    future_frames: list = field(default_factory=list)
+    # Per channel: messages of a static channel the peer numbered (and failed) before a fault
+    # that we have not posted yet; ours fail on arrival. {kind: (count, error)}
+    debts: dict = field(default_factory=dict)
+    channels: dict = field(default_factory=lambda: {"send": ChannelState(), "recv": ChannelState()})
