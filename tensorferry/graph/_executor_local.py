@@ -26,7 +26,7 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
 from tensorferry.graph._channel import Channel, Control, unlink_prefix
-from tensorferry.graph._executor_io import DriverIO
+from tensorferry.graph._executor_base import ExecutorBase
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
@@ -38,7 +38,7 @@ _META_SLOT = 64 << 10  # metadata of rendezvous edges: shapes, dtypes, error fla
 _PROFILE_SLOT = 256 << 10
 
 
-class LocalExecutor(DriverIO):
+class LocalExecutor(ExecutorBase):
     """Runs schedules on local actor processes.
 
     Args:
@@ -68,25 +68,19 @@ class LocalExecutor(DriverIO):
         profile: bool,
         start_timeout: float = 180.0,
     ) -> None:
-        self.graph = graph
-        self.schedules = schedules
-        self.handles = handles
-        self._overlap = overlap
-        self._max_inflight = max_inflight
+        super().__init__(
+            graph,
+            schedules,
+            handles,
+            overlap=overlap,
+            max_inflight=max_inflight,
+            profile=profile,
+            start_timeout=start_timeout,
+        )
         self._buffer = buffer_size_bytes
-        self._profile = profile
-        self._start_timeout = start_timeout
         self.prefix = f"tf{os.getpid()}x{uuid.uuid4().hex[:8]}"
         self._control: Control | None = None
-        self._inputs: dict[int, Channel] = {}
-        self._outputs: dict[int, Channel] = {}
         self._profiles: list[Channel] = []
-        self._partial: dict[int, Any] = {}
-        self._store: Any = None
-        self._closing = threading.Event()
-        self._watchdog: threading.Thread | None = None
-        self._dead: str | None = None
-        self._names = [spec.name for spec in graph.actors]
         self._torn_down = False
 
     # ------------------------------------------------------------------ start
@@ -210,7 +204,7 @@ class LocalExecutor(DriverIO):
         return ActorDiedError(self._dead or "an actor of the graph died")
 
     # ------------------------------------------------------------------ executions
-    # submit() and read_outputs() come from DriverIO.
+    # submit() and read_outputs() come from ExecutorBase.
 
     def profile_records(self) -> list:
         """Every operation span the actors reported so far (see ``ProfileRecord``)."""

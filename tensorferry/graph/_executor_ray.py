@@ -35,7 +35,7 @@ from tensorferry.errors import ActorDiedError, GraphCompileError
 from tensorferry.graph._actor_ray import require_ray
 from tensorferry.graph._channel import GraphStopped
 from tensorferry.graph._channel_net import Listener, NetControl, NetWiring, establish
-from tensorferry.graph._executor_io import DriverIO
+from tensorferry.graph._executor_base import ExecutorBase
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 _GRACE_S = 1.0  # how long a "a peer died" report waits for the dead actor's own report
 
 
-class RayExecutor(DriverIO):
+class RayExecutor(ExecutorBase):
     """Runs schedules on Ray actors (see the module doc).
 
     Args:
@@ -78,26 +78,20 @@ class RayExecutor(DriverIO):
         start_timeout: float = 180.0,
     ) -> None:
         self._ray = require_ray()
-        self.graph = graph
-        self.schedules = schedules
-        self.handles = handles
-        self._overlap = overlap
-        self._max_inflight = max_inflight
-        self._profile = profile
-        self._start_timeout = start_timeout
+        super().__init__(
+            graph,
+            schedules,
+            handles,
+            overlap=overlap,
+            max_inflight=max_inflight,
+            profile=profile,
+            start_timeout=start_timeout,
+        )
         self.prefix = f"tfray{uuid.uuid4().hex[:8]}"
-        self._names = [spec.name for spec in graph.actors]
         self._hosts = [handles[name].ray_actor for name in self._names]
         self._control = NetControl()
         self._listener: Listener | None = None
-        self._inputs: dict[int, Any] = {}
-        self._outputs: dict[int, Any] = {}
-        self._partial: dict[int, Any] = {}
         self._run_refs: dict[Any, int] = {}
-        self._store: Any = None
-        self._closing = threading.Event()
-        self._watchdog: threading.Thread | None = None
-        self._dead: str | None = None
         self._dead_known = threading.Event()
         self._torn_down = False
 
@@ -330,7 +324,7 @@ class RayExecutor(DriverIO):
         return ActorDiedError(self._dead or "an actor of the graph died")
 
     # ------------------------------------------------------------------ executions
-    # submit() and read_outputs() come from DriverIO.
+    # submit() and read_outputs() come from ExecutorBase.
 
     def profile_records(self) -> list:
         """Every operation span the actors recorded so far (each host's monotonic clock)."""
