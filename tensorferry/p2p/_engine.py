@@ -69,6 +69,10 @@ class Engine(PairFaults):
         self._units: list[Unit] = []  # waiting units, in submission order
         self._issued: set[Unit] = set()
         self._commands: deque[Callable[[], None]] = deque()
+        # Set by callers when they write a wake-up byte, cleared by the engine after draining
+        # them: while set, a wake-up is already on its way and callers skip the syscall (which
+        # would also hand the engine thread the GIL in the middle of the caller's call).
+        self._wake_pending = False
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -124,6 +128,9 @@ class Engine(PairFaults):
             self._helpers.shutdown(wait=False, cancel_futures=True)
 
     def _wake(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         # A full buffer means a wake-up is already pending; a closed one, shutdown.
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"x")
@@ -172,6 +179,9 @@ class Engine(PairFaults):
                     pass
             except (BlockingIOError, OSError):
                 pass
+            # Cleared after draining, before the commands run: a command queued from here on
+            # either runs in this turn or writes a fresh wake-up.
+            self._wake_pending = False
         elif key.data == "listen":
             try:
                 sock, _ = self._listener.accept()
