@@ -21,37 +21,12 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError
 from tensorferry.graph._dag import ClassMethodNode
+from tensorferry.runtime._devices import parse_device
 
-__all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device", "parse_device"]
+__all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
 
 _names = itertools.count()
 _live: weakref.WeakSet[ActorHandle] = weakref.WeakSet()
-
-
-def parse_device(device: Any) -> Any:
-    """A ``torch.device`` of type ``cpu`` or ``cuda`` from an int, a string or a device (the
-    form only: whether a CUDA index exists depends on where the actor runs).
-
-    Raises:
-        ValueError: not a CPU or CUDA device.
-        TypeError: not a device at all.
-    """
-    import torch
-
-    if isinstance(device, bool):
-        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    elif isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"unknown device {device!r}") from None
-    elif not isinstance(device, torch.device):
-        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"actors run on 'cpu' or 'cuda:N', got {device}")
-    return device
 
 
 def normalise_device(device: Any) -> str:
@@ -63,7 +38,7 @@ def normalise_device(device: Any) -> str:
     """
     import torch
 
-    device = parse_device(device)
+    device = parse_device(device)  # actors run on "cpu" or "cuda:N"
     if device.type == "cpu":
         return "cpu"
     index = 0 if device.index is None else device.index

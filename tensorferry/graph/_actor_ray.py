@@ -18,6 +18,7 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._actor import ActorMethod
+from tensorferry.runtime._devices import parse_device
 
 __all__ = ["RayActorHandle", "require_ray", "spawn_ray_actor"]
 
@@ -56,8 +57,6 @@ def _remote_host() -> Any:
 def _parse_device(device: Any, num_gpus: float | None) -> str:
     """``"cpu"`` or ``"cuda:N"`` (N among the GPUs Ray gives the actor), checked on the driver
     only for form: the driver may have no GPU at all."""
-    from tensorferry.graph._actor import parse_device
-
     if device is None:
         return "cuda:0" if num_gpus else "cpu"
     device = parse_device(device)

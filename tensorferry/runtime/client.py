@@ -17,6 +17,7 @@ import torch
 
 from tensorferry.errors import ClientClosedError
 from tensorferry.runtime import _registry
+from tensorferry.runtime._devices import parse_device
 from tensorferry.runtime._streams import PRIORITIES, Stream, StreamKey, StreamPool
 
 __all__ = ["Client", "ClientConfig", "STREAM_ROLES"]
@@ -67,18 +68,8 @@ def _normalise_devices(devices: Any) -> list[torch.device]:
         raise TypeError(f"devices must be a device or a list of devices, got {devices!r}")
     result: list[torch.device] = []
     count = None  # CUDA devices visible, asked once
-    for entry in devices:
-        if isinstance(entry, bool):
-            raise TypeError(f"devices: {entry!r} is not a device")
-        if isinstance(entry, int):
-            entry = torch.device("cuda", entry)
-        elif isinstance(entry, str):
-            try:
-                entry = torch.device(entry)
-            except RuntimeError:
-                raise ValueError(f"devices: unknown device {entry!r}") from None
-        elif not isinstance(entry, torch.device):
-            raise TypeError(f"devices: {entry!r} is not a device")
+    for value in devices:
+        entry = parse_device(value, what="devices")
         if entry.type == "cuda":
             index = 0 if entry.index is None else entry.index
             if count is None:
@@ -90,8 +81,6 @@ def _normalise_devices(devices: Any) -> list[torch.device]:
                 )
             if entry.index is None:
                 entry = torch.device("cuda", index)
-        elif entry.type != "cpu":
-            raise ValueError(f"devices: unsupported device type {entry.type!r} (cuda or cpu)")
         if entry in result:
             raise ValueError(f"devices: {entry} is listed twice")
         result.append(entry)

@@ -1,0 +1,40 @@
+"""Reading a device argument: every layer accepts an int (a CUDA index), a string or a
+``torch.device``, and only CPU and CUDA devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["parse_device"]
+
+
+def parse_device(value: Any, *, what: str = "device") -> torch.device:
+    """A ``torch.device`` of type ``cpu`` or ``cuda`` from ``value`` — the form only: whether a
+    CUDA index exists is for the caller to check (it may be checked where the work will run).
+
+    Args:
+        value: ``3`` (``cuda:3``), ``"cuda:1"``, ``"cpu"`` or a ``torch.device``.
+        what: how error messages name the argument.
+
+    Raises:
+        TypeError: not a device at all (``bool`` included).
+        ValueError: a string torch does not know, or a device neither CPU nor CUDA.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: {value!r} is not a device (an int, str or torch.device)")
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    if isinstance(value, str):
+        try:
+            device = torch.device(value)
+        except RuntimeError:
+            raise ValueError(f"{what}: unknown device {value!r}") from None
+    elif isinstance(value, torch.device):
+        device = value
+    else:
+        raise TypeError(f"{what}: {value!r} is not a device (an int, str or torch.device)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: unsupported device type {device.type!r} (cpu or cuda)")
+    return device
