@@ -80,3 +80,24 @@ def test_doctor_gathers_node_layout_under_two_node_torchrun():
     for out in outputs:
         assert "torchrun layout: 2 ranks on 2 node(s)" in out
         assert "node 0" in out and "node 1" in out
+
+
+def test_sendrecv_report_has_provenance_and_whole_caveats(tmp_path):
+    import argparse
+
+    from tensorferry.bench import sendrecv
+
+    rows = [
+        {"mode": m, "nbytes": n, "transport": t, "chosen": t, "us": 12.5, "gbps": 80.0}
+        for m in ("one_way", "both")
+        for n in (1 << 20, 1 << 26)
+        for t in ("nccl", "nvlink")
+    ]
+    sendrecv._write_reports(rows, argparse.Namespace(out=str(tmp_path)))
+    md = (tmp_path / "sendrecv.md").read_text()
+    assert "- torch:" in md and "- command:" in md
+    assert "| 64 MiB | 12.5 µs / 80 | 12.5 µs / 80 |" in md
+    # Each caveat keeps its continuation lines (a bullet ends with a full stop).
+    caveats = md.split("## Fairness caveats")[1].strip().splitlines()
+    assert len(caveats) == 4 and all(c.startswith("- ") and c.endswith(".") for c in caveats)
+    assert len((tmp_path / "sendrecv.csv").read_text().splitlines()) == len(rows) + 1

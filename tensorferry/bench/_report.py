@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "hardware_tag", "format_table", "report"]
+__all__ = ["environment", "environment_lines", "hardware_tag", "format_table", "report"]
 
 
 def environment() -> dict[str, str]:
@@ -47,6 +47,11 @@ def environment() -> dict[str, str]:
         if env in os.environ:
             info[env] = os.environ[env]
     return info
+
+
+def environment_lines() -> list[str]:
+    """:func:`environment` as Markdown list items (the command in code quotes)."""
+    return [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in environment().items()]
 
 
 def hardware_tag() -> str:
@@ -99,9 +104,7 @@ def report(
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    env = environment()
-    lines = [f"# {title}", ""]
-    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
+    lines = [f"# {title}", "", *environment_lines()]
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
     if notes:

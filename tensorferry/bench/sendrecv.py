@@ -317,7 +317,7 @@ def _main(args: Any) -> int:
         with open(os.path.join(args.out, "overlap.json"), "w") as f:
             json.dump(overlap, f, indent=2)
     if bench.rank == 0:
-        _write_reports(rows, args, torch)
+        _write_reports(rows, args)
         if args.tune:
             from tensorferry.p2p.nvlink._autotable import AutoTable
 
@@ -333,8 +333,22 @@ def _main(args: Any) -> int:
     return 0
 
 
-def _write_reports(rows: list[dict[str, Any]], args: Any, torch: Any) -> None:
+def _caveats() -> list[str]:
+    """The module docstring's fairness caveats as Markdown bullets, each with all its lines."""
+    bullets: list[str] = []
+    for line in __doc__.split("Fairness caveats")[1].splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("- "):
+            bullets.append(text)
+        elif text and bullets:
+            bullets[-1] += " " + text
+    return bullets
+
+
+def _write_reports(rows: list[dict[str, Any]], args: Any) -> None:
     import csv
+
+    from tensorferry.bench._report import environment_lines
 
     path = os.path.join(args.out, "sendrecv")
     with open(path + ".csv", "w", newline="") as f:
@@ -342,12 +356,8 @@ def _write_reports(rows: list[dict[str, Any]], args: Any, torch: Any) -> None:
         writer.writeheader()
         writer.writerows(rows)
     transports = list(dict.fromkeys(r["transport"] for r in rows))
-    lines = [
-        "# tensorferry bench sendrecv",
-        "",
-        f"- device: {torch.cuda.get_device_name()} x2; torch {torch.__version__}; "
-        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
-        f"- command: `{' '.join(sys.argv)}`",
+    lines = ["# tensorferry bench sendrecv", "", *environment_lines()]
+    lines += [
         "- per-message µs (CUDA-graph replay, median, max over ranks) and GB/s per direction",
         "",
     ]
@@ -371,11 +381,7 @@ def _write_reports(rows: list[dict[str, Any]], args: Any, torch: Any) -> None:
             lines.append(f"| {_fmt_size(n)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Fairness caveats", ""]
-    lines += [
-        f"- {c.strip()[2:]}"
-        for c in __doc__.split("Fairness caveats")[1].splitlines()
-        if c.strip().startswith("- ")
-    ]
+    lines += _caveats()
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
