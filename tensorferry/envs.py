@@ -77,7 +77,8 @@ def auto_table_path() -> str | None:
 
 def auto_transports() -> tuple[str, ...]:
     """Transports that ``transport="auto"`` may pick (``TENSORFERRY_AUTO_TRANSPORTS``,
-    comma-separated; default ``nccl,gloo``). Others are used only when named explicitly."""
+    comma-separated; default ``nccl,gloo``; read at ``tf.init``). Others are used only when
+    named explicitly."""
     raw = os.environ.get("TENSORFERRY_AUTO_TRANSPORTS", "nccl,gloo")
     names = tuple(name.strip() for name in raw.split(",") if name.strip())
     if not names:

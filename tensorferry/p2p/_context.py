@@ -69,6 +69,8 @@ class P2PContext:
         self.backend = backend
         self.timeout_s = timeout_s
         self.store = store
+        # Read once: transport="auto" consults it for every message.
+        self.auto_transports = envs.auto_transports()
         self.host = _link.advertised_host(master_addr)
         self.completions = completion_pool()
         self.client = Client(devices=[device]) if device.type == "cuda" else None
@@ -141,7 +143,7 @@ class P2PContext:
             return requested
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         best, best_time, reasons = None, float("inf"), []
-        candidates = envs.auto_transports()
+        candidates = self.auto_transports
         for name in registered_transports():
             if name not in candidates:
                 continue
