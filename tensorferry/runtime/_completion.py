@@ -127,10 +127,16 @@ class CompletionPool:
                 return len(self._pending)
             return self._running_per_owner.get(owner, 0)
 
+    def has_owners_in_flight(self) -> bool:
+        """Whether any owned item is in flight (a lock-free hint: a false answer may be stale
+        only for items submitted concurrently, which their owner cannot be releasing)."""
+        return bool(self._running_per_owner)
+
     def owners_in_flight(self, owners: list[Hashable]) -> set[Hashable]:
         """Those of ``owners`` that still have items in flight (one lock for all of them)."""
         with self._lock:
-            return {owner for owner in owners if owner in self._running_per_owner}
+            running = self._running_per_owner
+            return {owner for owner in owners if owner in running} if running else set()
 
     def drain(self, owner: Hashable, timeout: float) -> bool:
         """Waits until every item of ``owner`` finished and its callbacks returned.

@@ -1,8 +1,9 @@
 """The stream pool: device streams that outlive the clients that use them.
 
-Creating and destroying streams costs milliseconds each (4.6 ms and 0.9 ms on the GPU machine),
-and a client holds 14 per device. The pool keeps released streams and hands them to the next
-client that asks for the same :class:`StreamKey`.
+Creating and destroying streams costs host time on every client cycle (on the GPU machine,
+28 creates plus 28 destroys took 293 µs), and a client holds 14 per device. The pool keeps
+released streams and hands them to the next client that asks for the same :class:`StreamKey`,
+a device's streams as one set.
 
 Before a stream is pooled it is *reset*: it must go idle within a bounded wait, and every
 completion-pool item it owns must have finished (callbacks included) or been cancelled, so the
@@ -80,7 +81,7 @@ class Stream:
         uid: process-unique id; the stream's owner token in the completion pool.
     """
 
-    __slots__ = ("_factory", "_handle", "_torch", "_touched", "key", "uid")
+    __slots__ = ("_factory", "_handle", "_home", "_leased", "_torch", "_touched", "key", "uid")
 
     def __init__(self, key: StreamKey, handle: Any, factory: StreamFactory) -> None:
         self.key = key
@@ -89,6 +90,8 @@ class Stream:
         self._factory = factory
         self._torch: Any = None
         self._touched = False
+        self._leased: Any = None  # the pool that leased it out; guarded by its lock
+        self._home: _IdleSets | None = None  # where its pool keeps it while idle
 
     @property
     def handle(self) -> Any:
@@ -108,8 +111,64 @@ class Stream:
         return f"Stream(uid={self.uid}, device={self.key.device}, priority={self.key.priority!r})"
 
 
+class _IdleSets:
+    """A key's idle streams, as the sets (tuples) they were released in, by set size.
+
+    Not thread-safe: the pool's lock guards it."""
+
+    __slots__ = ("by_size", "count")
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, list[tuple[Stream, ...]]] = defaultdict(list)
+        self.count = 0
+
+    def take(self, count: int) -> list[Stream]:
+        """Up to ``count`` streams: a set of exactly that size when there is one, else pieces
+        of others (a split set's leftover stays pooled as a smaller set)."""
+        exact = self.by_size.get(count)
+        if exact:
+            taken = list(exact.pop())
+        else:
+            taken = []
+            for size in sorted(self.by_size, reverse=True):
+                sets = self.by_size[size]
+                while sets and len(taken) < count:
+                    group = sets.pop()
+                    need = count - len(taken)
+                    taken.extend(group[:need])
+                    if len(group) > need:
+                        self.by_size[len(group) - need].append(group[need:])
+                if len(taken) == count:
+                    break
+        self.count -= len(taken)
+        return taken
+
+    def put(self, group: list[Stream], limit: int) -> list[Stream]:
+        """Pools ``group`` as one set, up to ``limit`` idle streams; returns what did not fit."""
+        room = max(limit - self.count, 0)
+        kept, surplus = group[:room], group[room:]
+        if kept:
+            self.by_size[len(kept)].append(tuple(kept))
+            self.count += len(kept)
+        return surplus
+
+    def streams(self) -> list[Stream]:
+        return [stream for sets in self.by_size.values() for group in sets for stream in group]
+
+    def take_all(self) -> list[Stream]:
+        streams = self.streams()
+        self.by_size.clear()
+        self.count = 0
+        return streams
+
+
 class StreamPool:
     """Process-level pool of exclusive streams, keyed by :class:`StreamKey`.
+
+    Streams leased together (a client's streams for one device) go back together and are
+    pooled as one *set*, so the next client asking for as many streams of that key takes the
+    whole set in one step: a lease cycle costs a few dictionary operations per device, not per
+    stream. Sets are split when a request needs fewer or more streams than any pooled set has.
 
     Args:
         factory: makes, checks and destroys raw streams.
@@ -133,8 +192,8 @@ class StreamPool:
         self._max_pooled = max_pooled_per_key
         self._reset_timeout_s = reset_timeout_s
         self._lock = threading.Lock()
-        self._idle: dict[StreamKey, list[Stream]] = defaultdict(list)
-        self._leased: dict[int, Stream] = {}
+        self._idle: dict[StreamKey, _IdleSets] = {}
+        self._leased_count = 0
         self._counters = dict.fromkeys(
             ("hits", "misses", "recreated", "destroyed", "reset_failures"), 0
         )
@@ -150,17 +209,22 @@ class StreamPool:
         If creating a new stream fails, the streams already taken go back to the pool.
         """
         with self._lock:
-            idle = self._idle.get(key, [])
-            reused = [idle.pop() for _ in range(min(count, len(idle)))]
+            idle = self._idle.get(key)
+            if idle is None:
+                idle = self._idle[key] = _IdleSets()
+            reused = idle.take(count)
+            for stream in reused:
+                stream._leased = self
+            self._leased_count += len(reused)
             self._counters["hits"] += len(reused)
             self._counters["misses"] += count - len(reused)
-            self._leased.update({stream.uid: stream for stream in reused})
         streams = reused
         try:
             while len(streams) < count:
-                stream = self._create(key)
+                stream = self._create(key, idle)
+                stream._leased = self
                 with self._lock:
-                    self._leased[stream.uid] = stream
+                    self._leased_count += 1
                 streams.append(stream)
         except BaseException:
             self.release_many(streams)
@@ -178,41 +242,52 @@ class StreamPool:
     def release_many(self, streams: list[Stream]) -> None:
         """Resets and pools each of ``streams``; each one that fails its reset is replaced.
 
+        Streams of one key that all pass their reset are pooled as one set (see the class).
+
         Raises:
             ValueError: a stream is not leased from this pool (e.g. released twice); the
                 others are still released.
         """
-        foreign = []
         with self._lock:
-            mine = []
-            for stream in streams:
-                if self._leased.pop(stream.uid, None) is None:
-                    foreign.append(stream)
-                else:
-                    mine.append(stream)
+            mine = [stream for stream in streams if stream._leased is self]
+            for stream in mine:
+                stream._leased = None
+            self._leased_count -= len(mine)
+        foreign = (
+            [stream for stream in streams if stream not in mine] if len(mine) < len(streams) else []
+        )
+        # A stream never handed out, with no completion of its own in flight, is clean as it
+        # is: most of a client's streams take this path.
         in_flight = (
             self._completions.owners_in_flight([s.uid for s in mine])
-            if self._completions is not None
-            else set()
+            if self._completions is not None and self._completions.has_owners_in_flight()
+            else ()
         )
-        clean = []
-        for stream in mine:
-            # A stream never handed out, with no completion of its own in flight, is clean as
-            # it is: most of a client's streams take this path.
-            if stream._touched or stream.uid in in_flight:
+        dirty = [s for s in mine if s._touched or s.uid in in_flight]
+        clean = mine
+        if dirty:
+            clean = [s for s in mine if not (s._touched or s.uid in in_flight)]
+            for stream in dirty:
+                if stream.uid not in in_flight and self._idle_now(stream):
+                    stream._touched = False  # the common case: its work is long done
+                    clean.append(stream)
+                    continue
                 try:
                     self._reset(stream)
                 except Exception as exc:
                     self._replace_failed(stream, exc)
                     continue
-            clean.append(stream)
-        surplus = []
-        key, idle = None, []
-        with self._lock:
+                clean.append(stream)
+        by_home: dict[int, list[Stream]] = {}
+        if clean and all(s._home is clean[0]._home for s in clean):  # one client device's lease
+            by_home[id(clean[0]._home)] = clean
+        else:
             for stream in clean:
-                if stream.key is not key:  # a client's streams share one key object
-                    key, idle = stream.key, self._idle[stream.key]
-                (idle if len(idle) < self._max_pooled else surplus).append(stream)
+                by_home.setdefault(id(stream._home), []).append(stream)
+        surplus: list[Stream] = []
+        with self._lock:
+            for group in by_home.values():
+                surplus.extend(group[0]._home.put(group, self._max_pooled))
         for stream in surplus:
             self._destroy(stream)
         if foreign:
@@ -220,7 +295,7 @@ class StreamPool:
 
     def create_unpooled(self, key: StreamKey) -> Stream:
         """A fresh stream that never enters the pool (the 'pooling off' baseline)."""
-        return self._create(key)
+        return self._create(key, None)
 
     def destroy_unpooled(self, stream: Stream) -> None:
         """Destroys a stream made by :meth:`create_unpooled`."""
@@ -230,8 +305,7 @@ class StreamPool:
     def clear(self) -> int:
         """Destroys every pooled (idle) stream; leased streams are untouched. Returns the count."""
         with self._lock:
-            streams = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
+            streams = [s for idle in self._idle.values() for s in idle.take_all()]
         for stream in streams:
             self._destroy(stream)
         return len(streams)
@@ -239,19 +313,26 @@ class StreamPool:
     def stats(self) -> dict[str, int]:
         """Counters: hits, misses, recreated, destroyed, reset_failures, live, pooled, leased."""
         with self._lock:
-            pooled = sum(len(idle) for idle in self._idle.values())
-            leased = len(self._leased)
+            pooled = sum(idle.count for idle in self._idle.values())
+            leased = self._leased_count
             return {**self._counters, "live": pooled + leased, "pooled": pooled, "leased": leased}
 
     def is_leased(self, stream: Stream) -> bool:
         with self._lock:
-            return stream.uid in self._leased
+            return stream._leased is self
+
+    def pooled_streams(self) -> list[Stream]:
+        """Every idle stream the pool holds (for inspection and tests)."""
+        with self._lock:
+            return [s for idle in self._idle.values() for s in idle.streams()]
 
     # ------------------------------------------------------------------ internals
-    def _create(self, key: StreamKey) -> Stream:
+    def _create(self, key: StreamKey, home: _IdleSets | None = None) -> Stream:
         handle = self._factory.create(key)
         log.debug("stream pool: created stream %r for %s", handle, key)
-        return Stream(key, handle, self._factory)
+        stream = Stream(key, handle, self._factory)
+        stream._home = home
+        return stream
 
     def _destroy(self, stream: Stream) -> None:
         try:
@@ -260,6 +341,13 @@ class StreamPool:
             log.exception("stream pool: destroying %r failed", stream)
         with self._lock:
             self._counters["destroyed"] += 1
+
+    def _idle_now(self, stream: Stream) -> bool:
+        """One idle query; a failing query counts as busy (the full reset then deals with it)."""
+        try:
+            return bool(self._factory.is_idle(stream._handle))
+        except Exception:
+            return False
 
     def _reset(self, stream: Stream) -> None:
         """Raises :class:`StreamResetError` unless ``stream`` is idle and owns no completions."""
@@ -283,14 +371,12 @@ class StreamPool:
             self._counters["reset_failures"] += 1
         self._destroy(stream)
         try:
-            fresh = self._create(stream.key)
+            fresh = self._create(stream.key, stream._home)
         except Exception:
             log.exception("stream pool: could not recreate a stream for %s", stream.key)
             return
         with self._lock:
             self._counters["recreated"] += 1
-            idle = self._idle[fresh.key]
-            if len(idle) < self._max_pooled:
-                idle.append(fresh)
+            if not fresh._home.put([fresh], self._max_pooled):
                 return
         self._destroy(fresh)

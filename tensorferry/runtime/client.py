@@ -56,6 +56,33 @@ class ClientConfig:
 
 
 _DEFAULT_CONFIG = ClientConfig()
+_ROLE_INDEX = {role: i for i, role in enumerate(STREAM_ROLES)} | {
+    "device_to_device": len(STREAM_ROLES)
+}
+
+
+# Parsed device lists by argument (a client cycle should not re-parse the same list), bounded.
+_PARSED: dict[Any, tuple[torch.device, ...]] = {}
+_PARSED_MAX = 64
+
+
+def _cached_devices(devices: Any) -> tuple[torch.device, ...]:
+    # Types are part of the key: True == 1, but True is not a device.
+    if isinstance(devices, (list, tuple)):
+        key: Any = tuple((d.__class__, d) for d in devices)
+    else:
+        key = (devices.__class__, devices)
+    try:
+        return _PARSED[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable entry; parse without caching
+        pass
+    parsed = tuple(_normalise_devices(devices))
+    try:
+        if len(_PARSED) < _PARSED_MAX:
+            _PARSED[key] = parsed
+    except TypeError:
+        pass
+    return parsed
 
 
 def _normalise_devices(devices: Any) -> list[torch.device]:
@@ -89,6 +116,17 @@ def _normalise_devices(devices: Any) -> list[torch.device]:
     return result
 
 
+_KEYS: dict[tuple[int, str, bool], StreamKey] = {}
+
+
+def _stream_key(device: int, priority: str, non_blocking: bool) -> StreamKey:
+    spec = (device, priority, non_blocking)
+    key = _KEYS.get(spec)
+    if key is None:
+        key = _KEYS[spec] = StreamKey(device=device, priority=priority, non_blocking=non_blocking)
+    return key
+
+
 class Client:
     """A process's handle to its devices.
 
@@ -118,10 +156,12 @@ class Client:
         self.config = config if config is not None else _DEFAULT_CONFIG
         if not isinstance(self.config, ClientConfig):
             raise TypeError(f"config must be a ClientConfig, got {type(self.config).__name__}")
-        self.devices: tuple[torch.device, ...] = tuple(_normalise_devices(devices))
+        self.devices: tuple[torch.device, ...] = _cached_devices(devices)
         self._lock = threading.Lock()
         self._closed = False
-        self._streams: dict[torch.device, dict[str, list[Stream]]] = {}
+        # Per CUDA device its leased streams in lease order: STREAM_ROLES first, then
+        # device_to_device (kept flat so a lease cycle does no per-stream bookkeeping).
+        self._streams: dict[torch.device, list[Stream]] = {}
         cuda_devices = [d for d in self.devices if d.type == "cuda"]
         self._pool = pool if pool is not None or not cuda_devices else _registry.stream_pool()
         try:
@@ -148,18 +188,25 @@ class Client:
         dev = self._own_device(device)
         if dev.type == "cpu":
             return None
-        roles = self._streams[dev]
-        if role not in roles:
-            raise ValueError(f"role must be one of {sorted(roles)}, got {role!r}")
-        if not 0 <= index < len(roles[role]):
-            raise ValueError(f"{role} has {len(roles[role])} stream(s); index {index} is invalid")
-        return roles[role][index]
+        streams = self._streams[dev]
+        first = _ROLE_INDEX.get(role)
+        if first is None:
+            raise ValueError(f"role must be one of {sorted(_ROLE_INDEX)}, got {role!r}")
+        count = len(streams) - first if role == "device_to_device" else 1
+        if not 0 <= index < count:
+            raise ValueError(f"{role} has {count} stream(s); index {index} is invalid")
+        return streams[first + index]
 
     def streams(self, device: Any) -> dict[str, list[Stream]]:
         """Every stream this client holds on ``device``, by role (empty for CPU devices)."""
         self._check_open()
         dev = self._own_device(device)
-        return {role: list(s) for role, s in self._streams.get(dev, {}).items()}
+        streams = self._streams.get(dev)
+        if not streams:
+            return {}
+        roles = {role: [streams[i]] for i, role in enumerate(STREAM_ROLES)}
+        roles["device_to_device"] = streams[len(STREAM_ROLES) :]
+        return roles
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -187,13 +234,9 @@ class Client:
         return f"Client([{names}], {state})"
 
     # ------------------------------------------------------------------ internals
-    def _lease(self, device: torch.device) -> dict[str, list[Stream]]:
+    def _lease(self, device: torch.device) -> list[Stream]:
         assert self._pool is not None
-        key = StreamKey(
-            device=device.index,
-            priority=self.config.priority,
-            non_blocking=self.config.non_blocking,
-        )
+        key = _stream_key(device.index, self.config.priority, self.config.non_blocking)
         count = self.config.streams_per_device
         if self.config.pool_streams:
             streams = self._pool.acquire_many(key, count)
@@ -205,20 +248,19 @@ class Client:
                 for stream in streams:
                     self._pool.destroy_unpooled(stream)
                 raise
-        roles = {role: [streams[i]] for i, role in enumerate(STREAM_ROLES)}
-        roles["device_to_device"] = streams[len(STREAM_ROLES) :]
-        return roles
+        return streams
 
     def _give_back(self) -> None:
-        streams = [s for roles in self._streams.values() for ss in roles.values() for s in ss]
+        leases = list(self._streams.values())
         self._streams.clear()
-        if self._pool is None or not streams:
+        if self._pool is None:
             return
-        if self.config.pool_streams:
-            self._pool.release_many(streams)
-            return
-        for stream in streams:
-            self._pool.destroy_unpooled(stream)
+        for streams in leases:  # one device's lease goes back as one set
+            if self.config.pool_streams:
+                self._pool.release_many(streams)
+                continue
+            for stream in streams:
+                self._pool.destroy_unpooled(stream)
 
     def _own_device(self, device: Any) -> torch.device:
         try:

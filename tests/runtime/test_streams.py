@@ -10,6 +10,7 @@ import torch
 
 import tensorferry as tf
 from tensorferry.runtime import CompletionPool, StreamKey, StreamPool
+from tensorferry.runtime import client as client_module
 
 from .fakes import FakeStreamFactory
 
@@ -19,6 +20,8 @@ def two_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lets Client accept cuda:0 and cuda:1 on a machine without CUDA (streams come from fakes)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # Parsed device lists are cached per process; a fake device count must not leak out.
+    monkeypatch.setattr(client_module, "_PARSED", {})
 
 
 @pytest.fixture
@@ -88,9 +91,8 @@ def test_no_reuse_across_keys(two_fake_gpus, pool, factory):
     other_device = tf.Client([1], pool=pool)
     assert _handles(other_device).isdisjoint(normal_handles)
     other_device.close()
-    for key_stream in pool._idle.values():  # every pooled stream sits under its own key
-        for stream in key_stream:
-            assert factory.created[stream.handle] == stream.key
+    for stream in pool.pooled_streams():  # every pooled stream was made for its own key
+        assert factory.created[stream.handle] == stream.key
 
 
 def test_stream_that_stays_busy_is_destroyed_and_recreated(pool, factory):
@@ -264,6 +266,38 @@ def test_bad_devices(two_fake_gpus, pool, devices, match):
 def test_bad_device_type(two_fake_gpus, pool):
     with pytest.raises(TypeError, match="not a device"):
         tf.Client([1.5], pool=pool)
+
+
+def test_cached_device_lists_still_reject_bools(two_fake_gpus, pool):
+    tf.Client([0, 1], pool=pool).close()  # [0, 1] is now parsed and cached; True == 1
+    with pytest.raises(TypeError, match="not a device"):
+        tf.Client([0, True], pool=pool)
+    with pytest.raises(TypeError, match="not a device"):
+        tf.Client(False, pool=pool)
+
+
+def test_a_released_set_goes_whole_to_the_next_lease_of_its_size(pool, factory):
+    key = StreamKey(device=0)
+    first = pool.acquire_many(key, 14)
+    pool.release_many(first)
+    again = pool.acquire_many(key, 14)
+    assert {s.uid for s in again} == {s.uid for s in first}
+    pool.release_many(again)
+    # A smaller lease splits the set; the rest stays pooled and is still handed out.
+    three = pool.acquire_many(key, 3)
+    assert pool.stats()["pooled"] == 11
+    rest = pool.acquire_many(key, 12)
+    assert len({s.uid for s in three + rest}) == 15
+    assert pool.stats()["misses"] == 14 + 1
+    assert not {s.uid for s in three} & {s.uid for s in rest}
+    high = pool.acquire_many(StreamKey(device=0, priority="high"), 2)
+    pool.release_many(three + high + rest)  # streams of two keys in one release
+    assert (pool.stats()["pooled"], pool.stats()["leased"]) == (17, 0)
+    for stream in pool.pooled_streams():
+        assert factory.created[stream.handle] == stream.key
+    assert {s.uid for s in pool.acquire_many(StreamKey(device=0, priority="high"), 2)} == {
+        s.uid for s in high
+    }
 
 
 @pytest.mark.parametrize(
