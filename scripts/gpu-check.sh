@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-socket toy batch graph graph-bench overlap demo sendrecv
+#   runtime lifecycle p2p p2p-socket toy batch batch-nospin graph graph-bench overlap demo sendrecv
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,8 @@ for s in $steps; do
       tests/p2p/test_p2p_gpu.py ;;
     toy) step toy 60 tensorferry bench toy --device cuda --out "$R" ;;
     batch) step batch 45 tensorferry bench batch --device cuda --out "$R" ;;
+    batch-nospin) step batch-nospin 45 env TENSORFERRY_SPIN_US=0 tensorferry bench batch \
+      --device cuda ;;
     graph) step graph 100 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
     overlap) step overlap 60 tensorferry bench overlap --iters 20 --out "$R" ;;

@@ -15,6 +15,7 @@ __all__ = [
     "log_level",
     "auto_table_path",
     "auto_transports",
+    "spin_us",
 ]
 
 
@@ -84,3 +85,23 @@ def auto_transports() -> tuple[str, ...]:
     if not names:
         raise ValueError("TENSORFERRY_AUTO_TRANSPORTS names no transport")
     return names
+
+
+def spin_us() -> float:
+    """How long a waiting thread busy-polls before it sleeps (``TENSORFERRY_SPIN_US``).
+
+    Waking a sleeping thread costs tens to hundreds of microseconds (more on virtual machines),
+    often more than the transfer it waits for; polling holds a core meanwhile. Default: 1000 µs
+    on hosts with at least 8 CPUs, 0 (never poll) on smaller ones, where a polling thread would
+    take the core the work needs. ``0`` turns polling off.
+    """
+    raw = os.environ.get("TENSORFERRY_SPIN_US")
+    if raw is None or raw == "":
+        return 1000.0 if (os.cpu_count() or 1) >= 8 else 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TENSORFERRY_SPIN_US={raw!r} is not a number") from None
+    if value < 0:
+        raise ValueError(f"TENSORFERRY_SPIN_US={raw!r} must be >= 0")
+    return value

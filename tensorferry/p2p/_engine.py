@@ -48,6 +48,7 @@ from tensorferry.p2p import _link
 from tensorferry.p2p._engine_faults import PairFaults
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare
+from tensorferry.runtime._spin import spin_window_s
 
 if TYPE_CHECKING:
     from tensorferry.p2p._context import P2PContext
@@ -73,6 +74,9 @@ class Engine(PairFaults):
         # them: while set, a wake-up is already on its way and callers skip the syscall (which
         # would also hand the engine thread the GIL in the middle of the caller's call).
         self._wake_pending = False
+        # True while the engine thread polls without blocking (it then finds queued commands
+        # on its own, and callers skip the wake-up write).
+        self._polling = False
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -128,7 +132,7 @@ class Engine(PairFaults):
             self._helpers.shutdown(wait=False, cancel_futures=True)
 
     def _wake(self) -> None:
-        if self._wake_pending:
+        if self._wake_pending or self._polling:  # the engine will see the command anyway
             return
         self._wake_pending = True
         # A full buffer means a wake-up is already pending; a closed one, shutdown.
@@ -138,9 +142,24 @@ class Engine(PairFaults):
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         self.ctx.bind_device()
+        window = spin_window_s()
+        active_until = 0.0  # poll (select without blocking) until then; see runtime._spin
         while not self._stopping:
             timeout = self._next_timeout()
-            for key, mask in self._selector.select(timeout):
+            if timeout > 0 and time.perf_counter() < active_until:
+                timeout = 0.0
+                self._polling = True
+                time.sleep(0)  # let the callers this thread would contend with run
+            elif timeout > 0:
+                # About to block: callers must write wake-ups again. A command queued before
+                # this store is seen by the check below; one queued after sees the flag down.
+                self._polling = False
+                if self._commands:
+                    timeout = 0.0
+            events = self._selector.select(timeout)
+            if events or self._commands:
+                active_until = time.perf_counter() + window
+            for key, mask in events:
                 try:
                     self._on_event(key, mask)
                 except Exception:
@@ -558,11 +577,12 @@ class Engine(PairFaults):
             err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
             return
-        unit.transfer._mark_issued(done_event)
         pending = list(unit.pending)
 
         def ready() -> bool:
             return all(p.ready() for p in pending) and (done_event is None or done_event.query())
+
+        unit.transfer._mark_issued(done_event, ready)
 
         future = self.ctx.completions.watch(
             ready,

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from tensorferry.errors import TransferTimeoutError
+from tensorferry.runtime._spin import spin_until
 
 __all__ = ["Transfer"]
 
@@ -52,11 +53,16 @@ class Transfer:
         self._future.set_running_or_notify_cancel()
         self._issued = threading.Event()
         self._done_event: Any = None  # torch.cuda.Event recorded after the device work
+        # Once issued: a non-blocking "all device/host work finished" predicate. A waiting
+        # caller polls it itself for a short window (runtime._spin) instead of sleeping until
+        # the completion pool tells it, which costs a thread wake-up or two.
+        self._ready: Callable[[], bool] | None = None
+        self._seen_ready = False
 
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:
         """True once the transfer finished (successfully or not). Never blocks."""
-        return self._future.done()
+        return self._seen_ready or self._future.done()
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Blocks until the transfer finished; returns ``self``.
@@ -105,7 +111,9 @@ class Transfer:
         Raises:
             TransferTimeoutError: not issued within ``timeout``.
         """
-        if not self._issued.wait(self._timeout_left(timeout)):
+        if not spin_until(self._issued.is_set) and not self._issued.wait(
+            self._timeout_left(timeout)
+        ):
             raise TransferTimeoutError(f"{self.description}: not issued within the timeout")
         if self._done_event is None or self._future.done():
             self.wait(timeout)
@@ -116,9 +124,24 @@ class Transfer:
         target.wait_event(self._done_event)
 
     # ------------------------------------------------------------------ internals (p2p layer)
-    def _mark_issued(self, done_event: Any = None) -> None:
+    def _mark_issued(self, done_event: Any = None, ready: Callable[[], bool] | None = None) -> None:
         self._done_event = done_event
+        self._ready = ready
         self._issued.set()
+
+    def _settled(self) -> bool:
+        """Finished, or its work is seen finished here (the future follows from the pool)."""
+        if self._seen_ready or self._future.done():
+            return True
+        ready = self._ready
+        if ready is None:
+            return False
+        try:
+            self._seen_ready = bool(ready())
+        except Exception:  # the completion pool reports the failure properly
+            self._ready = None
+            return False
+        return self._seen_ready
 
     def _finish(self, exc: BaseException | None = None) -> None:
         """Completes the transfer (first call wins). Runs the callbacks on this thread."""
@@ -141,6 +164,8 @@ class Transfer:
         return max(0.0, self._deadline - time.monotonic()) + _GRACE_S
 
     def _wait_exception(self, timeout: float | None) -> BaseException | None:
+        if spin_until(self._settled) and not self._future.done():
+            return None  # succeeded: seen here before the completion pool got to it
         try:
             return self._future.exception(self._timeout_left(timeout))
         except FutureTimeout:

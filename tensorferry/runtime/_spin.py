@@ -1,0 +1,50 @@
+"""Bounded busy-polling before a thread sleeps.
+
+A thread that sleeps on a condition, a socket or ``time.sleep`` pays a wake-up when its event
+comes: tens of microseconds on bare metal, hundreds on some virtual machines, and
+``time.sleep(20e-6)`` itself sleeps at least the kernel's timer slack (~50 µs). The waits on a
+transfer's critical path therefore poll for a short, bounded window first
+(``TENSORFERRY_SPIN_US``) and only then fall back to sleeping. Each poll yields the GIL
+(``time.sleep(0)``), so the thread that will produce the event is not starved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tensorferry import envs
+
+__all__ = ["reset", "spin_until", "spin_window_s"]
+
+_window_s: float | None = None
+
+
+def spin_window_s() -> float:
+    """The process's polling window in seconds (read once; see ``envs.spin_us``)."""
+    global _window_s
+    if _window_s is None:
+        _window_s = envs.spin_us() * 1e-6
+    return _window_s
+
+
+def reset() -> None:
+    """Re-reads ``TENSORFERRY_SPIN_US`` at the next wait (``tf.init`` calls this)."""
+    global _window_s
+    _window_s = None
+
+
+def spin_until(ready: Callable[[], bool], window_s: float | None = None) -> bool:
+    """Polls ``ready()`` for up to ``window_s`` (default: the process's window); returns whether
+    it turned true. A zero window checks once."""
+    if ready():
+        return True
+    window = spin_window_s() if window_s is None else window_s
+    if window <= 0:
+        return False
+    end = time.perf_counter() + window
+    while time.perf_counter() < end:
+        time.sleep(0)
+        if ready():
+            return True
+    return False
