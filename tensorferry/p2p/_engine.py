@@ -74,9 +74,10 @@ class Engine(PairFaults):
         # them: while set, a wake-up is already on its way and callers skip the syscall (which
         # would also hand the engine thread the GIL in the middle of the caller's call).
         self._wake_pending = False
-        # True while the engine thread polls without blocking (it then finds queued commands
-        # on its own, and callers skip the wake-up write).
-        self._polling = False
+        # True while the engine thread is awake (running, or polling without blocking): it
+        # looks at the command queue before it blocks again, so callers skip the wake-up
+        # write — a syscall that would also let this thread take the GIL mid-call.
+        self._awake = False
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -132,7 +133,7 @@ class Engine(PairFaults):
             self._helpers.shutdown(wait=False, cancel_futures=True)
 
     def _wake(self) -> None:
-        if self._wake_pending or self._polling:  # the engine will see the command anyway
+        if self._wake_pending or self._awake:  # the engine will see the command anyway
             return
         self._wake_pending = True
         # A full buffer means a wake-up is already pending; a closed one, shutdown.
@@ -142,21 +143,22 @@ class Engine(PairFaults):
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         self.ctx.bind_device()
+        self._awake = True
         window = spin_window_s()
         active_until = 0.0  # poll (select without blocking) until then; see runtime._spin
         while not self._stopping:
             timeout = self._next_timeout()
             if timeout > 0 and time.perf_counter() < active_until:
                 timeout = 0.0
-                self._polling = True
                 time.sleep(0)  # let the callers this thread would contend with run
             elif timeout > 0:
                 # About to block: callers must write wake-ups again. A command queued before
                 # this store is seen by the check below; one queued after sees the flag down.
-                self._polling = False
+                self._awake = False
                 if self._commands:
                     timeout = 0.0
             events = self._selector.select(timeout)
+            self._awake = True
             if events or self._commands:
                 active_until = time.perf_counter() + window
             for key, mask in events:
@@ -459,6 +461,8 @@ class Engine(PairFaults):
 
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
+        if any(u.state == "done" for u in self._issued):
+            self._issued = {u for u in self._issued if u.state != "done"}
         for peer in list(self._peers.values()):
             for kind in ("send", "recv"):
                 self._resolve(peer, kind)
@@ -595,9 +599,10 @@ class Engine(PairFaults):
         # On a completion-pool worker thread.
         exc = future.exception() if not future.cancelled() else TransportError("cancelled")
         if exc is None:
+            # No engine hop (a wake-up per transfer): the engine drops done units from its
+            # issued set itself (_progress).
             unit.state = "done"
             unit.transfer._finish(None)
-            self.call(lambda: self._issued.discard(unit))
             return
         if isinstance(exc, TransferTimeoutError):
             exc = TransferTimeoutError(
@@ -627,6 +632,12 @@ class Engine(PairFaults):
         resources), used by the uncached benchmark mode. Both ranks must call it at the same
         point of their programs, with nothing in flight between them."""
         peer = self._peer(rank)
+        for unit in [u for u in self._issued if rank in u.peers and u.transfer._seen_ready]:
+            # Its caller saw it finish (Transfer._settled) before the completion pool did:
+            # finish it here, so the reset neither waits for it nor fails it.
+            unit.state = "done"
+            self._issued.discard(unit)
+            self._finish(unit, None)
         busy = [u for u in self._all_units() if rank in u.peers]
         if busy:
             raise ValueError(

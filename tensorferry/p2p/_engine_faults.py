@@ -20,7 +20,7 @@ class PairFaults:
     """Failing units and faulting pairs (mixed into the engine)."""
 
     def _all_units(self) -> list[Unit]:
-        return [*self._units, *self._issued]
+        return [*self._units, *(u for u in self._issued if u.state != "done")]
 
     def _unit_of(self, message: Message) -> Unit | None:
         for unit in self._all_units():

@@ -88,9 +88,9 @@ class NcclTransport(Transport):
         return 20e-6 + nbytes / 350e9
 
     def unsupported_reason(self, *, peer: int, tensors: Sequence[torch.Tensor]) -> str | None:
-        for t in tensors:
-            if t.device.type != "cuda":
-                return f"nccl moves CUDA tensors, got a tensor on {t.device} (use transport='gloo')"
+        device = tensors[0].device  # a message's tensors share one device (validated)
+        if device.type != "cuda":
+            return f"nccl moves CUDA tensors, got a tensor on {device} (use transport='gloo')"
         return None
 
     def _key(self, peer: int) -> tuple[str, int, int]:

@@ -58,8 +58,14 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def describe(tensors: Sequence[torch.Tensor]) -> Descriptor:
@@ -75,6 +81,29 @@ def check_peer(peer: Any, *, rank: int, world_size: int, what: str) -> int:
     if peer == rank:
         raise ValueError(f"{what}={peer} is this process's own rank; p2p needs another rank")
     return peer
+
+
+def _check_tensors(items: Sequence[Any], device: torch.device, what: str) -> tuple:
+    """Validates every tensor (one pass: a message may hold hundreds of small tensors)."""
+    first = items[0]
+    if not isinstance(first, torch.Tensor):
+        _check_tensor(first, 0, device, what)  # raises the precise error
+    expected = first.device
+    for i, t in enumerate(items):
+        # The common case costs a few attribute reads; anything odd takes the detailed path.
+        if (
+            type(t) is not torch.Tensor
+            or t.device != expected
+            or t.layout is not torch.strided
+            or t.is_quantized
+            or not t.is_contiguous()
+        ):
+            _check_tensor(t, i, device, what)
+            if t.device != expected:
+                _check_one_device(items, what)
+    if expected != device and expected.type != "cpu":
+        _check_tensor(first, 0, device, what)
+    return tuple(items)
 
 
 def _check_tensor(t: Any, index: int, device: torch.device, what: str) -> torch.Tensor:
@@ -114,9 +143,7 @@ def as_tensor_list(
         raise TypeError(f"{what} must be a tensor or a list of tensors, got {type(items).__name__}")
     if not items:
         raise ValueError(f"{what} is an empty list: nothing to transfer")
-    out = tuple(_check_tensor(t, i, device, what) for i, t in enumerate(items))
-    _check_one_device(out, what)
-    return out, single
+    return _check_tensors(items, device, what), single
 
 
 def _check_one_device(tensors: Sequence[torch.Tensor], what: str) -> None:

@@ -219,11 +219,12 @@ class Transport(abc.ABC):
 
         Args:
             peer: the other side's global rank (already validated: in range, not self).
-            tensors: the message's tensors (already validated: contiguous, on ``ctx.device``).
+            tensors: the message's tensors (already validated: contiguous, all on one device,
+                ``ctx.device`` or the CPU).
         """
-        wrong = [t.device for t in tensors if t.device.type != self.device_type]
-        if wrong:
-            return f"{self.name} moves {self.device_type} tensors, got a tensor on {wrong[0]}"
+        device = tensors[0].device  # a message's tensors share one device (validated)
+        if device.type != self.device_type:
+            return f"{self.name} moves {self.device_type} tensors, got a tensor on {device}"
         return None
 
     def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:

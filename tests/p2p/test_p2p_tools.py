@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 from tensorferry.cli.main import main
 from tensorferry.p2p.demo import ProgressBar, run_p2p_demo
@@ -84,3 +85,22 @@ def test_bench_batch_cpu(tmp_path, capsys):
     assert "torch batch_isend_irecv" in text and "tf send(list)" in text
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
     assert "command:" in md and "torch:" in md
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_packing_round_trips_every_byte(mixed):
+    from tensorferry.p2p._packing import pack, unpack
+
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(3, 5, generator=gen), torch.randn(1, generator=gen)]
+    tensors += [torch.randn(64, generator=gen) for _ in range(8)]
+    if mixed:
+        tensors += [torch.randint(-9, 9, (4, 2), generator=gen), torch.rand(6).double()]
+    packed = pack(tensors)
+    # The wire layout is the tensors' bytes back to back, whichever path packed them.
+    assert torch.equal(packed, torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]))
+    targets = [torch.full_like(t, 99) for t in tensors]  # poisoned
+    unpack(packed.clone(), targets)
+    for got, want in zip(targets, tensors, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
