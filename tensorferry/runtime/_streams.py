@@ -53,6 +53,9 @@ class StreamKey:
         if self.device < 0:
             raise ValueError(f"device must be >= 0, got {self.device}")
 
+    def __hash__(self) -> int:  # the pool hashes a key per lease; a tuple hash is cheapest
+        return hash((self.device, self.priority, self.non_blocking))
+
 
 class StreamFactory(Protocol):
     """Makes raw streams for the pool. Tests plug in fakes that fail on purpose."""
@@ -216,8 +219,9 @@ class StreamPool:
             for stream in reused:
                 stream._leased = self
             self._leased_count += len(reused)
-            self._counters["hits"] += len(reused)
-            self._counters["misses"] += count - len(reused)
+            counters = self._counters
+            counters["hits"] += len(reused)
+            counters["misses"] += count - len(reused)
         streams = reused
         try:
             while len(streams) < count:
@@ -248,50 +252,65 @@ class StreamPool:
             ValueError: a stream is not leased from this pool (e.g. released twice); the
                 others are still released.
         """
-        with self._lock:
-            mine = [stream for stream in streams if stream._leased is self]
-            for stream in mine:
-                stream._leased = None
-            self._leased_count -= len(mine)
-        foreign = (
-            [stream for stream in streams if stream not in mine] if len(mine) < len(streams) else []
-        )
-        # A stream never handed out, with no completion of its own in flight, is clean as it
-        # is: most of a client's streams take this path.
         in_flight = (
-            self._completions.owners_in_flight([s.uid for s in mine])
+            self._completions.owners_in_flight([s.uid for s in streams])
             if self._completions is not None and self._completions.has_owners_in_flight()
             else ()
         )
-        dirty = [s for s in mine if s._touched or s.uid in in_flight]
-        clean = mine
-        if dirty:
-            clean = [s for s in mine if not (s._touched or s.uid in in_flight)]
-            for stream in dirty:
-                if stream.uid not in in_flight and self._idle_now(stream):
-                    stream._touched = False  # the common case: its work is long done
-                    clean.append(stream)
-                    continue
-                try:
-                    self._reset(stream)
-                except Exception as exc:
-                    self._replace_failed(stream, exc)
-                    continue
-                clean.append(stream)
-        by_home: dict[int, list[Stream]] = {}
-        if clean and all(s._home is clean[0]._home for s in clean):  # one client device's lease
-            by_home[id(clean[0]._home)] = clean
-        else:
-            for stream in clean:
-                by_home.setdefault(id(stream._home), []).append(stream)
+        foreign: list[Stream] = []
+        clean: list[Stream] = []  # never handed out, no completion in flight: clean as it is
+        dirty: list[Stream] = []
         surplus: list[Stream] = []
+        home = streams[0]._home if streams else None
+        one_home = True
         with self._lock:
-            for group in by_home.values():
-                surplus.extend(group[0]._home.put(group, self._max_pooled))
+            for stream in streams:
+                if stream._leased is not self:
+                    foreign.append(stream)
+                    continue
+                stream._leased = None
+                if stream._touched or stream.uid in in_flight:
+                    dirty.append(stream)
+                else:
+                    clean.append(stream)
+                if stream._home is not home:
+                    one_home = False
+            self._leased_count -= len(clean) + len(dirty)
+            if clean and not dirty and one_home and home is not None:
+                # The common case, one client device's untouched lease: pooled in one step.
+                surplus = home.put(clean, self._max_pooled)
+                clean = []
+        if clean or dirty:
+            surplus = self._pool_after_reset(clean, dirty, in_flight)
         for stream in surplus:
             self._destroy(stream)
         if foreign:
             raise ValueError(f"{foreign[0]!r} is not leased from this pool (released twice?)")
+
+    def _pool_after_reset(
+        self, clean: list[Stream], dirty: list[Stream], in_flight: Any
+    ) -> list[Stream]:
+        """Resets ``dirty`` streams (replacing those that fail), then pools them with ``clean``
+        by key, each key's streams as one set. Returns the streams that did not fit."""
+        for stream in dirty:
+            if stream.uid not in in_flight and self._idle_now(stream):
+                stream._touched = False  # the common case: its work is long done
+                clean.append(stream)
+                continue
+            try:
+                self._reset(stream)
+            except Exception as exc:
+                self._replace_failed(stream, exc)
+                continue
+            clean.append(stream)
+        by_home: dict[int, list[Stream]] = {}
+        for stream in clean:
+            by_home.setdefault(id(stream._home), []).append(stream)
+        surplus: list[Stream] = []
+        with self._lock:
+            for group in by_home.values():
+                surplus.extend(group[0]._home.put(group, self._max_pooled))
+        return surplus
 
     def create_unpooled(self, key: StreamKey) -> Stream:
         """A fresh stream that never enters the pool (the 'pooling off' baseline)."""
