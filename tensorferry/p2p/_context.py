@@ -28,6 +28,7 @@ from tensorferry.p2p._transport import (
     Transport,
     TransportContext,
     registered_transports,
+    registry_version,
 )
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
@@ -71,6 +72,7 @@ class P2PContext:
         self.store = store
         # Read once: transport="auto" consults it for every message.
         self.auto_transports = envs.auto_transports()
+        self._rankings: dict[tuple, tuple[str, ...]] = {}  # see choose()
         self.host = _link.advertised_host(master_addr)
         self.completions = completion_pool()
         self.client = Client(devices=[device]) if device.type == "cuda" else None
@@ -141,28 +143,37 @@ class P2PContext:
             if reason is not None:
                 raise ValueError(f"transport {requested!r} cannot carry this message: {reason}")
             return requested
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        best, best_time, reasons = None, float("inf"), []
-        candidates = self.auto_transports
-        for name in registered_transports():
-            if name not in candidates:
+        nbytes = sum(t.nbytes for t in tensors)
+        # Estimates are pure functions of (peer, size, count): rank the candidates once per
+        # message shape, then only ask the front runners whether they can carry this one.
+        shape = (peer, device_type, nbytes, len(tensors), registry_version())
+        ranking = self._rankings.get(shape)
+        if ranking is None:
+            ranking = self._rank(peer, device_type, nbytes, len(tensors))
+            if len(self._rankings) < 4096:
+                self._rankings[shape] = ranking
+        reasons = []
+        for name in ranking:
+            reason = self.transport(name).unsupported_reason(peer=peer, tensors=tensors)
+            if reason is None:
+                return name
+            reasons.append(f"{name}: {reason}")
+        detail = "; ".join(reasons) or f"none registered for {device_type} tensors"
+        raise ValueError(f"no transport can carry this message ({detail})")
+
+    def _rank(self, peer: int, device_type: str, nbytes: int, count: int) -> tuple[str, ...]:
+        """Auto candidates for this device type, fastest estimate first."""
+        timed = []
+        for order, name in enumerate(registered_transports()):
+            if name not in self.auto_transports:
                 continue
             transport = self.transport(name)
             if transport.device_type != device_type:
                 continue
-            reason = transport.unsupported_reason(peer=peer, tensors=tensors)
-            if reason is not None:
-                reasons.append(f"{name}: {reason}")
-                continue
-            estimate = transport.estimate_seconds(
-                peer=peer, nbytes=nbytes, num_tensors=len(tensors)
-            )
-            if estimate is not None and estimate < best_time:
-                best, best_time = name, estimate
-        if best is None:
-            detail = "; ".join(reasons) or f"none registered for {device_type} tensors"
-            raise ValueError(f"no transport can carry this message ({detail})")
-        return best
+            estimate = transport.estimate_seconds(peer=peer, nbytes=nbytes, num_tensors=count)
+            if estimate is not None:
+                timed.append((estimate, order, name))
+        return tuple(name for _, _, name in sorted(timed))
 
     # ------------------------------------------------------------------ issuing
     def issue(self, unit: Any) -> Any:

@@ -49,6 +49,7 @@ from tensorferry.p2p._engine_faults import PairFaults
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare
 from tensorferry.runtime._spin import spin_window_s
+from tensorferry.runtime._wakeup import write_wakeup
 
 if TYPE_CHECKING:
     from tensorferry.p2p._context import P2PContext
@@ -136,9 +137,7 @@ class Engine(PairFaults):
         if self._wake_pending or self._awake:  # the engine will see the command anyway
             return
         self._wake_pending = True
-        # A full buffer means a wake-up is already pending; a closed one, shutdown.
-        with contextlib.suppress(BlockingIOError, OSError):
-            self._wake_w.send(b"x")
+        write_wakeup(self._wake_w)
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:

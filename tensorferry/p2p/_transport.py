@@ -275,6 +275,7 @@ TransportFactory = Callable[[TransportContext], Transport]
 # name -> factory, in registration order (auto's tie-break). Guarded by _lock.
 _lock = threading.Lock()
 _factories: dict[str, TransportFactory] = {}
+_version = 0  # bumped on every change: caches of auto's choices key on it
 
 
 def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
@@ -299,12 +300,25 @@ def register_transport(name: str, factory: TransportFactory, *, replace: bool = 
         if name in _factories and not replace:
             raise ValueError(f"transport {name!r} is already registered (pass replace=True)")
         _factories[name] = factory
+        _bump()
 
 
 def unregister_transport(name: str) -> bool:
     """Removes ``name`` from the registry. Returns true when it was there."""
     with _lock:
-        return _factories.pop(name, None) is not None
+        removed = _factories.pop(name, None) is not None
+        _bump()
+        return removed
+
+
+def registry_version() -> int:
+    """Changes whenever a transport is registered or unregistered."""
+    return _version
+
+
+def _bump() -> None:
+    global _version
+    _version += 1
 
 
 def registered_transports() -> dict[str, TransportFactory]:
