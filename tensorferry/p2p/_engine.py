@@ -591,17 +591,19 @@ class Engine(PairFaults):
             ready,
             timeout=max(0.0, unit.deadline - time.monotonic()),
             description=unit.transfer.description,
+            inline=True,  # _on_completed is quick and hands user callbacks to a worker
         )
         future.add_done_callback(lambda f: self._on_completed(unit, f))
 
     def _on_completed(self, unit: Unit, future: Future) -> None:
-        # On a completion-pool worker thread.
+        # On the completion pool's poller thread: quick, and no user code here.
         exc = future.exception() if not future.cancelled() else TransportError("cancelled")
         if exc is None:
             # No engine hop (a wake-up per transfer): the engine drops done units from its
             # issued set itself (_progress).
             unit.state = "done"
-            unit.transfer._finish(None)
+            if not unit.transfer._finish_if_no_callbacks():
+                self._finish(unit, None)  # user callbacks: on a completion-pool worker
             return
         if isinstance(exc, TransferTimeoutError):
             exc = TransferTimeoutError(

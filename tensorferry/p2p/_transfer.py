@@ -52,6 +52,10 @@ class Transfer:
         self._future: Future = Future()
         self._future.set_running_or_notify_cancel()
         self._issued = threading.Event()
+        # Guards "are there user callbacks?" against finishing on a library thread that must
+        # not run them (see _finish_if_no_callbacks).
+        self._callbacks_lock = threading.Lock()
+        self._has_callbacks = False
         self._done_event: Any = None  # torch.cuda.Event recorded after the device work
         # Once issued: a non-blocking "all device/host work finished" predicate. A waiting
         # caller polls it itself for a short window (runtime._spin) instead of sleeping until
@@ -99,7 +103,9 @@ class Transfer:
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
         """Calls ``fn(transfer)`` once done, on a completion-pool thread (at once, on this
         thread, if already done). Exceptions from ``fn`` are logged and ignored."""
-        self._future.add_done_callback(lambda _f: fn(self))
+        with self._callbacks_lock:
+            self._has_callbacks = True
+            self._future.add_done_callback(lambda _f: fn(self))
 
     # ------------------------------------------------------------------ streams
     def wait_stream(self, stream: Any = None, *, timeout: float | None = None) -> None:
@@ -155,6 +161,16 @@ class Transfer:
                 self._future.set_exception(exc)
         except Exception:  # already completed by a racing finisher
             pass
+
+    def _finish_if_no_callbacks(self) -> bool:
+        """Completes the transfer successfully here unless user callbacks are registered
+        (those must run on a completion-pool worker); returns whether it did. A callback
+        added afterwards runs at once on its adder's thread, as for any finished future."""
+        with self._callbacks_lock:
+            if self._has_callbacks:
+                return False
+            self._finish(None)
+            return True
 
     def _timeout_left(self, timeout: float | None) -> float:
         if timeout is not None:

@@ -46,6 +46,7 @@ class _Item:
     description: str
     deadline: float | None
     seq: int = field(default=0)
+    inline: bool = False
 
 
 class CompletionPool:
@@ -78,6 +79,7 @@ class CompletionPool:
         owner: Hashable | None = None,
         timeout: float | None = None,
         description: str = "",
+        inline: bool = False,
     ) -> Future:
         """Returns a future completed once ``ready()`` returns true.
 
@@ -89,17 +91,23 @@ class CompletionPool:
             owner: the resource the work runs on (a stream); see :meth:`drain`.
             timeout: seconds until the future fails with :class:`TransferTimeoutError`.
             description: what is awaited, used in timeout messages.
+            inline: complete the future on the poller thread itself, saving a worker's
+                wake-up. Only for futures whose callbacks are the library's own: quick, never
+                blocking, never user code (they delay every other completion while they run).
+                Not with ``then``.
 
         Raises:
             CompletionPoolShutdownError: the pool was shut down.
         """
+        if inline and then is not None:
+            raise ValueError("inline completion takes no `then` (it would run on the poller)")
         future: Future = Future()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._shutdown:
                 raise CompletionPoolShutdownError("the completion pool is shut down")
             seq = next(self._seq)
-            item = _Item(future, ready, then, owner, description, deadline, seq)
+            item = _Item(future, ready, then, owner, description, deadline, seq, inline)
             self._pending[seq] = item
             if owner is not None:
                 self._running_per_owner[owner] = self._running_per_owner.get(owner, 0) + 1
@@ -237,6 +245,9 @@ class CompletionPool:
                     if self._pending.pop(item.seq, None) is None:
                         continue  # cancelled by drain() or shutdown() meanwhile
                 progressed = True
+                if item.inline:
+                    self._complete(item, outcome)
+                    continue
                 try:
                     self._executor.submit(self._complete, item, outcome)
                 except RuntimeError:  # executor shut down under us

@@ -143,3 +143,19 @@ def test_many_concurrent_items(pool):
 def test_bad_thread_count():
     with pytest.raises(ValueError, match="threads"):
         CompletionPool(threads=0)
+
+
+def test_inline_completion_runs_its_callbacks_on_the_poller(pool):
+    flag = Flag()
+    ran_on = []
+    future = pool.watch(flag, inline=True, owner="stream-x")
+    future.add_done_callback(lambda _f: ran_on.append(threading.current_thread().name))
+    flag.value = True
+    assert future.result(timeout=5) is None
+    assert pool.drain("stream-x", 5), "an inline item still counts for its owner until done"
+    assert ran_on == [f"{pool._poller.name}"]
+    failing = pool.watch(lambda: 1 / 0, inline=True)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=5)
+    with pytest.raises(ValueError, match="inline"):
+        pool.watch(flag, inline=True, then=lambda: 1)
