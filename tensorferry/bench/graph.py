@@ -64,6 +64,12 @@ def _row(case: str, samples: list[float], target: str = "-") -> dict[str, Any]:
     }
 
 
+def _spin_note() -> str:
+    from tensorferry.graph._channel import _spin_window_s
+
+    return f"{_spin_window_s() * 1e6:.0f} us"
+
+
 def _pipe_peer(conn: Any) -> None:
     while True:
         value = conn.recv()
@@ -125,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         "executions after warm-up",
         "the targets (<= 30 us for 1 actor, <= 60 us for the NCCL pair) are for a fast host; this "
         "machine's Python speed matters as much as the design",
+        f"every wait spins {_spin_note()} before it sleeps (TENSORFERRY_SPIN_US, at least 200 us); "
+        "a wait that outlasts the spin adds a wake-up, which dominates on virtual machines",
     ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus >= 2:

@@ -19,9 +19,14 @@ A bare CPU tensor travels as raw bytes (no pickling): the hot path is one ``copy
 one out. Other values are pickled. A message larger than a slot makes the writer create a larger
 segment and send its name (a RELOCATE message); the reader follows and unlinks the old one.
 
-Waits spin briefly (a few tens of microseconds cover most per-execution latencies), then sleep
-with a growing back-off, checking the graph's :class:`Control` block so a stopped graph or a dead
-actor ends every wait promptly. Every wait has a deadline.
+Waits (:func:`wait_until`) spin, yielding the core between polls, then sleep with a growing
+back-off, checking the graph's :class:`Control` block so a stopped graph or a dead actor ends
+every wait promptly. Every wait has a deadline. Waking from a sleep costs far more than a poll
+(``time.sleep`` overruns by the timer slack, ~50 µs, ``time.sleep(0)`` included, and a virtual
+machine adds its own wake-up latency), and in a graph run back to back each process waits about
+one execution's time; so on hosts with cores to spare the spin lasts ``TENSORFERRY_SPIN_US``
+(default 1 ms on hosts with at least 8 CPUs), never less than 200 µs. On smaller hosts a longer
+spin takes the core from the process being waited for.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ import os
 import pickle
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "PeerDied",
     "RemoteError",
     "unlink_prefix",
+    "wait_until",
 ]
 
 _HEADER = 256
@@ -62,7 +70,7 @@ _MEMMOVE_MAX = 4 << 20
 _KIND_TENSOR, _KIND_PICKLE, _KIND_ERROR, _KIND_RELOCATE = 1, 2, 3, 4
 _FLAG_WAS_CUDA = 1 << 16
 _MAX_NDIM = (_META - 24) // 8
-_SPIN_S = 200e-6
+_SPIN_MIN_S = 200e-6
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
 
@@ -134,6 +142,76 @@ def unlink_prefix(prefix: str) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+_spin_s: float | None = None
+
+
+def _spin_window_s() -> float:
+    """How long a wait spins before it sleeps (read once per process; see the module doc)."""
+    global _spin_s
+    if _spin_s is None:
+        _spin_s = max(_SPIN_MIN_S, envs.spin_us() * 1e-6)
+    return _spin_s
+
+
+def wait_until(
+    ready: Callable[[], bool],
+    *,
+    control: Any,
+    timeout: float,
+    what: str,
+    idle: Callable[[], Any] | None = None,
+    spin_s: float | None = None,
+    max_pause_s: float = _SLEEP_MAX_S,
+) -> float:
+    """Waits until ``ready()`` is true: spins for up to ``spin_s``, then sleeps with a back-off.
+
+    The spin yields the core between polls (``os.sched_yield``: other processes of the graph may
+    need it), but it never sleeps. Every sleep checks ``control``.
+
+    Args:
+        ready: the condition; cheap, never blocks.
+        control: the graph's flags (``check()`` raises when the graph must end).
+        timeout: seconds before :class:`TransferTimeoutError`.
+        what: the wait, for the error message.
+        idle: called between polls (work the waiting thread does meanwhile).
+        spin_s: how long to poll before the first sleep (default: the process's window).
+        max_pause_s: the longest sleep between polls.
+
+    Returns:
+        When ``ready()`` was seen true (``time.perf_counter()``).
+
+    Raises:
+        TransferTimeoutError: not ready within ``timeout``.
+        GraphStopped, PeerDied: the graph is ending.
+    """
+    if spin_s is None:
+        spin_s = _spin_s if _spin_s is not None else _spin_window_s()
+    now = time.perf_counter()
+    deadline = now + timeout
+    spin_end = now + min(spin_s, timeout)
+    while True:
+        if ready():
+            return now
+        if idle is not None:
+            idle()
+        now = time.perf_counter()
+        if now >= spin_end:
+            break
+        os.sched_yield()
+    pause = min(_SLEEP_MIN_S, max_pause_s)
+    while True:
+        control.check()
+        if now > deadline:
+            raise TransferTimeoutError(f"{what} waited more than {timeout:.3g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, max_pause_s)
+        if idle is not None:
+            idle()
+        if ready():
+            return time.perf_counter()
+        now = time.perf_counter()
 
 
 class Control:
@@ -292,16 +370,12 @@ class Channel:
         if _I64.unpack_from(seg.map, _WRITE)[0] > seq:
             self.ready_at = time.perf_counter()
             return seq
-        end = time.perf_counter() + _SPIN_S
-        while (now := time.perf_counter()) < end:
-            if _I64.unpack_from(seg.map, _WRITE)[0] > seq:
-                self.ready_at = now
-                return seq
-            # Yield rather than burn: with more processes than cores, the writer we wait for
-            # may need this core.
-            os.sched_yield()
-        self._sleep_until(lambda: seg.counter(_WRITE) > seq, timeout, "read")
-        self.ready_at = time.perf_counter()
+        self.ready_at = wait_until(
+            lambda: _I64.unpack_from(seg.map, _WRITE)[0] > seq,
+            control=self._control,
+            timeout=timeout,
+            what=f"channel {self._base}: read",
+        )
         return seq
 
     def _wait_writable(self, timeout: float) -> int:
@@ -309,22 +383,15 @@ class Channel:
         seq = _I64.unpack_from(seg.map, _WRITE)[0]
         slots = seg.slots
         if seq - _I64.unpack_from(seg.map, _READ)[0] >= slots:
-            self._sleep_until(lambda: seq - seg.counter(_READ) < slots, timeout, "write")
-        self.ready_at = time.perf_counter()
+            self.ready_at = wait_until(
+                lambda: seq - _I64.unpack_from(seg.map, _READ)[0] < slots,
+                control=self._control,
+                timeout=timeout,
+                what=f"channel {self._base}: write",
+            )
+        else:
+            self.ready_at = time.perf_counter()
         return seq
-
-    def _sleep_until(self, ready, timeout: float, what: str) -> None:
-        deadline = time.perf_counter() + timeout
-        pause = _SLEEP_MIN_S
-        control = self._control
-        while not ready():
-            control.check()
-            if time.perf_counter() > deadline:
-                raise TransferTimeoutError(
-                    f"channel {self._base}: {what} waited more than {timeout:.3g} s"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _SLEEP_MAX_S)
 
     def readable(self) -> bool:
         """A message is waiting (never blocks)."""

@@ -12,10 +12,19 @@ Overlap on — no host synchronisation on the critical path:
     WRITE  writes the metadata (the host knows it as soon as the method returned), makes
            ``send`` wait for the done event and issues the send there.
 Overlap off — the baseline: transfers run on the ``compute`` stream itself and each receive is
-waited for on the host before the actor goes on, so nothing overlaps.
+waited for on the host (by polling an event, so a stop or a dead peer still ends the wait) before
+the actor goes on, so nothing overlaps.
 
-Results for the driver (and shared-memory edges to an actor on the same GPU) are copied to the
-host by a writer thread once the compute event fired, so the actor's thread never blocks on them.
+Results for host channels — the driver's outputs, and shared-memory edges to an actor on the same
+GPU — go into their channel once the compute event that made them fired. A CUDA tensor for the
+driver is first copied into pinned memory on the ``device_to_host`` stream, so no host thread
+waits for that copy. The actor's own thread writes the channel, never a helper thread: handing a
+value to another thread costs a wake-up and a turn at the GIL (tens to hundreds of microseconds,
+more while this thread spin-waits) on the critical path of every execution. When the event has
+already fired the write happens at once; otherwise the value waits in :class:`_HostWrites` and the
+thread writes it from its next wait (for an input, a receive, room in a channel), so it never
+blocks on the GPU for it. With channels that cannot be polled (the Ray executor's TCP channels)
+a writer thread (:class:`_HostWriter`) does it instead.
 
 An upstream error travels in the metadata in place of shapes; both ends then skip the NCCL
 operation, so their sequences of sends and receives stay matched.
@@ -23,6 +32,7 @@ operation, so their sequences of sends and receives stay matched.
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import queue
@@ -32,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorferry.graph._channel import GraphStopped, PeerDied, RemoteError
-from tensorferry.graph._plan import EdgeSpec, Operation, TaskSpec
+from tensorferry.graph._channel import GraphStopped, PeerDied, RemoteError, wait_until
+from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, TaskSpec
 
 if TYPE_CHECKING:
     from tensorferry.graph._runner import ScheduleRunner
@@ -41,6 +51,16 @@ if TYPE_CHECKING:
 __all__ = ["GpuOps"]
 
 _FOREVER = 1e9
+# Longest sleep while GPU work is in flight (after the spin): its end is expected soon, and each
+# sleep adds its length to the latency of the result.
+_EVENT_PAUSE_S = 100e-6
+# Results for the driver up to this size are staged in pinned memory (the allocator caches those
+# blocks for good, so huge ones are copied by the plain blocking path instead).
+_PIN_MAX_BYTES = 256 << 20
+
+
+def _fired(event: torch.cuda.Event | None) -> bool:
+    return event is None or event.query()
 
 
 class _Arrived:
@@ -77,11 +97,59 @@ class _CudaUnpickler(pickle.Unpickler):
         return self._tensors[pid]
 
 
-class _HostWriter:
-    """Writes GPU results into shared-memory channels once their compute event fired."""
+class _HostWrites:
+    """Results for host channels that wait for their compute event; written by the actor's thread.
 
-    def __init__(self, device: torch.device) -> None:
+    Only the actor's thread calls it (``submit`` and ``pump``), so a channel never has two writers
+    and no lock is needed. Values keep their order per channel; channels are independent, so a
+    full one (a same-GPU reader that is behind) holds back only its own values.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[Any, collections.deque] = {}
+        self.pending = 0
+        """Values not written yet, over all channels."""
+
+    def submit(self, channel: Any, value: Any, event: torch.cuda.Event | None) -> None:
+        held = self._queues.get(channel)
+        if not held and _fired(event) and channel.writable():
+            channel.write(value, timeout=_FOREVER)  # a free slot: does not wait
+            return
+        if held is None:
+            held = self._queues[channel] = collections.deque()
+        held.append((value, event))
+        self.pending += 1
+
+    def pump(self) -> None:
+        """Writes every value whose event fired and whose channel has room; never waits."""
+        if not self.pending:
+            return
+        for channel, held in self._queues.items():
+            while held:
+                value, event = held[0]
+                if not (_fired(event) and channel.writable()):
+                    break
+                held.popleft()
+                self.pending -= 1
+                channel.write(value, timeout=_FOREVER)
+
+    def close(self) -> None:
+        self._queues.clear()
+        self.pending = 0
+
+
+class _HostWriter:
+    """Writes GPU results into channels that cannot be polled, once their event fired.
+
+    Same interface as :class:`_HostWrites`; ``pending`` stays 0 because the actor's thread has
+    nothing to pump.
+    """
+
+    pending = 0
+
+    def __init__(self, device: torch.device, control: Any) -> None:
         self._device = device
+        self._control = control
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="tf-host-writer", daemon=True)
@@ -95,9 +163,16 @@ class _HostWriter:
                 if item is None:
                     return
                 channel, value, event = item
-                if event is not None:
-                    while not event.query():  # poll rather than block: stop stays prompt
-                        time.sleep(20e-6)
+                if event is not None and not event.query():
+                    # No spin: this thread would take turns at the GIL with the actor's thread.
+                    wait_until(
+                        event.query,
+                        control=self._control,
+                        timeout=_FOREVER,
+                        what="result for a host channel",
+                        spin_s=0.0,
+                        max_pause_s=_EVENT_PAUSE_S,
+                    )
                 channel.write(value, timeout=_FOREVER)
         except (GraphStopped, PeerDied):
             return
@@ -108,6 +183,9 @@ class _HostWriter:
         if self.failure is not None:
             raise self.failure
         self._queue.put((channel, value, event))
+
+    def pump(self) -> None:
+        pass
 
     def close(self) -> None:
         self._queue.put(None)
@@ -129,6 +207,7 @@ class GpuOps:
         self.compute_stream = self.client.stream(self.device, "compute")
         self.send_stream = self.client.stream(self.device, "send")
         self.recv_stream = self.client.stream(self.device, "recv")
+        self.d2h_stream = self.client.stream(self.device, "device_to_host")
         self.link: Any = None
         self._ranks: dict[str, int] = {}
         if plan.nccl is not None:
@@ -138,7 +217,13 @@ class GpuOps:
             self._ranks = plan.nccl.ranks
         self._done: dict[int, torch.cuda.Event] = {}
         self._static: dict[int, Any] = {}
-        self._writer = _HostWriter(self.device)
+        self._control = runner.control
+        pollable = all(hasattr(c, "readable") for c in runner.readers.values()) and all(
+            hasattr(c, "writable") for c in runner.writers.values()
+        )
+        self._host: _HostWrites | _HostWriter = (
+            _HostWrites() if pollable else _HostWriter(self.device, runner.control)
+        )
         self._profiling = plan.profile_channel is not None
         self._spans: list[tuple[int, Operation, str, Any, Any]] = []
         if self._profiling:
@@ -174,9 +259,41 @@ class GpuOps:
             self.runner.record_span(execution, op, lane, begin, finish)
         self._spans = waiting
 
+    # ------------------------------------------------------------------ waiting
+    def _pump_until(self, ready: Any, what: str) -> None:
+        """Writes held results while waiting for ``ready()`` (returns early once none are left:
+        the caller's own wait takes over)."""
+        host = self._host
+        host.pump()
+        if not host.pending or ready():
+            return
+        wait_until(
+            lambda: not host.pending or ready(),
+            control=self._control,
+            timeout=_FOREVER,
+            what=f"{self.runner.plan.actor}: {what}",
+            idle=host.pump,
+            max_pause_s=_EVENT_PAUSE_S,
+        )
+
+    def _wait_event(self, event: torch.cuda.Event, what: str) -> None:
+        """Waits on the host for ``event``, polling: a stop or a dead peer ends the wait."""
+        if event.query():
+            return
+        wait_until(
+            event.query,
+            control=self._control,
+            timeout=_FOREVER,
+            what=f"{self.runner.plan.actor}: {what}",
+            idle=self._host.pump,
+            max_pause_s=_EVENT_PAUSE_S,
+        )
+
     # ------------------------------------------------------------------ operations
     def read(self, execution: int, op: Operation, edge: EdgeSpec) -> Any:
         channel = self.runner.readers[edge.edge_id]
+        if self._host.pending:
+            self._pump_until(channel.readable, f"read edge {edge.edge_id}")
         if not edge.rendezvous:
             # Host data (driver inputs, or a same-GPU actor's staged result): copies it makes to
             # this GPU must be ordered before the compute that uses them.
@@ -202,11 +319,11 @@ class GpuOps:
                 self.link.recv(buffer, peer).wait()  # the stream waits, not the host
             self._span_end(execution, op, "recv" if self.overlap else "compute", start, stream)
         value = buffers[0] if skeleton is None else _CudaUnpickler(skeleton, buffers).load()
-        if not self.overlap:
-            stream.synchronize()  # no overlap: the host waits for the data
-            return value
         event = torch.cuda.Event()
         event.record(stream)
+        if not self.overlap:
+            self._wait_event(event, f"receive on edge {edge.edge_id}")  # no overlap: host waits
+            return value
         return _Arrived(value, event, buffers)
 
     def compute(
@@ -220,6 +337,7 @@ class GpuOps:
     ) -> Any:
         from tensorferry.graph._runner import remote_error
 
+        self._host.pump()
         stream = self.compute_stream
         args = [self._arrive(v) for v in args]
         kwargs = {k: self._arrive(v) for k, v in kwargs.items()}
@@ -252,8 +370,17 @@ class GpuOps:
         assert edge.src_task is not None
         done = self._done.get(edge.src_task)
         if not edge.rendezvous:
-            self._writer.submit(channel, value, done)
+            if (
+                edge.dst_actor == DRIVER
+                and type(value) is torch.Tensor
+                and value.device == self.device
+                and value.numel() * value.element_size() <= _PIN_MAX_BYTES
+            ):
+                value, done = self._to_host(value, done)
+            self._host.submit(channel, value, done)
             return
+        if self._host.pending:
+            self._pump_until(channel.writable, f"write edge {edge.edge_id}")
         problem = value if isinstance(value, RemoteError) else edge_check(edge, value)
         if problem is not None:
             channel.write(problem, timeout=_FOREVER)
@@ -293,8 +420,28 @@ class GpuOps:
                 self.link.send(tensor, peer).wait()
             self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
 
+    def _to_host(
+        self, tensor: torch.Tensor, done: torch.cuda.Event | None
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Starts copying a result for the driver into pinned memory; returns the host tensor
+        and the event after which it holds the data. The driver receives host tensors anyway
+        (its channel ends have no device), so nothing changes for it."""
+        stream = self.d2h_stream
+        with torch.cuda.stream(stream):
+            if done is not None:
+                stream.wait_event(done)
+            tensor = tensor.detach()
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            # Made on the compute stream, read here: its memory must not be handed out again
+            # before the copy is done.
+            tensor.record_stream(stream)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return host, copied
+
     def close(self) -> None:
-        self._writer.close()
+        self._host.close()
         try:
             torch.cuda.synchronize(self.device)
         finally:

@@ -83,3 +83,9 @@ class GpuCalc:
     def unpair(self, d: dict) -> torch.Tensor:
         assert d["b"][1] == "tag"
         return (d["a"] + d["b"][0]).cpu()
+
+    def late(self, x: torch.Tensor, cycles: int) -> torch.Tensor:
+        """A CUDA result the GPU is still computing when the method returns."""
+        x = x.to(self.device)
+        torch.cuda._sleep(cycles)
+        return x * 3

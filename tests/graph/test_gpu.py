@@ -79,6 +79,27 @@ def test_nccl_structures_static_shapes_and_errors(pair):
         graph.teardown(kill_actors=False)
 
 
+@pytest.mark.multigpu
+@needs_two
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("max_inflight", [1, 3])
+def test_cuda_results_reach_the_driver_once_computed(pair, overlap, max_inflight):
+    # The result is still being computed when the method returns (about a millisecond of GPU
+    # time), so it is held and written from the actor's next wait.
+    a, b = pair
+    with InputNode() as inp:
+        dag = b.late.bind(a.make.bind(inp).with_transport("nccl"), 2_000_000)
+    graph = dag.compile(overlap_communication=overlap, max_inflight=max_inflight)
+    try:
+        inputs = [torch.randn(1000) for _ in range(10)]
+        refs = [graph.execute(x) for x in inputs]
+        for x, ref in zip(inputs, refs, strict=True):
+            got = ref.get(timeout=60)
+            assert got.device.type == "cpu" and torch.allclose(got, x * 6)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 @pytest.mark.gpu
 @needs_one
 def test_two_actors_on_one_gpu_use_shared_memory_with_auto():
