@@ -48,7 +48,6 @@ from tensorferry.p2p import _link
 from tensorferry.p2p._engine_faults import PairFaults
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare
-from tensorferry.runtime._spin import spin_window_s
 from tensorferry.runtime._wakeup import write_wakeup
 
 if TYPE_CHECKING:
@@ -142,15 +141,12 @@ class Engine(PairFaults):
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         self.ctx.bind_device()
+        # No busy-polling here: this thread needs the GIL for all its work, and a caller that
+        # runs Python meanwhile would hand it back and forth through the kernel on every poll.
         self._awake = True
-        window = spin_window_s()
-        active_until = 0.0  # poll (select without blocking) until then; see runtime._spin
         while not self._stopping:
             timeout = self._next_timeout()
-            if timeout > 0 and time.perf_counter() < active_until:
-                timeout = 0.0
-                time.sleep(0)  # let the callers this thread would contend with run
-            elif timeout > 0:
+            if timeout > 0:
                 # About to block: callers must write wake-ups again. A command queued before
                 # this store is seen by the check below; one queued after sees the flag down.
                 self._awake = False
@@ -158,8 +154,6 @@ class Engine(PairFaults):
                     timeout = 0.0
             events = self._selector.select(timeout)
             self._awake = True
-            if events or self._commands:
-                active_until = time.perf_counter() + window
             for key, mask in events:
                 try:
                     self._on_event(key, mask)

@@ -117,9 +117,9 @@ class Transfer:
         Raises:
             TransferTimeoutError: not issued within ``timeout``.
         """
-        if not spin_until(self._issued.is_set) and not self._issued.wait(
-            self._timeout_left(timeout)
-        ):
+        # Not issued yet means the issuing thread has work to do: block (no polling, which
+        # would contend with it for the GIL).
+        if not self._issued.wait(self._timeout_left(timeout)):
             raise TransferTimeoutError(f"{self.description}: not issued within the timeout")
         if self._done_event is None or self._future.done():
             self.wait(timeout)
@@ -180,14 +180,18 @@ class Transfer:
         return max(0.0, self._deadline - time.monotonic()) + _GRACE_S
 
     def _wait_exception(self, timeout: float | None) -> BaseException | None:
-        if spin_until(self._settled) and not self._future.done():
+        limit = self._timeout_left(timeout)
+        deadline = time.monotonic() + limit
+        # Once issued, only the device is left to wait for: poll its readiness here for a
+        # short window (runtime._spin) rather than sleep until the completion pool says so.
+        if self._issued.wait(limit) and spin_until(self._settled) and not self._future.done():
             return None  # succeeded: seen here before the completion pool got to it
         try:
-            return self._future.exception(self._timeout_left(timeout))
+            return self._future.exception(max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise TransferTimeoutError(
                 f"{self.description}: not finished within "
-                f"{self._timeout_left(timeout) if timeout is not None else 'its deadline'}"
+                f"{limit if timeout is not None else 'its deadline'}"
                 f"{' s' if timeout is not None else ''}"
             ) from None
         except CancelledError:

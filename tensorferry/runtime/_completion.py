@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorferry.errors import CompletionPoolShutdownError, TransferTimeoutError
-from tensorferry.runtime._spin import spin_window_s
 
 __all__ = ["CompletionPool"]
 
@@ -223,15 +222,12 @@ class CompletionPool:
 
     def _poll_loop(self) -> None:
         sleep_s = _POLL_MIN_S
-        window = spin_window_s()
-        spin_end = 0.0  # until then, poll without sleeping (see runtime._spin)
         while True:
             with self._lock:
                 if not self._pending:
                     while not self._pending and not self._shutdown:
                         self._lock.wait()
                     sleep_s = _POLL_MIN_S
-                    spin_end = time.perf_counter() + window
                 if self._shutdown:
                     return
                 items = list(self._pending.values())
@@ -254,9 +250,6 @@ class CompletionPool:
                     self._complete(item, outcome)
             if progressed:
                 sleep_s = _POLL_MIN_S
-                spin_end = time.perf_counter() + window
-            elif time.perf_counter() < spin_end:
-                time.sleep(0)  # yields the GIL, keeps the core: the event is likely close
             else:
                 time.sleep(sleep_s)
                 sleep_s = min(sleep_s * 2, _POLL_MAX_S)
