@@ -54,6 +54,27 @@ def patch():
     _transfer.Transfer._settled = settled
     wrap_fn(_api, "send", "send")
     wrap_fn(_api, "recv", "recv")
+    from tensorferry.p2p import _context, _nccl
+
+    wrap(_context.P2PContext, "issue", "ctx.issue")
+    wrap(_nccl.NcclTransport, "start", "nccl.start")
+    for name in ("pack", "unpack", "wire_plan"):
+        wrap_module_fn(_nccl, name, name)
+    for name in ("_message", "_submit", "_caller_event"):
+        wrap_module_fn(_api, name, name)
+
+
+def wrap_module_fn(mod, name, label):
+    orig = getattr(mod, name)
+
+    def f(*a, **k):
+        mark(label + ">")
+        try:
+            return orig(*a, **k)
+        finally:
+            mark(label + "<")
+
+    setattr(mod, name, f)
 
 
 def wrap_fn(mod, name, label):
@@ -103,7 +124,47 @@ def worker(rank, world, cfg):
         torch.cuda.synchronize()
     import statistics
 
-    return {"events": list(EVENTS), "median_iter_us": statistics.median(times) * 1e6}
+    events = list(EVENTS)
+    # Phase 2: one small tensor per call, as the host-time benchmark does, on a fresh pair
+    # (the static channel agreed on the 64-tensor message).
+    _reset_when_idle(tf, peer)
+    EVENTS.clear()
+    x = torch.ones(256, device=dev)
+    for _ in range(300):
+        if rank == 0:
+            tf.send(x, peer, static=True).wait()
+        else:
+            tf.recv(x, peer, static=True).wait()
+    return {
+        "events": events,
+        "median_iter_us": statistics.median(times) * 1e6,
+        "single": _spans(EVENTS[len(EVENTS) // 3 :]),
+    }
+
+
+def _reset_when_idle(tf, peer):
+    """Both ranks: once nothing is in flight with ``peer``, move the pair to a new epoch."""
+    for _ in range(500):
+        try:
+            tf._api._reset_pair(peer)
+            return
+        except ValueError:  # the last transfer is still finishing
+            time.sleep(0.01)
+    raise RuntimeError("the pair never went idle")
+
+
+def _spans(events):
+    """Median duration of each wrapped stage (label> ... label<) on this rank."""
+    import statistics
+
+    open_at, spans = {}, {}
+    for what, t in events:
+        label, edge = what[:-1], what[-1]
+        if edge == ">":
+            open_at[label] = t
+        elif edge == "<" and label in open_at:
+            spans.setdefault(label, []).append((t - open_at.pop(label)) * 1e6)
+    return {k: (statistics.median(v), len(v)) for k, v in spans.items()}
 
 
 if __name__ == "__main__":
@@ -113,6 +174,9 @@ if __name__ == "__main__":
     res = run_world(worker, {}, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")
+        print(f"rank {r}: one small tensor per call, median us per stage:")
+        for label, (us, n) in sorted(out["single"].items(), key=lambda kv: -kv[1][0]):
+            print(f"    {label:14s} {us:8.1f}  ({n} calls)")
     merged = sorted(
         [(t, r, w) for r, out in enumerate(res) for (w, t) in out["events"]], key=lambda x: x[0]
     )
@@ -120,5 +184,5 @@ if __name__ == "__main__":
     starts = [t for (t, r, w) in merged if r == 0 and w == "iter"]
     t0 = starts[100]
     for t, r, w in merged:
-        if starts[100] <= t < starts[103]:
+        if starts[100] <= t < starts[102]:
             print(f"{(t - t0) * 1e6:9.1f} us  rank {r}  {w}")

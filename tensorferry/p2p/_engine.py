@@ -579,8 +579,6 @@ class Engine(PairFaults):
         def ready() -> bool:
             return all(p.ready() for p in pending) and (done_event is None or done_event.query())
 
-        unit.transfer._mark_issued(done_event, ready)
-
         future = self.ctx.completions.watch(
             ready,
             timeout=max(0.0, unit.deadline - time.monotonic()),
@@ -588,6 +586,15 @@ class Engine(PairFaults):
             inline=True,  # _on_completed is quick and hands user callbacks to a worker
         )
         future.add_done_callback(lambda f: self._on_completed(unit, f))
+        unit.transfer._mark_issued(done_event, ready, lambda: self._settle_seen(unit, future))
+
+    def _settle_seen(self, unit: Unit, future: Future) -> None:
+        # On the thread that waited and saw the work finish (Transfer._settled): complete the
+        # transfer there, so no other thread has to wake up (and take the GIL) for it later.
+        if self.ctx.completions.discard(future):
+            unit.state = "done"
+            if not unit.transfer._finish_if_no_callbacks():
+                self._finish(unit, None)  # user callbacks: on a completion-pool worker
 
     def _on_completed(self, unit: Unit, future: Future) -> None:
         # On the completion pool's poller thread: quick, and no user code here.

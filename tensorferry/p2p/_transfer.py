@@ -61,6 +61,7 @@ class Transfer:
         # caller polls it itself for a short window (runtime._spin) instead of sleeping until
         # the completion pool tells it, which costs a thread wake-up or two.
         self._ready: Callable[[], bool] | None = None
+        self._settle: Callable[[], None] | None = None
         self._seen_ready = False
 
     # ------------------------------------------------------------------ futures API
@@ -130,8 +131,16 @@ class Transfer:
         target.wait_event(self._done_event)
 
     # ------------------------------------------------------------------ internals (p2p layer)
-    def _mark_issued(self, done_event: Any = None, ready: Callable[[], bool] | None = None) -> None:
+    def _mark_issued(
+        self,
+        done_event: Any = None,
+        ready: Callable[[], bool] | None = None,
+        settle: Callable[[], None] | None = None,
+    ) -> None:
+        """``ready``: see ``_ready``; ``settle``: completes the transfer on the thread that saw
+        ``ready()`` true (called once, there)."""
         self._done_event = done_event
+        self._settle = settle
         self._ready = ready
         self._issued.set()
 
@@ -147,6 +156,9 @@ class Transfer:
         except Exception:  # the completion pool reports the failure properly
             self._ready = None
             return False
+        settle, self._settle = self._settle, None
+        if self._seen_ready and settle is not None:
+            settle()
         return self._seen_ready
 
     def _finish(self, exc: BaseException | None = None) -> None:

@@ -107,6 +107,7 @@ class CompletionPool:
                 raise CompletionPoolShutdownError("the completion pool is shut down")
             seq = next(self._seq)
             item = _Item(future, ready, then, owner, description, deadline, seq, inline)
+            future._tensorferry_seq = seq  # type: ignore[attr-defined]  # for discard()
             self._pending[seq] = item
             if owner is not None:
                 self._running_per_owner[owner] = self._running_per_owner.get(owner, 0) + 1
@@ -145,6 +146,19 @@ class CompletionPool:
         with self._lock:
             running = self._running_per_owner
             return {owner for owner in owners if owner in running} if running else set()
+
+    def discard(self, future: Future) -> bool:
+        """Stops watching ``future`` before the pool completes it: the caller saw the work
+        finish and completes it itself. Returns false when it is too late (the pool already
+        took it, or it was never this pool's); the pool then completes it as usual."""
+        seq = getattr(future, "_tensorferry_seq", None)
+        with self._lock:
+            item = self._pending.get(seq) if seq is not None else None
+            if item is None or item.future is not future:
+                return False
+            del self._pending[seq]
+            self._finish_locked(item)
+            return True
 
     def drain(self, owner: Hashable, timeout: float) -> bool:
         """Waits until every item of ``owner`` finished and its callbacks returned.

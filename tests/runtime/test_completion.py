@@ -159,3 +159,20 @@ def test_inline_completion_runs_its_callbacks_on_the_poller(pool):
         failing.result(timeout=5)
     with pytest.raises(ValueError, match="inline"):
         pool.watch(flag, inline=True, then=lambda: 1)
+
+
+def test_discard_takes_an_item_back_before_the_pool_completes_it(pool):
+    flag = Flag()
+    future = pool.watch(flag, owner="stream-y")
+    assert pool.discard(future), "still pending: the caller may take it back"
+    assert pool.pending("stream-y") == 0 and pool.drain("stream-y", 0.1)
+    flag.value = True
+    time.sleep(0.05)
+    assert not future.done(), "discarded: the pool never completes it"
+    assert not pool.discard(future), "a second discard finds nothing"
+    done = pool.watch(lambda: True)
+    assert done.result(timeout=5) is None
+    assert not pool.discard(done), "too late once the pool completed it"
+    from concurrent.futures import Future
+
+    assert not pool.discard(Future()), "a future the pool never made"
