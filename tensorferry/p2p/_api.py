@@ -443,7 +443,10 @@ def _reset_pair(peer: int, *, timeout: float | None = None) -> None:
     deadline = time.monotonic() + (timeout or ctx.timeout_s)
     while True:  # transfers finished on the device may still await their completion callback
         try:
-            ctx.engine.call(lambda: ctx.engine.reset_pair(peer)).result(timeout or ctx.timeout_s)
+            both = ctx.engine.call(lambda: ctx.engine.reset_pair(peer)).result(
+                timeout or ctx.timeout_s
+            )
+            both.result(max(0.0, deadline - time.monotonic()))  # the peer reached it too
             return
         except ValueError:
             if time.monotonic() > deadline:

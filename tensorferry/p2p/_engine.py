@@ -305,6 +305,9 @@ class Engine(PairFaults):
         if peer.lost is not None:
             return
         peer.lost = err
+        if peer.reset_waiter is not None:
+            peer.reset_waiter.set_exception(PeerLostError(str(err)))
+            peer.reset_waiter = None
         log.log(logging.INFO if clean else logging.WARNING, "p2p: %s", err)
         # After a clean goodbye, transfers already issued may still complete (the peer's side
         # of them was done when it left); they end on their own, or at their deadline. Its
@@ -339,6 +342,9 @@ class Engine(PairFaults):
             channel.peer_headers[int(frame["q"])] = frame
         elif kind == "f":
             self._on_fault_frame(peer, frame)
+        elif kind == "rs":
+            peer.peer_reset_epoch = epoch
+            self._maybe_reset(peer)
 
     def _on_fault_frame(self, peer: PeerState, frame: dict) -> None:
         cls = _ERRORS.get(frame.get("err", ""), TransportError)
@@ -629,10 +635,11 @@ class Engine(PairFaults):
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
 
     # ------------------------------------------------------------------ commands
-    def reset_pair(self, rank: int) -> None:
+    def reset_pair(self, rank: int) -> Future:
         """Engine-thread command: a clean, symmetric move to the next epoch (fresh transport
         resources), used by the uncached benchmark mode. Both ranks must call it at the same
-        point of their programs, with nothing in flight between them."""
+        point of their programs, with nothing in flight between them. Returns a future that
+        completes once both sides reached it and the pair moved on."""
         peer = self._peer(rank)
         for unit in [u for u in self._issued if rank in u.peers and u.transfer._seen_ready]:
             # Its caller saw it finish (Transfer._settled) before the completion pool did:
@@ -646,7 +653,22 @@ class Engine(PairFaults):
                 f"reset of the pair with rank {rank}: {len(busy)} transfer(s) in "
                 "flight; wait for them first"
             )
+        if peer.lost is not None:
+            raise PeerLostError(str(peer.lost))
+        # Our side is done, but the peer's side of the last transfer may still be running on
+        # its device: its communicator must outlive that. Both sides say so first.
+        waiter: Future = Future()
+        peer.reset_waiter = waiter
+        self._send_frame(peer, {"k": "rs", "e": peer.epoch})
+        self._maybe_reset(peer)
+        return waiter
+
+    def _maybe_reset(self, peer: PeerState) -> None:
+        if peer.reset_waiter is None or peer.peer_reset_epoch != peer.epoch:
+            return
+        waiter, peer.reset_waiter, peer.peer_reset_epoch = peer.reset_waiter, None, None
         self._new_epoch(peer, abort=False, reason="reset")
+        waiter.set_result(None)
 
     def mark_prepared(self, rank: int, transport: str) -> None:
         """Engine-thread command: ``transport`` was prepared for ``rank`` by ``tf.prepare``."""

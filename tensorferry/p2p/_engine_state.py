@@ -81,3 +81,7 @@ class PeerState:
     # that we have not posted yet; ours fail on arrival. {kind: (count, error)}
     debts: dict = field(default_factory=dict)
     channels: dict = field(default_factory=lambda: {"send": ChannelState(), "recv": ChannelState()})
+    # A symmetric reset (Engine.reset_pair): our waiting caller's future, and the epoch in which
+    # the peer said it reached its reset (both needed before the pair's resources go).
+    reset_waiter: Any = None
+    peer_reset_epoch: int | None = None
