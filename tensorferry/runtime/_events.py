@@ -62,11 +62,12 @@ def _checked(record: Any) -> Any:
     event recorded behind a long kernel must be pending, then fire."""
     if record is None:
         return None
-    stream = torch.cuda.current_stream()
+    stream = torch.cuda.Stream()  # a private one: the caller's stream is not synchronised
     event = torch.cuda.Event()
     event.record(stream)
     stream.synchronize()
-    torch.cuda._sleep(20_000_000)  # tens of milliseconds of spinning on the device
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds of spinning on the device
     code = record(event.cuda_event, stream.cuda_stream)
     pending = not event.query()
     stream.synchronize()
