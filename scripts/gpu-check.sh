@@ -36,7 +36,7 @@ for s in $steps; do
     p2p) step p2p 75 python3 -m pytest -q -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
     p2p-socket) step p2p-socket 60 "${SOCKET[@]}" python3 -m pytest -q -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;
-    toy) step toy 120 tensorferry bench toy --device cuda --out "$R" ;;
+    toy) step toy 170 tensorferry bench toy --device cuda --out "$R" ;;
     batch) step batch 45 tensorferry bench batch --device cuda --out "$R" ;;
     batch-nospin) step batch-nospin 45 env TENSORFERRY_SPIN_US=0 tensorferry bench batch \
       --device cuda ;;
