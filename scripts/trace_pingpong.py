@@ -16,24 +16,38 @@ def mark(what):
     EVENTS.append((what, time.perf_counter()))
 
 
+def timed(fn, label):
+    """``fn`` marking its entry (``label>``) and exit (``label<``); methods too (``self`` is
+    just the first argument)."""
+
+    def wrapper(*args, **kwargs):
+        mark(label + ">")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mark(label + "<")
+
+    return wrapper
+
+
 def patch():
-    from tensorferry.p2p import _api, _engine, _transfer
+    import tensorferry.p2p as tfp
+    from tensorferry.p2p import _api, _context, _engine, _nccl, _transfer
 
-    def wrap(cls, name, label):
-        orig = getattr(cls, name)
-
-        def f(self, *a, **k):
-            mark(label + ">")
-            try:
-                return orig(self, *a, **k)
-            finally:
-                mark(label + "<")
-
-        setattr(cls, name, f)
-
-    wrap(_engine.Engine, "_accept", "accept")
-    wrap(_engine.Engine, "_send_header", "hdr_out")
-    wrap(_engine.Engine, "_issue", "issue")
+    stages = [
+        (_engine.Engine, "_accept", "accept"),
+        (_engine.Engine, "_send_header", "hdr_out"),
+        (_engine.Engine, "_issue", "issue"),
+        (_transfer.Transfer, "wait_stream", "wait_stream"),
+        (_context.P2PContext, "issue", "ctx.issue"),
+        (_nccl.NcclTransport, "start", "nccl.start"),
+        *((_nccl, name, name) for name in ("pack", "unpack", "wire_plan")),
+        *((_api, name, name) for name in ("_message", "_submit", "_caller_event")),
+    ]
+    for owner, name, label in stages:
+        setattr(owner, name, timed(getattr(owner, name), label))
+    for name in ("send", "recv"):  # the public names callers use
+        setattr(tfp, name, timed(getattr(_api, name), name))
     orig_frame = _engine.Engine._on_frame
 
     def on_frame(self, link, frame):
@@ -42,54 +56,6 @@ def patch():
         return orig_frame(self, link, frame)
 
     _engine.Engine._on_frame = on_frame
-    wrap(_transfer.Transfer, "wait_stream", "wait_stream")
-    orig_settled = _transfer.Transfer._settled
-
-    def settled(self):
-        r = orig_settled(self)
-        if r:
-            mark("settled")
-        return r
-
-    _transfer.Transfer._settled = settled
-    wrap_fn(_api, "send", "send")
-    wrap_fn(_api, "recv", "recv")
-    from tensorferry.p2p import _context, _nccl
-
-    wrap(_context.P2PContext, "issue", "ctx.issue")
-    wrap(_nccl.NcclTransport, "start", "nccl.start")
-    for name in ("pack", "unpack", "wire_plan"):
-        wrap_module_fn(_nccl, name, name)
-    for name in ("_message", "_submit", "_caller_event"):
-        wrap_module_fn(_api, name, name)
-
-
-def wrap_module_fn(mod, name, label):
-    orig = getattr(mod, name)
-
-    def f(*a, **k):
-        mark(label + ">")
-        try:
-            return orig(*a, **k)
-        finally:
-            mark(label + "<")
-
-    setattr(mod, name, f)
-
-
-def wrap_fn(mod, name, label):
-    import tensorferry.p2p as tfp
-
-    orig = getattr(mod, name)
-
-    def f(*a, **k):
-        mark(label + ">")
-        try:
-            return orig(*a, **k)
-        finally:
-            mark(label + "<")
-
-    setattr(tfp, name, f)
 
 
 def worker(rank, world, cfg):
