@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError
+from tensorferry.runtime._spin import spin_until, spin_window_s
 
 __all__ = [
     "Channel",
@@ -151,7 +151,7 @@ def _spin_window_s() -> float:
     """How long a wait spins before it sleeps (read once per process; see the module doc)."""
     global _spin_s
     if _spin_s is None:
-        _spin_s = max(_SPIN_MIN_S, envs.spin_us() * 1e-6)
+        _spin_s = max(_SPIN_MIN_S, spin_window_s())
     return _spin_s
 
 
@@ -188,18 +188,10 @@ def wait_until(
     """
     if spin_s is None:
         spin_s = _spin_s if _spin_s is not None else _spin_window_s()
+    deadline = time.perf_counter() + timeout
+    if spin_until(ready, min(spin_s, timeout), idle=idle):
+        return time.perf_counter()
     now = time.perf_counter()
-    deadline = now + timeout
-    spin_end = now + min(spin_s, timeout)
-    while True:
-        if ready():
-            return now
-        if idle is not None:
-            idle()
-        now = time.perf_counter()
-        if now >= spin_end:
-            break
-        os.sched_yield()
     pause = min(_SLEEP_MIN_S, max_pause_s)
     while True:
         control.check()

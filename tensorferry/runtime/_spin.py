@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from tensorferry import envs
 
-__all__ = ["reset", "spin_until", "spin_window_s"]
+__all__ = ["spin_until", "spin_window_s"]
 
 _window_s: float | None = None
 
@@ -30,15 +30,15 @@ def spin_window_s() -> float:
     return _window_s
 
 
-def reset() -> None:
-    """Re-reads ``TENSORFERRY_SPIN_US`` at the next wait (``tf.init`` calls this)."""
-    global _window_s
-    _window_s = None
-
-
-def spin_until(ready: Callable[[], bool], window_s: float | None = None) -> bool:
+def spin_until(
+    ready: Callable[[], bool],
+    window_s: float | None = None,
+    *,
+    idle: Callable[[], object] | None = None,
+) -> bool:
     """Polls ``ready()`` for up to ``window_s`` (default: the process's window); returns whether
-    it turned true. A zero window checks once."""
+    it turned true. A zero window checks once. ``idle`` runs between polls (work the waiting
+    thread can do meanwhile)."""
     if ready():
         return True
     window = spin_window_s() if window_s is None else window_s
@@ -46,6 +46,8 @@ def spin_until(ready: Callable[[], bool], window_s: float | None = None) -> bool
         return False
     end = time.perf_counter() + window
     while time.perf_counter() < end:
+        if idle is not None:
+            idle()
         os.sched_yield()
         if ready():
             return True

@@ -1,0 +1,31 @@
+"""Bounded busy-polling (runtime._spin)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tensorferry.runtime._spin import spin_until
+
+
+def test_zero_window_checks_once():
+    calls = []
+    assert not spin_until(lambda: calls.append(1) and False, 0.0)
+    assert len(calls) == 1
+    assert spin_until(lambda: True, 0.0)
+
+
+def test_polls_until_ready_within_the_window_and_runs_idle():
+    flag = threading.Event()
+    threading.Timer(0.01, flag.set).start()
+    idle = []
+    start = time.perf_counter()
+    assert spin_until(flag.is_set, 2.0, idle=lambda: idle.append(1))
+    assert time.perf_counter() - start < 1.0
+    assert idle, "idle work runs between polls"
+
+
+def test_gives_up_after_the_window():
+    start = time.perf_counter()
+    assert not spin_until(lambda: False, 0.02)
+    assert 0.02 <= time.perf_counter() - start < 1.0
