@@ -598,19 +598,13 @@ class Engine(PairFaults):
         # On the thread that waited and saw the work finish (Transfer._settled): complete the
         # transfer there, so no other thread has to wake up (and take the GIL) for it later.
         if self.ctx.completions.discard(future):
-            unit.state = "done"
-            if not unit.transfer._finish_if_no_callbacks():
-                self._finish(unit, None)  # user callbacks: on a completion-pool worker
+            self._succeed(unit)
 
     def _on_completed(self, unit: Unit, future: Future) -> None:
         # On the completion pool's poller thread: quick, and no user code here.
         exc = future.exception() if not future.cancelled() else TransportError("cancelled")
         if exc is None:
-            # No engine hop (a wake-up per transfer): the engine drops done units from its
-            # issued set itself (_progress).
-            unit.state = "done"
-            if not unit.transfer._finish_if_no_callbacks():
-                self._finish(unit, None)  # user callbacks: on a completion-pool worker
+            self._succeed(unit)
             return
         if isinstance(exc, TransferTimeoutError):
             exc = TransferTimeoutError(
@@ -619,6 +613,13 @@ class Engine(PairFaults):
         elif not isinstance(exc, TensorFerryError):
             exc = TransportError(f"{unit.transfer.description}: {exc}")
         self.call(lambda: self._fail_unit(unit, exc, cascade=True, skip_peer=None))
+
+    def _succeed(self, unit: Unit) -> None:
+        # Any thread, no engine hop (a wake-up per transfer): the engine drops done units from
+        # its issued set itself (_progress).
+        unit.state = "done"
+        if not unit.transfer._finish_if_no_callbacks():
+            self._finish(unit, None)  # user callbacks: on a completion-pool worker
 
     def _retire(self, channel: ChannelState, seq: int) -> None:
         channel.retired.add(seq)
@@ -641,12 +642,8 @@ class Engine(PairFaults):
         point of their programs, with nothing in flight between them. Returns a future that
         completes once both sides reached it and the pair moved on."""
         peer = self._peer(rank)
-        for unit in [u for u in self._issued if rank in u.peers and u.transfer._seen_ready]:
-            # Its caller saw it finish (Transfer._settled) before the completion pool did:
-            # finish it here, so the reset neither waits for it nor fails it.
-            unit.state = "done"
-            self._issued.discard(unit)
-            self._finish(unit, None)
+        # A transfer its caller saw finish is done already (Transfer._settled completes it),
+        # or is being completed by the pool this instant: the caller retries on ValueError.
         busy = [u for u in self._all_units() if rank in u.peers]
         if busy:
             raise ValueError(
