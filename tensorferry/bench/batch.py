@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--large-mib",
         type=int,
         default=None,
-        help="size of the bandwidth message in MiB (default 256 GPU, 16 CPU; 0 skips)",
+        help="size of the bandwidth messages in MiB (default 1024 GPU, 16 CPU; 0 skips)",
     )
     parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")
 
@@ -273,8 +273,11 @@ def _send_host_time(rank: int, peer: int, device: Any) -> float:
 
 
 def _bandwidth(rank: int, peer: int, device: Any, nbytes: int) -> dict:
-    """One-way GB/s of a large message, rank 0 → 1: tf (static channel: no header after the
-    first) vs torch.distributed send/recv; best of 5 after a warm-up, this rank's view."""
+    """One-way GB/s of large messages, rank 0 → 1, tf (static channel: no header after the first)
+    vs torch.distributed, timed on the host from a barrier to a device sync, best of 5 after a
+    warm-up, this rank's view. Two ways each: one message alone (latency counts in full) and
+    ``_STREAM`` messages back to back (what a stream of large transfers sees; torch issues its
+    ``isend``/``irecv`` calls all at once, tf its ``send``/``recv`` calls)."""
     import torch
     import torch.distributed as dist
 
@@ -282,25 +285,45 @@ def _bandwidth(rank: int, peer: int, device: Any, nbytes: int) -> dict:
 
     buf = torch.ones(nbytes // 4, device=device)
     auto = tf._context.current().choose("auto", peer, [buf])
-    out = {}
-    for name in ("tf nccl" if device.type == "cuda" else "tf gloo", f"tf auto ({auto})", "torch"):
-        best = float("inf")
-        for rep in range(6):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            if name.startswith("tf"):
-                transport = "auto" if "auto" in name else name.split()[1]
-                call = tf.send if rank == 0 else tf.recv
-                handle = call(buf, peer, transport=transport, static=True)
-                if device.type == "cuda":
-                    handle.wait_stream()
-                else:
-                    handle.wait()
+    tf_names = ("tf nccl" if device.type == "cuda" else "tf gloo", f"tf auto ({auto})")
+
+    def tf_messages(name: str, count: int) -> None:
+        transport = "auto" if "auto" in name else name.split()[1]
+        call = tf.send if rank == 0 else tf.recv
+        handles = [call(buf, peer, transport=transport, static=True) for _ in range(count)]
+        for handle in handles:
+            if device.type == "cuda":
+                handle.wait_stream()
             else:
-                (dist.send if rank == 0 else dist.recv)(buf, peer)
-            _sync(device)
-            if rep:  # the first is a warm-up
-                best = min(best, time.perf_counter() - t0)
-        out[name] = nbytes / best / 1e9
+                handle.wait()
+
+    def torch_messages(count: int) -> None:
+        if count == 1:
+            (dist.send if rank == 0 else dist.recv)(buf, peer)
+            return
+        works = [(dist.isend if rank == 0 else dist.irecv)(buf, peer) for _ in range(count)]
+        for work in works:
+            work.wait()
+
+    out = {}
+    for count in (1, _STREAM):
+        for name in (*tf_names, "torch"):
+            best = float("inf")
+            for rep in range(6):
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                if name == "torch":
+                    torch_messages(count)
+                else:
+                    tf_messages(name, count)
+                _sync(device)
+                if rep:  # the first is a warm-up
+                    best = min(best, time.perf_counter() - t0)
+            label = name if count == 1 else f"{name} ({count} back to back)"
+            out[label] = count * nbytes / best / 1e9
     return out
+
+
+# Messages in a row for the streaming bandwidth.
+_STREAM = 8

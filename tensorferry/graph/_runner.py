@@ -284,7 +284,9 @@ class ScheduleRunner:
                 assert op.edge_id is not None
                 edge = self.graph.edge(op.edge_id)
                 if gpu is not None:
+                    start = time.perf_counter()
                     inbox[op.edge_id] = gpu.read(execution, op, edge)
+                    self.record(execution, op, "host", start)
                 elif comm is not None:
                     inbox[op.edge_id] = comm.take(execution, op.edge_id)
                 else:
@@ -300,7 +302,9 @@ class ScheduleRunner:
                 assert edge.src_task is not None
                 value = values[edge.src_task]
                 if gpu is not None:
+                    start = time.perf_counter()
                     gpu.write(execution, op, edge, value)
+                    self.record(execution, op, "host", start)
                 elif comm is not None:
                     comm.send(execution, op, value)
                 else:
@@ -353,7 +357,11 @@ class ScheduleRunner:
             if isinstance(value, RemoteError):
                 return value  # an upstream task failed: skip, pass its error on
         if self.gpu is not None:
-            return self.gpu.compute(execution, op, task, self._methods[task.task_id], args, kwargs)
+            start = time.perf_counter()
+            method = self._methods[task.task_id]
+            result = self.gpu.compute(execution, op, task, method, args, kwargs)
+            self.record(execution, op, "host", start)  # the host's part; the device's has a lane
+            return result
         start = time.perf_counter()
         try:
             result = self._methods[task.task_id](*args, **kwargs)

@@ -25,7 +25,7 @@ TRANSPORT_COLORS = {
 }
 KIND_COLORS = {OpKind.READ: "#dbe9f6", OpKind.COMPUTE: "#e8e8e8", OpKind.WRITE: "#fde4c8"}
 MOVED_COLOR = "#d62728"
-_LANE_ORDER = {"main": 0, "compute": 0, "recv": 1, "send": 2}
+_LANE_ORDER = {"main": 0, "host": 0, "compute": 1, "recv": 2, "send": 3}
 
 
 def _figure(width: float, height: float) -> Any:
@@ -243,7 +243,9 @@ def write_timeline(records: list, path: str | Path, *, last: int | None = None) 
     kind_colors = {"READ": "#4c72b0", "COMPUTE": "#8c8c8c", "WRITE": "#dd8452"}
     summary = []
     for actor in actors:
-        mine = [r for r in records if r[0] == actor]
+        # A GPU actor's "host" lane is its thread issuing the device work drawn on the other
+        # lanes: overlap is judged on the device lanes only.
+        mine = [r for r in records if r[0] == actor and r[5] != "host"]
         compute = _busy_union([(r[6], r[7]) for r in mine if r[3] == "COMPUTE"])
         comm = _busy_union([(r[6], r[7]) for r in mine if r[3] != "COMPUTE"])
         hidden = _intersections(compute, comm)
