@@ -374,7 +374,7 @@ class Engine(PairFaults):
         self._units.append(unit)
         for message in unit.messages:
             self._number(self._peer(message.op.peer), message)
-            self._ensure_prepared(self._peer(message.op.peer), message.transport)
+            self._ensure_prepared(self._peer(message.op.peer), message.transport, message.op.kind)
 
     def _pay_debts(self, unit: Unit) -> BaseException | None:
         """The error of a debt ``unit`` pays off (see ``PeerState.debts``), else ``None``."""
@@ -406,9 +406,13 @@ class Engine(PairFaults):
         channel.waiting.append(message)
         if message.static:
             channel.static_candidates += 1
-        # No agreement now, and none can come from an earlier message: a header is certain,
-        # so send it at once (pipelines header round trips of back-to-back calls).
-        if channel.static_desc is None and channel.static_candidates == int(message.static):
+        # No agreement now, and none can come from an earlier message (or none ever skips this
+        # transport's headers): a header is certain, so send it at once. This pipelines the
+        # header round trips of back-to-back calls instead of paying one per message.
+        certain = channel.static_candidates == int(message.static) or (
+            not self.ctx.transport(message.transport).static_skips_headers
+        )
+        if channel.static_desc is None and certain:
             message.header = True
             self._send_header(peer, message)
         self._ensure_link(peer)
@@ -426,32 +430,34 @@ class Engine(PairFaults):
         }
         self._send_frame(peer, frame)
 
-    def _ensure_prepared(self, peer: PeerState, transport: str) -> None:
-        if peer.prepared.get(transport) is not None:
+    def _ensure_prepared(self, peer: PeerState, transport: str, kind: str) -> None:
+        key = (transport, kind)
+        if peer.prepared.get(key) is not None:
             return
-        peer.prepared[transport] = "running"
+        peer.prepared[key] = "running"
         epoch, rank = peer.epoch, peer.rank
 
         def prepare() -> None:
-            log.debug("p2p: preparing %s with rank %d (epoch %d)", transport, rank, epoch)
+            log.debug("p2p: preparing %s %s rank %d (epoch %d)", transport, kind, rank, epoch)
             try:
-                self.ctx.transport(transport).prepare([rank])
+                self.ctx.transport(transport).prepare_direction(rank, kind)
                 error = None
             except BaseException as exc:
                 error = exc
             log.debug("p2p: prepared %s with rank %d: %s", transport, rank, error or "ok")
-            self.call(lambda: self._on_prepared(rank, transport, epoch, error))
+            self.call(lambda: self._on_prepared(rank, key, epoch, error))
 
         self._helpers.submit(prepare)
 
-    def _on_prepared(self, rank: int, transport: str, epoch: int, error: Any) -> None:
+    def _on_prepared(self, rank: int, key: tuple[str, str], epoch: int, error: Any) -> None:
         peer = self._peer(rank)
         if epoch != peer.epoch:
             return  # a fault reset the pair meanwhile; the new epoch prepares again
         if error is None:
-            peer.prepared[transport] = "done"
+            peer.prepared[key] = "done"
             return
-        peer.prepared.pop(transport, None)
+        peer.prepared.pop(key, None)
+        transport = key[0]
         if not isinstance(error, TensorFerryError):
             error = TransportError(
                 f"{transport}: preparing the pair with rank {rank} failed: {error}"
@@ -556,7 +562,8 @@ class Engine(PairFaults):
         first_seq: dict[tuple[int, str], int] = {}
         for message in unit.messages:
             peer = self._peers[message.op.peer]
-            if not message.resolved or peer.prepared.get(message.transport) != "done":
+            prepared = peer.prepared.get((message.transport, message.op.kind))
+            if not message.resolved or prepared != "done":
                 return False
             key = (message.op.peer, message.op.kind)
             first_seq[key] = min(first_seq.get(key, message.seq), message.seq)
@@ -668,8 +675,10 @@ class Engine(PairFaults):
         waiter.set_result(None)
 
     def mark_prepared(self, rank: int, transport: str) -> None:
-        """Engine-thread command: ``transport`` was prepared for ``rank`` by ``tf.prepare``."""
-        self._peer(rank).prepared[transport] = "done"
+        """Engine-thread command: ``transport`` was prepared for ``rank`` by ``tf.prepare``
+        (both directions)."""
+        for kind in ("send", "recv"):
+            self._peer(rank).prepared[(transport, kind)] = "done"
 
     def _shutdown(self) -> None:
         self._stopping = True

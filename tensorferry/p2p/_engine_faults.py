@@ -133,7 +133,7 @@ class PairFaults:
             self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
         for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
             self._number(peer, message)
-            self._ensure_prepared(peer, message.transport)
+            self._ensure_prepared(peer, message.transport, message.op.kind)
 
     @staticmethod
     def _agreed_count(channel: ChannelState) -> int:
@@ -153,7 +153,7 @@ class PairFaults:
                 self._on_frame(peer.link, frame)
 
     def _evict_transports(self, peer: PeerState, *, abort: bool, reason: str) -> None:
-        names = list(peer.prepared)
+        names = list(dict.fromkeys(name for name, _kind in peer.prepared))
         peer.prepared = {}
         for name in names:
             try:

@@ -75,7 +75,7 @@ class PeerState:
     outbox: list = field(default_factory=list)
     lost: BaseException | None = None
     said_bye: bool = False
-    prepared: dict = field(default_factory=dict)  # transport -> "running" | "done"
+    prepared: dict = field(default_factory=dict)  # (transport, kind) -> "running" | "done"
     future_frames: list = field(default_factory=list)
     # Per channel: messages of a static channel the peer numbered (and failed) before a fault
     # that we have not posted yet; ours fail on arrival. {kind: (count, error)}

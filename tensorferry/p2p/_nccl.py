@@ -1,20 +1,30 @@
-"""The NCCL transport: CUDA tensors, one ``ProcessGroupNCCL`` per pair of ranks.
+"""The NCCL transport: CUDA tensors, one ``ProcessGroupNCCL`` per direction of a pair of ranks.
 
-Each pair's group is constructed directly on a per-pair ``PrefixStore`` of the world store, as
-rank 0/1 of a 2-rank group, so only the two ranks take part (``torch.distributed.new_group``
-would be collective over the whole world). It is cached in the runtime's communicator cache
-under ``("nccl", lo, hi)``, shared by both directions, and made once per pair (per epoch).
+Why one per direction: a communicator runs its operations one after another on one stream, in
+the order each rank issued them. Messages of the two directions are independent FIFOs here (a
+rank may send then receive while its peer does the same, or post eight receives before its first
+send), so the two ranks issue them in different orders; on a shared communicator a receive
+queued ahead of a send on one rank, and the reverse on the other, wait for each other forever
+once messages are too large for NCCL's buffers. With one communicator per direction each keeps
+exactly its direction's FIFO order, which both ranks share.
 
-``prepare`` creates the group and runs one tiny send/recv exchange in each direction, because
-ProcessGroupNCCL creates its point-to-point communicator lazily at the first send/recv: after
-``prepare`` the first real transfer pays nothing for set-up.
+Each group is constructed directly on a per-pair ``PrefixStore`` of the world store, as rank 0
+(the sending side) or 1 of a 2-rank group, so only the two ranks take part
+(``torch.distributed.new_group`` would be collective over the whole world). It is cached in the
+runtime's communicator cache under ``("nccl", src, dst)`` and made once per direction (per
+epoch), lazily by the first message that way (``prepare_direction``), or for both directions by
+``prepare``.
 
-``start`` issues every message of a call to one peer as ONE coalesced group
+Making one creates the group and runs one tiny send/recv, because ProcessGroupNCCL creates its
+point-to-point communicator lazily at the first send/recv: afterwards the first real transfer
+pays nothing for set-up.
+
+``start`` issues every message of a call in one direction with one peer as ONE coalesced group
 (``_start_coalescing``/``_end_coalescing``, what ``batch_isend_irecv`` does): NCCL launches
 the whole group as one kernel. Tensors travel as byte views, so every dtype works. Tensors under
 :data:`PACK_BELOW` of a message with several of them are packed (one ``cat`` on the sender, one
-``_foreach_copy_`` on the receiver, both on the transfer's stream). A call with several peers
-issues one group per peer (communicators are per pair).
+``_foreach_copy_`` on the receiver, both on the transfer's stream). A call with several peers,
+or both directions, issues one group per direction and peer.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ _WATCHDOG_MARGIN_S = 120.0
 
 
 class _NcclPair:
+    """The group of one direction of a pair."""
+
     def __init__(self, pg: Any, other: int, epoch: int) -> None:
         self.pg = pg
         self.other = other  # the peer's rank within the pair
@@ -93,41 +105,50 @@ class NcclTransport(Transport):
             return f"nccl moves CUDA tensors, got a tensor on {device} (use transport='gloo')"
         return None
 
-    def _key(self, peer: int) -> tuple[str, int, int]:
-        return ("nccl", *self.ctx.pair(peer))
+    def _key(self, src: int, dst: int) -> tuple[str, int, int]:
+        return ("nccl", src, dst)
+
+    def _ends(self, peer: int, kind: str) -> tuple[int, int]:
+        """``(src, dst)`` of the direction that carries messages of ``kind`` with ``peer``."""
+        return (self.ctx.rank, peer) if kind == "send" else (peer, self.ctx.rank)
 
     def prepare(self, peers: Sequence[int]) -> None:
+        # Both ranks make the pair's two directions in one order: lower rank → higher first.
         for peer in sorted(peers):
-            self._pair(peer)
+            low, high = self.ctx.pair(peer)
+            for src, dst in ((low, high), (high, low)):
+                self._pair(src, dst)
 
-    def _pair(self, peer: int) -> _NcclPair:
-        key = self._key(peer)
+    def prepare_direction(self, peer: int, kind: str) -> None:
+        self._pair(*self._ends(peer, kind))
+
+    def _pair(self, src: int, dst: int) -> _NcclPair:
+        key = self._key(src, dst)
+        peer = dst if src == self.ctx.rank else src
         epoch = self.ctx.epoch_of(peer)
         cache = communicator_cache()
         existing = cache.get(key)
         if existing is not None and existing.epoch != epoch:
             cache.evict(key, abort=True, reason="stale epoch")
-        return cache.get_or_create(key, lambda: self._create(peer, epoch))
+        return cache.get_or_create(key, lambda: self._create(src, dst, epoch))
 
-    def _create(self, peer: int, epoch: int) -> _NcclPair:
+    def _create(self, src: int, dst: int, epoch: int) -> _NcclPair:
         import torch.distributed as dist
 
         device = self.ctx.device
+        sending = src == self.ctx.rank
+        peer = dst if sending else src
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.ctx.timeout + datetime.timedelta(seconds=_WATCHDOG_MARGIN_S)
-        store = self.ctx.pair_store(peer, "nccl")
-        me = self.ctx.rank_in_pair(peer)
+        store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}")
+        me = 0 if sending else 1
         pg = dist.ProcessGroupNCCL(store, me, 2, options)
         pair = _NcclPair(pg, 1 - me, epoch)
-        # Warm-up exchange: creates the p2p communicator now (on this helper thread).
+        # Warm-up message: creates the p2p communicator now (on this helper thread).
         with torch.cuda.device(device):
             stream = torch.cuda.current_stream(device)
-            out = torch.ones(1, dtype=torch.uint8, device=device)
-            into = torch.zeros(1, dtype=torch.uint8, device=device)
-            pg._start_coalescing()
-            pg.send([out], pair.other, _TAG)
-            pg.recv([into], pair.other, _TAG)
-            work = pg._end_coalescing()
+            probe = torch.ones(1, dtype=torch.uint8, device=device)
+            work = (pg.send if sending else pg.recv)([probe], pair.other, _TAG)
             work.wait()
             done = torch.cuda.Event()
             done.record(stream)
@@ -140,16 +161,16 @@ class NcclTransport(Transport):
         return pair
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
-        by_peer: dict[int, list[P2POp]] = {}
+        by_direction: dict[tuple[int, int], list[P2POp]] = {}
         for op in ops:
-            by_peer.setdefault(op.peer, []).append(op)
+            by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
         device = self.ctx.device
         works, pairs, keep, to_unpack = [], [], [], []
         cache = communicator_cache()
-        for peer, peer_ops in by_peer.items():
-            pair = cache.get(self._key(peer))
+        for (src, dst), peer_ops in by_direction.items():
+            pair = cache.get(self._key(src, dst))
             if pair is None:
-                raise TransportError(f"nccl: the pair with rank {peer} is not prepared")
+                raise TransportError(f"nccl: the direction rank {src} → {dst} is not prepared")
             wire: list[tuple[str, torch.Tensor]] = []
             for op in peer_ops:
                 packed_idx, alone_idx = wire_plan(op.tensors, pack_below=PACK_BELOW)
@@ -185,7 +206,9 @@ class NcclTransport(Transport):
         return _NcclPending(works, pairs, keep)
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
-        communicator_cache().evict(self._key(peer), abort=abort, reason=reason)
+        cache = communicator_cache()
+        for kind in ("send", "recv"):
+            cache.evict(self._key(*self._ends(peer, kind)), abort=abort, reason=reason)
 
     def close(self) -> None:
         cache = communicator_cache()

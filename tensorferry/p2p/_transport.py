@@ -16,7 +16,8 @@ Vocabulary
   transport carries the message), so a transport may rely on sizes matching exactly.
 - *pair*: two ranks; a transport keeps its per-pair resources (a communicator, staging buffers)
   in :func:`tensorferry.runtime.communicator_cache` under a key such as ``(name, lo, hi)``,
-  shared by both directions.
+  shared by both directions — or one per direction, where a shared one would order the two
+  directions' messages against each other (NCCL: see :mod:`._nccl`).
 - *epoch*: the layer's count of faults on a pair. After a fault both sides move to the next epoch
   and each transport is told to :meth:`~Transport.evict` the pair; resources made afterwards must
   rendezvous under the new epoch — use :meth:`TransportContext.pair_store`, which already
@@ -33,9 +34,10 @@ layer, on its single issuing thread:
    and a disagreement is a :class:`~tensorferry.MismatchError` (``field="transport"``);
 2. calls :meth:`Transport.unsupported_reason` at call time (on the caller's thread, before
    anything moves) — a non-``None`` reason becomes a ``ValueError`` for the caller;
-3. once per pair and epoch, calls :meth:`Transport.prepare` with that peer on a helper thread
-   (never on the issuing thread), because preparing is a rendezvous with the peer and blocks
-   until the peer prepares too. ``tf.prepare(peers)`` calls it eagerly;
+3. once per direction, pair and epoch, calls :meth:`Transport.prepare_direction` with that peer
+   on a helper thread (never on the issuing thread), because preparing is a rendezvous with the
+   peer and blocks until the peer prepares too. ``tf.prepare(peers)`` calls
+   :meth:`Transport.prepare` eagerly (both directions);
 4. after headers agree and ``prepare`` returned, calls :meth:`Transport.start` once per transport
    with every message of the unit that transport carries (possibly to several peers), inside
    ``torch.cuda.stream(stream)`` for CUDA;
@@ -247,6 +249,14 @@ class Transport(abc.ABC):
             PeerLostError / TransferTimeoutError: the peer did not show up.
             TransportError: resources could not be made.
         """
+
+    def prepare_direction(self, peer: int, kind: str) -> None:
+        """Makes what messages of ``kind`` (``"send"``: to ``peer``, ``"recv"``: from it) need;
+        the layer calls this, lazily, once per direction, pair and epoch. The peer makes the
+        other end when it first moves a message the other way round (its ``"recv"`` for our
+        ``"send"``). Default: :meth:`prepare` of the whole pair (idempotent); transports with
+        separate resources per direction override it."""
+        self.prepare([peer])
 
     @abc.abstractmethod
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:

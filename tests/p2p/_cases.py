@@ -338,6 +338,24 @@ def wait_timeout_then_complete(rank: int, world: int) -> str:
     return "ok"
 
 
+def cross_traffic(rank: int, world: int, numel: int, messages: int) -> str:
+    """Rank 0 and 1 each send ``messages`` large messages as separate calls and only then post
+    their receives (as an exchange written naively, or a pipeline's forward and backward):
+    the two directions must not wait for each other."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    sent = [payload(rank, peer, 70 + i, (numel,), torch.float32) for i in range(messages)]
+    handles = [tf.send(t, peer) for t in sent]
+    into = [poisoned((numel,), torch.float32) for _ in range(messages)]
+    arrived = [tf.recv(t, peer) for t in into]
+    for handle in arrived + handles:
+        handle.wait(T)
+    for i, got in enumerate(into):
+        assert same_bytes(got, payload(peer, rank, 70 + i, (numel,), torch.float32)), i
+    return "ok"
+
+
 def prepare_eagerly(rank: int, world: int) -> dict:
     from tensorferry.runtime import communicator_cache
 

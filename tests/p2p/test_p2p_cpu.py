@@ -144,6 +144,10 @@ def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
 
+def test_both_directions_in_any_order(pool):
+    assert pool.run("cross_traffic", 1 << 20, 3) == ["ok", "ok", "idle"]
+
+
 def test_prepare_makes_communicators_once(pool):
     results = pool.run("prepare_eagerly")
     assert results[0]["keys"] == [("gloo", 0, 1), ("gloo", 0, 2)] or results[0]["keys"] == [

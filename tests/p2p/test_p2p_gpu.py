@@ -46,6 +46,11 @@ def test_sendrecv_rounds(pool):
     assert pool.run("ring_sendrecv", 4) == ["ok", "ok"]
 
 
+def test_both_directions_in_any_order(pool):
+    # 64 MiB messages: far beyond NCCL's buffers, so no send can finish before its receive.
+    assert pool.run("cross_traffic", 16 << 20, 3) == ["ok", "ok"]
+
+
 def test_mixed_batch(pool):
     assert pool.run("mixed_batch", 20) == [4, 4]
 
@@ -87,6 +92,8 @@ def test_timeout_then_pair_works(pool):
 def test_prepare(pool):
     results = pool.run("prepare_eagerly")
     assert all(r["created_after"] == 0 for r in results)
+    # One communicator per direction (see tensorferry.p2p._nccl).
+    assert [list(k) for k in results[0]["keys"]] == [["nccl", 0, 1], ["nccl", 1, 0]]
 
 
 def test_stream_ordering(pool):
@@ -107,5 +114,6 @@ def test_peer_killed_mid_transfer(pool):  # last: it kills rank 1
     assert status == "ok", result
     assert result["seconds"] < 8.0
     assert ["nccl", 0, 1] not in result["cache_keys"]
+    assert ["nccl", 1, 0] not in result["cache_keys"]
     pool.broken = "rank 1 was killed on purpose"
     os.environ.pop("TF_TEST_DUMP_AFTER", None)
