@@ -26,7 +26,11 @@ every wait promptly. Every wait has a deadline. Waking from a sleep costs far mo
 machine adds its own wake-up latency), and in a graph run back to back each process waits about
 one execution's time; so on hosts with cores to spare the spin lasts ``TENSORFERRY_SPIN_US``
 (default 1 ms on hosts with at least 8 CPUs), never less than 200 µs. On smaller hosts a longer
-spin takes the core from the process being waited for.
+spin takes the core from the process being waited for. After the spin the sleeps stay short
+(20 µs asked) for the first 50 ms of a wait, so an execution of a few milliseconds is not
+noticed a whole back-off sleep late, and only then grow to 1 ms. Actor processes ask the kernel
+for a 1 µs timer slack (:func:`tensorferry.runtime._spin.precise_sleeps`), so their short
+sleeps are short.
 """
 
 from __future__ import annotations
@@ -73,6 +77,10 @@ _MAX_NDIM = (_META - 24) // 8
 _SPIN_MIN_S = 200e-6
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
+# After the spin, a wait keeps its sleeps at the minimum for this long before backing off: a
+# graph whose executions take milliseconds (each process idles most of one execution) would
+# otherwise learn of its next input up to a whole back-off sleep late.
+_SHORT_SLEEPS_S = 50e-3
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -193,12 +201,14 @@ def wait_until(
         return time.perf_counter()
     now = time.perf_counter()
     pause = min(_SLEEP_MIN_S, max_pause_s)
+    back_off_at = now + _SHORT_SLEEPS_S
     while True:
         control.check()
         if now > deadline:
             raise TransferTimeoutError(f"{what} waited more than {timeout:.3g} s")
         time.sleep(pause)
-        pause = min(pause * 2, max_pause_s)
+        if now > back_off_at:
+            pause = min(pause * 2, max_pause_s)
         if idle is not None:
             idle()
         if ready():

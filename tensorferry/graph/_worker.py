@@ -48,6 +48,9 @@ def actor_main(
     name: str,
 ) -> None:
     """Entry point of the actor process (see module doc)."""
+    from tensorferry.runtime._spin import precise_sleeps
+
+    precise_sleeps()  # this process's waits sleep in short steps (see graph._channel)
     try:
         _pin(device)
         instance = resolve_class(class_ref)(*args, **kwargs)

@@ -312,11 +312,11 @@ class Engine(PairFaults):
         # After a clean goodbye, transfers already issued may still complete (the peer's side
         # of them was done when it left); they end on their own, or at their deadline. Its
         # communicators are closed at our shutdown. After a crash everything with it fails now.
+        if not clean:  # first, so that callers who see the error find the caches clean
+            self._evict_transports(peer, abort=True, reason=str(err))
         doomed = self._units if clean else self._all_units()
         for unit in [u for u in doomed if peer.rank in u.peers]:
             self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
-        if not clean:
-            self._evict_transports(peer, abort=True, reason=str(err))
 
     # ------------------------------------------------------------------ frames
     def _on_frame(self, link: _link.Link, frame: dict) -> None:

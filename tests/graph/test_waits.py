@@ -78,6 +78,30 @@ def test_wait_until_times_out_and_ends_on_stop(rings):
     assert time.perf_counter() - start < 1.0
 
 
+def test_wait_until_keeps_sleeps_short_for_50_ms_then_backs_off(rings, monkeypatch):
+    from tensorferry.graph import _channel
+
+    control, _ = rings
+    clock = {"now": 100.0}
+    sleeps = []
+
+    def sleep(seconds: float) -> None:  # a virtual clock: each sleep advances it exactly
+        sleeps.append(seconds)
+        clock["now"] += seconds
+
+    fake_time = SimpleNamespace(perf_counter=lambda: clock["now"], sleep=sleep)
+    monkeypatch.setattr(_channel, "time", fake_time)
+    polls = iter(range(100_000))
+    wait_until(lambda: next(polls) == 3000, control=control, timeout=60.0, what="t", spin_s=0.0)
+    elapsed = 0.0
+    for pause in sleeps:
+        if elapsed <= _channel._SHORT_SLEEPS_S:
+            assert pause == _channel._SLEEP_MIN_S, elapsed
+        elapsed += pause
+    assert sleeps[-1] == _channel._SLEEP_MAX_S  # backed off afterwards
+    assert max(sleeps) == _channel._SLEEP_MAX_S
+
+
 def test_channel_read_waits_past_the_spin(rings):
     _, [(writer, reader), _] = rings
     _later(0.02, lambda: writer.write(torch.arange(3), timeout=1.0))
