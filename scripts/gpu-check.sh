@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-socket toy batch batch-nospin ce-overlap trace trace-graph
+#   runtime lifecycle p2p p2p-socket toy batch batch-nospin ce-overlap ce-probe trace trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
@@ -51,6 +51,7 @@ for s in $steps; do
     ce-overlap) step ce-overlap 120 tensorferry bench sendrecv --sizes 1G --transports nccl,ce \
       --modes one_way --overlap --max-seconds-per-point 0.3 --out "$R/overlap-ce" ;;
     trace) step trace 60 python3 scripts/trace_pingpong.py ;;
+    ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;
