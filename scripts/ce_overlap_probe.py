@@ -24,8 +24,11 @@ def main() -> None:
     def copies(kind: str) -> None:
         if kind == "none":
             return
-        stream = side0 if kind == "push" else side1
-        with torch.cuda.stream(stream):
+        # torch orders a cross-device copy with the current streams of both devices (and makes
+        # the destination's wait for it): make both current streams side streams. The copy
+        # itself runs on the source device's stream for a push and the destination's for a pull.
+        first, second = (side1, side0) if kind == "push" else (side0, side1)
+        with torch.cuda.stream(first), torch.cuda.stream(second):
             for _ in range(4):
                 if kind == "local":
                     dst1.copy_(src1)
