@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-socket toy batch batch-nospin ce-overlap ce-probe trace trace-graph
+#   runtime lifecycle p2p p2p-socket toy batch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
@@ -52,6 +52,8 @@ for s in $steps; do
       --modes one_way --overlap --max-seconds-per-point 0.3 --out "$R/overlap-ce" ;;
     trace) step trace 60 python3 scripts/trace_pingpong.py ;;
     ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;
+    ce-tests) step ce-tests 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+      tests/nvlink/_worker.py ce ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;
