@@ -465,6 +465,28 @@ def send_host_time(rank: int, world: int, calls: int) -> float:
     return statistics.median(samples[calls // 10 :]) * 1e6 if samples else 0.0
 
 
+def send_is_asynchronous(rank: int, world: int) -> dict:
+    """Rank 0 sends a tensor that a long chain of matmuls on its current stream still has to
+    write: ``tf.send`` must return at once (not when the transfer, queued behind them, is done)."""
+    if rank > 1:
+        return {}
+    x = torch.zeros(1 << 20, device=D())
+    if rank == 1:
+        tf.recv(x, 0).wait(T)
+        assert torch.all(x == 3.0)
+        return {}
+    big = torch.randn(4096, 4096, device=D())
+    for _ in range(30):  # tens of milliseconds of work ahead of the transfer
+        big = big @ big / 4096**0.5
+    x.add_(3.0)
+    t0 = time.perf_counter()
+    handle = tf.send(x, 1)
+    call_s = time.perf_counter() - t0
+    pending = not handle.done()
+    handle.wait(T)
+    return {"call_s": call_s, "total_s": time.perf_counter() - t0, "pending": pending}
+
+
 def stream_ordering(rank: int, world: int) -> str:
     """The sender's tensor is written by a slow kernel on the caller's stream right before
     tf.send (the transfer must wait for it); the receiver consumes on another stream after
