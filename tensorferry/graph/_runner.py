@@ -286,7 +286,9 @@ class ScheduleRunner:
                 if gpu is not None:
                     start = time.perf_counter()
                     inbox[op.edge_id] = gpu.read(execution, op, edge)
-                    self.record(execution, op, "host", start)
+                    # From when its data (or metadata) arrived: the wait is not drawn.
+                    arrived = getattr(self.readers[op.edge_id], "ready_at", start)
+                    self.record(execution, op, "host", max(start, arrived))
                 elif comm is not None:
                     inbox[op.edge_id] = comm.take(execution, op.edge_id)
                 else:
