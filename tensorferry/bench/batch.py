@@ -5,7 +5,8 @@ Rank 0 sends ``--count`` tensors of ``--bytes`` each to rank 1 and rank 1 sends 
 way). Variants:
 
 - ``tf send(list)``: one ``tf.send`` of the whole list (one message: small tensors packed into
-  one buffer, one group call), ``static=True`` (headers skipped after the first);
+  one buffer, one group call), ``static=True`` (over gloo headers are skipped after the first;
+  NCCL keeps every header);
 - ``tf batch``: one ``tf.batch()`` with one ``b.send`` per tensor (one group call of
   ``count`` messages), ``static=True``;
 - ``tf separate``: ``count`` separate ``tf.send``/``tf.recv`` calls, ``static=True``;
@@ -15,7 +16,8 @@ way). Variants:
 
 Completion: tf variants wait with ``wait_stream()`` + a stream sync on GPU (device completion,
 like ``work.wait()`` + sync for torch); on CPU ``wait()`` for both. Also measured: the host time
-of one ``tf.send`` call (median), and one-way bandwidth of a large message, tf vs torch.
+of one ``tf.send`` call (median), and one-way bandwidth of large messages, tf vs torch: one
+message alone, and eight back to back.
 Fairness: torch.distributed runs on its own default process group (same backend), created
 before tf's pair communicators; both warm up before timing.
 """
