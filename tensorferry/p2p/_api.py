@@ -23,6 +23,7 @@ from tensorferry.p2p._engine import Message, Unit
 from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer, describe
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
+from tensorferry.runtime._events import record_on_current_stream
 
 __all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_gather"]
 
@@ -59,9 +60,7 @@ def _message(
 
 def _caller_event(messages: Sequence[Message]) -> Any:
     if any(m.op.tensors[0].is_cuda for m in messages):
-        event = torch.cuda.Event()
-        event.record()  # on the caller's current stream
-        return event
+        return record_on_current_stream()
     return None
 
 

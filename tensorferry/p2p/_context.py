@@ -30,6 +30,7 @@ from tensorferry.p2p._transport import (
     registered_transports,
     registry_version,
 )
+from tensorferry.runtime._events import recycle
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
 
@@ -192,6 +193,8 @@ class P2PContext:
         with torch.cuda.stream(stream):
             if unit.caller_event is not None:
                 stream.wait_event(unit.caller_event)
+                recycle(unit.caller_event)  # the wait is enqueued: free to record again
+                unit.caller_event = None
             for name, ops in cuda_groups.items():
                 unit.pending.append(self.transport(name).start(ops, stream=stream))
             done = torch.cuda.Event()

@@ -119,3 +119,25 @@ def test_default_process_pool_with_real_devices():
     after = tf.runtime.stats()["streams"]
     assert after["hits"] - before["hits"] >= 14
     assert after["pooled"] >= 14
+
+
+@pytest.mark.parametrize("device", [0, max(torch.cuda.device_count() - 1, 0)])
+def test_caller_events_follow_the_current_stream_and_are_reused(device):
+    from tensorferry.runtime import _events
+
+    _events._recorder()  # its one-time check takes device time: not inside the timed part
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        seen = set()
+        for _ in range(3):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(20_000_000)  # the event must wait for this
+                event = _events.record_on_current_stream()
+            assert event.device == torch.device("cuda", device)
+            assert not event.query(), "recorded behind a running kernel: still pending"
+            stream.synchronize()
+            assert event.query()
+            seen.add(id(event))
+            _events.recycle(event)
+        if _events._recorder() is not None:
+            assert len(seen) == 1, "a recycled event is recorded again, not remade"
