@@ -10,6 +10,7 @@ Thread-safe: every method may be called from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,41 @@ from tensorferry.errors import TransferTimeoutError
 from tensorferry.runtime._spin import spin_until
 
 __all__ = ["Transfer"]
+
+
+class _Latch:
+    """A one-way flag that threads can block on: ``threading.Event``'s ``set``/``is_set``/
+    ``wait`` for a flag that is only ever set, at a twentieth of its cost to make (one lock,
+    held while unset, instead of a condition variable); every ``tf.send`` makes one."""
+
+    __slots__ = ("_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        if self._flag:
+            return
+        self._flag = True
+        self._release()
+
+    def wait(self, timeout: float) -> bool:
+        if self._flag:
+            return True
+        if self._lock.acquire(timeout=max(0.0, timeout)):
+            self._release()  # let the next waiter through too
+        return self._flag
+
+    def _release(self) -> None:
+        # Two setters, or a setter and a waiter passing it on, may both release: fine.
+        with contextlib.suppress(RuntimeError):
+            self._lock.release()
+
 
 # A wait without its own timeout waits for the transfer's deadline plus this grace, so the
 # transfer's own (more precise) error wins over a generic wait timeout.
@@ -51,7 +87,7 @@ class Transfer:
         self._value = value
         self._future: Future = Future()
         self._future.set_running_or_notify_cancel()
-        self._issued = threading.Event()
+        self._issued = _Latch()
         # Guards "are there user callbacks?" against finishing on a library thread that must
         # not run them (see _finish_if_no_callbacks).
         self._callbacks_lock = threading.Lock()

@@ -26,7 +26,8 @@ __all__ = ["record_on_current_stream", "recycle"]
 
 log = logging.getLogger(__name__)
 
-_free: collections.deque = collections.deque()  # created events, free to record again
+# Created events free to record again, per device index.
+_free: dict[int, collections.deque] = {}
 _record: Any = None
 _record_checked = False
 _lock = threading.Lock()
@@ -74,33 +75,40 @@ def _checked(record: Any) -> Any:
     if code != 0 or not pending or not event.query():
         log.warning("events: cudaEventRecord through ctypes did not behave (%s); using torch", code)
         return None
-    _free.append(event)
+    recycle(event)
     return record
 
 
 def record_on_current_stream() -> torch.cuda.Event:
     """An event recorded on the current CUDA stream (see the module docstring)."""
-    stream = torch.cuda.current_stream()
     record = _recorder()
     if record is not None:
-        try:
-            event = _free.popleft()
-        except IndexError:
-            event = None
-        if event is not None and event.device == stream.device:
-            if record(event.cuda_event, stream.cuda_stream) == 0:
+        index = torch.cuda.current_device()
+        free = _free.get(index)
+        event = None
+        if free:
+            try:
+                event = free.popleft()
+            except IndexError:  # another thread took the last one
+                event = None
+        if event is not None:
+            # The raw handle of the current stream: torch's Stream object costs microseconds.
+            if record(event.cuda_event, torch._C._cuda_getCurrentRawStream(index)) == 0:
                 return event
             _disable("cudaEventRecord failed")
     event = torch.cuda.Event()
-    event.record(stream)  # also creates the CUDA event, so it can be recycled
+    event.record(torch.cuda.current_stream())  # also creates the CUDA event, for recycling
     return event
 
 
 def recycle(event: Any) -> None:
     """Returns ``event`` to the pool: only once every wait on it has been enqueued (a later
     record does not change what an enqueued wait waits for)."""
-    if event is not None and len(_free) < _MAX_FREE:
-        _free.append(event)
+    if event is None:
+        return
+    free = _free.setdefault(event.device.index, collections.deque())
+    if len(free) < _MAX_FREE:
+        free.append(event)
 
 
 def _disable(why: str) -> None:

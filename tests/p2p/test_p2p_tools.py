@@ -104,3 +104,25 @@ def test_packing_round_trips_every_byte(mixed):
     for got, want in zip(targets, tensors, strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_transfer_latch_releases_every_waiter_and_tolerates_races():
+    import threading
+    import time
+
+    from tensorferry.p2p._transfer import _Latch
+
+    latch = _Latch()
+    assert not latch.is_set() and not latch.wait(0.01)
+    woke = []
+    waiters = [threading.Thread(target=lambda: woke.append(latch.wait(5.0))) for _ in range(8)]
+    for thread in waiters:
+        thread.start()
+    time.sleep(0.05)
+    setters = [threading.Thread(target=latch.set) for _ in range(4)]  # racing setters
+    for thread in setters:
+        thread.start()
+    for thread in (*setters, *waiters):
+        thread.join(5.0)
+    assert woke == [True] * 8
+    assert latch.is_set() and latch.wait(0.0) and latch.wait(1.0)
