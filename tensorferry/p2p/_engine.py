@@ -86,8 +86,11 @@ class Engine(PairFaults):
         self._listener = _link.open_listener(ctx.host)
         self._selector.register(self._listener, selectors.EVENT_READ, "listen")
         self._stopping = False
+        # Preparing is a rendezvous that blocks its helper until the peer prepares too: room for
+        # both directions with every peer at once (and the side-channel connects), so a rank
+        # never waits for a helper while a peer waits for it.
         self._helpers = ThreadPoolExecutor(
-            max_workers=max(4, ctx.world_size),
+            max_workers=max(4, 2 * ctx.world_size + 1),
             thread_name_prefix="tensorferry-p2p-helper",
             initializer=ctx.bind_device,
         )
