@@ -1,8 +1,9 @@
 """The public calls: send, recv, sendrecv, batch, prepare, ring_all_gather.
 
 Every call validates its arguments on the caller's thread (raising ``TypeError``/``ValueError``
-before anything moves), records an event on the caller's current CUDA stream, queues one unit
-on the p2p issuing thread and returns a :class:`Transfer` at once.
+before anything moves), records an event on the caller's current CUDA stream, hands one unit to
+the p2p engine (which issues it at once when the peer's header is already there) and returns a
+:class:`Transfer` without waiting for the peer.
 
 Messages between two ranks match in FIFO order per direction: the k-th message rank A sends
 to rank B meets the k-th message B receives from A, whichever calls (send, sendrecv, batch)
@@ -101,6 +102,8 @@ def _submit(
         unit.after_issued_is_enough = all(m.op.tensors[0].is_cuda for m in messages) and all(
             m.op.tensors[0].is_cuda for m in after.messages
         )
+    peers = unit.peers
+    transfer._poll = lambda: ctx.engine.drive(peers)
     ctx.engine.submit(unit)
     return unit
 
@@ -399,6 +402,7 @@ def ring_all_gather(
         ring._finish(None)
         return ring
     right, left = (rank + 1) % world, (rank - 1) % world
+    ring._poll = lambda: ctx.engine.drive({left, right})  # a waiter moves the steps on
     steps: list[Unit] = []
     for step in range(world - 1):
         send_row, recv_row = (rank - step) % world, (rank - step - 1) % world

@@ -178,7 +178,7 @@ class P2PContext:
 
     # ------------------------------------------------------------------ issuing
     def issue(self, unit: Any) -> Any:
-        """Starts a unit's transports (engine thread). Returns the CUDA completion event."""
+        """Starts a unit's transports (under the engine's lock); returns the CUDA done event."""
         groups: dict[str, list[Any]] = {}
         for message in unit.messages:
             groups.setdefault(message.transport, []).append(message.op)

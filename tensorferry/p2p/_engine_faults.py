@@ -2,7 +2,7 @@
 
 A mixin of :class:`._engine.Engine` (the module docstring there describes the fault protocol);
 it uses the engine's state and helpers (``_units``, ``_issued``, ``_peer``, ``_send_frame``,
-``_number``, ``_ensure_prepared``, ``_on_frame``, ``ctx``) and runs only on the engine thread.
+``_number``, ``_ensure_prepared``, ``_on_frame``, ``ctx``) and runs under the engine's lock.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The plain state the p2p issuing engine keeps: units, messages, channels and peers.
 
-Touched only by the engine thread (see :mod:`._engine`).
+Touched only under the engine's lock (see :mod:`._engine`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Headers must not travel on the data transport: the receiver has to know what arrives before it
 posts a receive of the right size, and NCCL would need a device-to-host sync to read one. A
 plain socket per pair is cheap (tens of microseconds per small frame), non-blocking under a
-selector on the p2p issuing thread, and tells us at once when the peer process dies (the
+selector on the p2p engine's thread, and tells us at once when the peer process dies (the
 kernel closes its end: EOF or a reset), which NCCL alone does not.
 
 Set-up, only between the two ranks of a pair: every rank listens on one port and publishes
@@ -64,7 +64,7 @@ def connect(address: str, *, my_rank: int, timeout: float) -> socket.socket:
 
 
 class Link:
-    """A framed, non-blocking connection to one peer. Used only on the p2p issuing thread."""
+    """A framed, non-blocking connection to one peer. Used only under the p2p engine's lock."""
 
     def __init__(self, sock: socket.socket, peer: int | None) -> None:
         sock.setblocking(False)

@@ -3,7 +3,7 @@
 A transfer goes through three stages: *submitted* (the call returned), *issued* (headers agreed,
 the transport's device work enqueued; a completion event is recorded after it) and *done*
 (completed by the runtime's completion pool, with a result or an exception). Its callbacks run
-on a completion-pool worker thread, never on the caller's thread or the p2p issuing thread.
+on a completion-pool worker thread, never on the caller's thread or the p2p engine's thread.
 
 Thread-safe: every method may be called from any thread.
 """
@@ -99,6 +99,9 @@ class Transfer:
         self._ready: Callable[[], bool] | None = None
         self._settle: Callable[[], None] | None = None
         self._seen_ready = False
+        # Until issued: moves the transfer on from the waiting thread (reads the peers' headers,
+        # issues), so a waiter does not sleep until the p2p thread wakes up to do it.
+        self._poll: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:
@@ -154,9 +157,7 @@ class Transfer:
         Raises:
             TransferTimeoutError: not issued within ``timeout``.
         """
-        # Not issued yet means the issuing thread has work to do: block (no polling, which
-        # would contend with it for the GIL).
-        if not self._issued.wait(self._timeout_left(timeout)):
+        if not self._wait_issued(self._timeout_left(timeout)):
             raise TransferTimeoutError(f"{self.description}: not issued within the timeout")
         if self._done_event is None or self._future.done():
             self.wait(timeout)
@@ -179,6 +180,15 @@ class Transfer:
         self._settle = settle
         self._ready = ready
         self._issued.set()
+
+    def _wait_issued(self, limit: float) -> bool:
+        """Waits until issued: first polling (driving the transfer on) for a short window, then
+        sleeping until another thread issues it. Returns whether it was issued in time."""
+        poll = self._poll
+        if poll is not None and not self._issued.is_set():
+            poll()  # at least once, even where the polling window is zero
+            spin_until(self._issued.is_set, idle=poll)
+        return self._issued.wait(limit)
 
     def _settled(self) -> bool:
         """Finished, or its work is seen finished here (the future follows from the pool)."""
@@ -232,7 +242,7 @@ class Transfer:
         deadline = time.monotonic() + limit
         # Once issued, only the device is left to wait for: poll its readiness here for a
         # short window (runtime._spin) rather than sleep until the completion pool says so.
-        if self._issued.wait(limit) and spin_until(self._settled) and not self._future.done():
+        if self._wait_issued(limit) and spin_until(self._settled) and not self._future.done():
             return None  # succeeded: seen here before the completion pool got to it
         try:
             return self._future.exception(max(0.0, deadline - time.monotonic()))

@@ -26,7 +26,7 @@ Vocabulary
 The call sequence
 =================
 For every unit of work (one ``tf.send``/``recv``/``sendrecv`` call, or one ``tf.batch``) the
-layer, on its single issuing thread:
+layer, under its engine's lock (on the caller's thread or the layer's own):
 
 1. picks a transport per message: the one named by the caller, or for ``"auto"`` the fitting
    transport with the lowest :meth:`Transport.estimate_seconds` (ties: registration order). Both
@@ -48,8 +48,9 @@ layer, on its single issuing thread:
 Rules a transport keeps
 =======================
 - :meth:`Transport.start` must not block on the peer (no rendezvous, no host waits for device
-  work); it enqueues work and returns. It is only ever called from the layer's issuing thread,
-  so it need not be re-entrant; :meth:`PendingOps.ready` and :meth:`PendingOps.abort` are
+  work); it enqueues work and returns. It is only ever called under the layer's engine lock
+  (from the caller's thread or the layer's own), one call at a time, so it need not be
+  re-entrant; :meth:`PendingOps.ready` and :meth:`PendingOps.abort` are
   called from other threads (the completion pool) and must be thread-safe with respect to it.
 - Stream ordering (CUDA): device work issued by ``start`` runs after every piece of work queued
   on ``stream`` before the call (the layer already made ``stream`` wait for the caller's current

@@ -338,6 +338,53 @@ def wait_timeout_then_complete(rank: int, world: int) -> str:
     return "ok"
 
 
+def issued_by_callers(rank: int, world: int) -> str:
+    """The caller's thread issues: a send whose receive the peer already posted is issued before
+    ``tf.send`` returns, and a waiting receiver issues its receive itself while the p2p layer's
+    own thread is kept out (this thread holds the engine's lock)."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return "idle"
+    ctx = _context.current()
+    data = payload(0, 1, 21, (64,), torch.float32)
+    warm = poisoned((64,), torch.float32)
+    (tf.send(data, 1) if rank == 0 else tf.recv(warm, 0)).wait(T)  # the pair is prepared
+    issuers = []
+    plain_issue = ctx.issue
+
+    def issue(unit):  # records which thread issues
+        issuers.append(threading.current_thread().name)
+        return plain_issue(unit)
+
+    ctx.issue = issue
+    try:
+        return _issued_by_callers(rank, ctx, data, issuers)
+    finally:
+        del ctx.issue
+
+
+def _issued_by_callers(rank: int, ctx, data: torch.Tensor, issuers: list) -> str:
+    me = threading.current_thread().name
+    if rank == 1:
+        got = poisoned((64,), torch.float32)
+        h = tf.recv(got, 0)  # its header goes out now; the sender's is not here yet
+        with ctx.engine._lock:  # re-entrant: this thread may drive, the engine thread may not
+            ctx.store.set("issued_by_callers/posted", b"1")
+            time.sleep(0.3)  # the sender's header reaches our socket
+            h.wait(T)
+        assert same_bytes(got, data), "received bytes differ"
+        return f"issued on {'the waiter' if issuers == [me] else issuers}"
+    ctx.store.wait(["issued_by_callers/posted"])
+    time.sleep(0.2)  # the receiver's header reaches this rank's socket
+    h = tf.send(data, 1)
+    issued_at_return = h._issued.is_set()
+    h.wait(T)
+    if not issued_at_return:
+        return "not issued at return"
+    return f"issued at return on {'the caller' if issuers == [me] else issuers}"
+
+
 def cross_traffic(rank: int, world: int, numel: int, messages: int) -> str:
     """Rank 0 and 1 each send ``messages`` large messages as separate calls and only then post
     their receives (as an exchange written naively, or a pipeline's forward and backward):

@@ -144,6 +144,14 @@ def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
 
+def test_calls_issue_on_the_callers_thread(pool):
+    assert pool.run("issued_by_callers") == [
+        "issued at return on the caller",
+        "issued on the waiter",
+        "idle",
+    ]
+
+
 def test_both_directions_in_any_order(pool):
     assert pool.run("cross_traffic", 1 << 20, 3) == ["ok", "ok", "idle"]
 
