@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-socket toy batch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
+#   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
@@ -35,10 +35,13 @@ for s in $steps; do
     runtime) step runtime 60 python3 -m pytest -q -p no:cacheprovider tests/runtime ;;
     lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
     p2p) step p2p 75 python3 -m pytest -q -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
-    p2p-socket) step p2p-socket 60 "${SOCKET[@]}" python3 -m pytest -q -p no:cacheprovider \
+    p2p-socket) step p2p-socket 90 "${SOCKET[@]}" env TF_TEST_DUMP_AFTER=40 python3 -m pytest -x -q \
+      --tb=short -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;
     toy) step toy 170 tensorferry bench toy --device cuda --out "$R" ;;
     batch) step batch 45 tensorferry bench batch --device cuda --out "$R" ;;
+    batch-torch) step batch-torch 45 env TENSORFERRY_NCCL_CALLS=torch tensorferry bench batch \
+      --device cuda --large-mib 0 ;;
     batch-nospin) step batch-nospin 45 env TENSORFERRY_SPIN_US=0 tensorferry bench batch \
       --device cuda ;;
     graph) step graph 100 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;

@@ -16,6 +16,7 @@ __all__ = [
     "auto_table_path",
     "auto_transports",
     "spin_us",
+    "nccl_calls",
 ]
 
 
@@ -105,3 +106,14 @@ def spin_us() -> float:
     if value < 0:
         raise ValueError(f"TENSORFERRY_SPIN_US={raw!r} must be >= 0")
     return value
+
+
+def nccl_calls() -> str:
+    """How the ``nccl`` transport calls NCCL (``TENSORFERRY_NCCL_CALLS``): ``direct`` (default)
+    calls the library itself, with communicators of its own; ``torch`` goes through
+    ``torch.distributed``'s ``ProcessGroupNCCL`` (what ``direct`` falls back to when the library
+    cannot be loaded). Read when a communicator is made."""
+    raw = os.environ.get("TENSORFERRY_NCCL_CALLS", "") or "direct"
+    if raw not in ("direct", "torch"):
+        raise ValueError(f"TENSORFERRY_NCCL_CALLS={raw!r} must be 'direct' or 'torch'")
+    return raw

@@ -102,8 +102,7 @@ def _submit(
         unit.after_issued_is_enough = all(m.op.tensors[0].is_cuda for m in messages) and all(
             m.op.tensors[0].is_cuda for m in after.messages
         )
-    peers = unit.peers
-    transfer._poll = lambda: ctx.engine.drive(peers)
+    transfer._driver = ctx.engine
     ctx.engine.submit(unit)
     return unit
 
@@ -402,7 +401,7 @@ def ring_all_gather(
         ring._finish(None)
         return ring
     right, left = (rank + 1) % world, (rank - 1) % world
-    ring._poll = lambda: ctx.engine.drive({left, right})  # a waiter moves the steps on
+    ring._driver = ctx.engine  # a waiter moves the steps on
     steps: list[Unit] = []
     for step in range(world - 1):
         send_row, recv_row = (rank - step) % world, (rank - step - 1) % world

@@ -65,6 +65,9 @@ __all__ = ["Engine", "Message", "Unit"]
 log = logging.getLogger(__name__)
 
 _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
+# While callers drive, the engine thread still wakes this often (seconds) to see whether they
+# stopped, in case none of them could tell it (see end_driving).
+_DRIVEN_RECHECK_S = 0.005
 
 
 class Engine(PairFaults):
@@ -90,6 +93,8 @@ class Engine(PairFaults):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._wake_selector = selectors.DefaultSelector()  # while callers drive: wake-ups only
+        self._wake_selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._listener = _link.open_listener(ctx.host)
         self._selector.register(self._listener, selectors.EVENT_READ, "listen")
         self._stopping = False
@@ -98,6 +103,11 @@ class Engine(PairFaults):
         self._lock = threading.RLock()
         # When the engine thread's select returns at the latest: a unit due earlier wakes it.
         self._wakes_at = 0.0
+        # Callers polling drive() now, and whether the engine thread watches the peers' links
+        # (it does not while callers drive; see begin_driving).
+        self._drivers = 0
+        self._drivers_lock = threading.Lock()
+        self._watching_links = True
         # Preparing is a rendezvous that blocks its helper until the peer prepares too: room for
         # both directions with every peer at once (and the side-channel connects), so a rank
         # never waits for a helper while a peer waits for it.
@@ -135,7 +145,7 @@ class Engine(PairFaults):
         """Accepts ``unit`` and drives it as far as it goes now, on the caller's thread: numbers
         its messages, sends their headers, reads the headers its peers already sent and issues
         it if it may go. Never blocks on a peer; what is left is done by whichever thread next
-        sees progress (the engine thread on a frame, or a caller waiting on a transfer).
+        sees progress (a caller waiting on a transfer, or the engine thread).
 
         Doing this here rather than handing the unit to the engine thread saves a thread
         wake-up per call on the critical path (tens of microseconds on bare metal, hundreds on
@@ -143,33 +153,36 @@ class Engine(PairFaults):
         """
         with self._lock:
             self._accept(unit)
-            self._drive_locked(unit.peers)
-        if unit.deadline < self._wakes_at:
-            self._wake()  # the engine thread must expire it earlier than it planned to wake
+            self._handle(self._selector.select(0))
+            left_waiting = unit.state == "waiting"
+        if unit.deadline < self._wakes_at or (left_waiting and not self._watching_links):
+            # The engine thread must expire it earlier than it planned to wake, or watch the
+            # peers' frames for it (it stopped while callers were driving).
+            self._wake()
 
-    def drive(self, peers: set[int]) -> None:
-        """Caller-thread progress for a waiting caller: reads the frames ``peers`` sent and
-        issues what may go. Returns at once if another thread holds the engine's state."""
+    def drive(self) -> None:
+        """One step of the engine on a waiting caller's thread: handles what arrived (headers,
+        faults) and issues what may go. Returns at once if another thread holds the engine."""
         if not self._lock.acquire(blocking=False):
             return
         try:
-            self._drive_locked(peers)
+            self._handle(self._selector.select(0))
         finally:
             self._lock.release()
 
-    def _drive_locked(self, peers: set[int]) -> None:
-        for rank in peers:
-            peer = self._peers.get(rank)
-            link = peer.link if peer is not None else None
-            if link is None or link.closed:
-                continue
-            frames = link.receive()  # non-blocking: what has arrived so far
-            if frames is None:
-                self._on_link_lost(link)
-                continue
-            for frame in frames:
-                self._on_frame(link, frame)
-        self._progress()
+    def begin_driving(self) -> None:
+        """A caller is about to poll :meth:`drive`: until :meth:`end_driving`, the engine thread
+        leaves the peers' frames to it. Otherwise both threads would wake for every frame and
+        take turns at the GIL, which costs the waiting caller far more than reading them."""
+        with self._drivers_lock:
+            self._drivers += 1
+
+    def end_driving(self) -> None:
+        with self._drivers_lock:
+            self._drivers -= 1
+            last = self._drivers == 0
+        if last and self._units and not self._watching_links:
+            self._wake()  # units still wait for frames: the engine thread watches them again
 
     def stop(self, timeout: float = 5.0) -> None:
         """Says bye to every peer, fails what is left, stops the thread."""
@@ -197,6 +210,10 @@ class Engine(PairFaults):
         while not self._stopping:
             with self._lock:  # a unit accepted from here on sees when this thread wakes
                 timeout = self._next_timeout()
+                watch_links = self._drivers == 0
+                if not watch_links:
+                    timeout = min(timeout, _DRIVEN_RECHECK_S)
+                self._watching_links = watch_links
                 self._wakes_at = time.monotonic() + timeout
             if timeout > 0:
                 # About to block: callers must write wake-ups again. A command queued before
@@ -204,8 +221,11 @@ class Engine(PairFaults):
                 self._awake = False
                 if self._commands:
                     timeout = 0.0
-            events = self._selector.select(timeout)
+            selector = self._selector if watch_links else self._wake_selector
+            events = selector.select(timeout)
             self._awake = True
+            if self._drivers and not self._commands and all(k.data != "wake" for k, _ in events):
+                continue  # a caller is driving and reads the frames itself
             with self._lock:
                 self._wakes_at = 0.0
                 self._handle(events)
@@ -214,6 +234,7 @@ class Engine(PairFaults):
             if isinstance(obj, _link.Link):
                 obj.close()
         self._selector.close()
+        self._wake_selector.close()
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()

@@ -1,4 +1,4 @@
-"""The NCCL transport: CUDA tensors, one ``ProcessGroupNCCL`` per direction of a pair of ranks.
+"""The NCCL transport: CUDA tensors, one NCCL communicator per direction of a pair of ranks.
 
 Why one per direction: a communicator runs its operations one after another on one stream, in
 the order each rank issued them. Messages of the two directions are independent FIFOs here (a
@@ -8,23 +8,22 @@ queued ahead of a send on one rank, and the reverse on the other, wait for each 
 once messages are too large for NCCL's buffers. With one communicator per direction each keeps
 exactly its direction's FIFO order, which both ranks share.
 
-Each group is constructed directly on a per-pair ``PrefixStore`` of the world store, as rank 0
-(the sending side) or 1 of a 2-rank group, so only the two ranks take part
-(``torch.distributed.new_group`` would be collective over the whole world). It is cached in the
-runtime's communicator cache under ``("nccl", src, dst)`` and made once per direction (per
-epoch), lazily by the first message that way (``prepare_direction``), or for both directions by
-``prepare``.
+Communicators are our own, made through the NCCL library itself (:mod:`._nccl_lib`): the
+sending rank makes the unique id and puts it in a per-pair ``PrefixStore`` of the world store,
+so only the two ranks take part. Each is cached in the runtime's communicator cache under
+``("nccl", src, dst)`` and made once per direction (per epoch), lazily by the first message that
+way (``prepare_direction``), or for both directions by ``prepare``. Making one also runs one tiny
+send/recv, because NCCL connects the two ranks at their first transfer: afterwards the first real
+transfer pays nothing for set-up. Where the library cannot be loaded (or with
+``TENSORFERRY_NCCL_CALLS=torch``) a ``ProcessGroupNCCL`` per direction stands in, with the same
+behaviour and more host time per call.
 
-Making one creates the group and runs one tiny send/recv, because ProcessGroupNCCL creates its
-point-to-point communicator lazily at the first send/recv: afterwards the first real transfer
-pays nothing for set-up.
-
-``start`` issues every message of a call in one direction with one peer as ONE coalesced group
-(``_start_coalescing``/``_end_coalescing``, what ``batch_isend_irecv`` does): NCCL launches
-the whole group as one kernel. Tensors travel as byte views, so every dtype works. Tensors under
-:data:`PACK_BELOW` of a message with several of them are packed (one ``cat`` on the sender, one
-``_foreach_copy_`` on the receiver, both on the transfer's stream). A call with several peers,
-or both directions, issues one group per direction and peer.
+``start`` issues every message of a call in one direction with one peer as ONE NCCL group,
+enqueued on the transfer's stream (after the caller's work, before the layer's completion
+event): NCCL launches the whole group as one kernel. Tensors travel as bytes, so every dtype
+works. Tensors under :data:`PACK_BELOW` of a message with several of them are packed (one
+``cat`` on the sender, one ``_foreach_copy_`` on the receiver, both on the transfer's stream). A
+call with several peers, or both directions, issues one group per direction and peer.
 """
 
 from __future__ import annotations
@@ -37,7 +36,10 @@ from typing import Any
 
 import torch
 
+from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError, TransportError
+from tensorferry.p2p._nccl_lib import NcclLibrary
+from tensorferry.p2p._nccl_lib import library as nccl_library
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport
 from tensorferry.runtime import communicator_cache
@@ -54,38 +56,93 @@ PACK_BELOW = 64 << 10
 _WATCHDOG_MARGIN_S = 120.0
 
 
-class _NcclPair:
-    """The group of one direction of a pair."""
+class _NativePair:
+    """One direction of a pair as our own NCCL communicator (:mod:`._nccl_lib`): its kernels
+    run on the transfer's stream, so the layer's completion event covers them."""
+
+    def __init__(self, lib: NcclLibrary, comm: int, other: int, epoch: int) -> None:
+        self.lib = lib
+        self.comm = comm
+        self.other = other  # the peer's rank within the pair
+        self.epoch = epoch
+        self._aborted = False
+
+    def enqueue(self, wire: list[tuple[str, torch.Tensor]], stream: Any) -> None:
+        lib, comm, other, handle = self.lib, self.comm, self.other, stream.cuda_stream
+        lib.group_start()
+        try:
+            for kind, buf in wire:
+                move = lib.send if kind == "send" else lib.recv
+                move(buf.data_ptr(), buf.numel(), other, comm, handle)
+        finally:
+            lib.group_end()
+
+    def ready(self, _work: None) -> bool:
+        if self._aborted:
+            raise TransportError("nccl: the communicator was aborted")
+        error = self.lib.async_error(self.comm)
+        if error is not None:
+            raise TransportError(f"nccl: {error}")
+        return True  # the device work itself is covered by the layer's completion event
+
+    def abort(self) -> None:
+        if not self._aborted:
+            self._aborted = True
+            with contextlib.suppress(Exception):
+                self.lib.abort(self.comm)
+
+    def close(self) -> None:
+        # Abort, not destroy: ncclCommAbort is local and never waits for the peer (which may
+        # be gone at tf.shutdown, or closing at the same moment in the uncached bench).
+        self.abort()
+
+
+class _GroupPair:
+    """One direction of a pair as a ``ProcessGroupNCCL`` (when the NCCL library cannot be
+    loaded directly): its own stream, ordered with the transfer's by the work object."""
 
     def __init__(self, pg: Any, other: int, epoch: int) -> None:
         self.pg = pg
         self.other = other  # the peer's rank within the pair
         self.epoch = epoch
 
+    def enqueue(self, wire: list[tuple[str, torch.Tensor]], stream: Any) -> Any:
+        pg = self.pg
+        pg._start_coalescing()
+        try:
+            for kind, buf in wire:
+                (pg.send if kind == "send" else pg.recv)([buf], self.other, _TAG)
+        finally:
+            work = pg._end_coalescing()
+        work.wait()  # orders `stream` (the current stream) after the group; the host goes on
+        return work
+
+    def ready(self, work: Any) -> bool:
+        return work.is_completed()
+
     def abort(self) -> None:
         with contextlib.suppress(Exception):
             self.pg.abort()
 
     def close(self) -> None:
-        # Abort, not shutdown(): ncclCommAbort is local and never waits for the peer (which
-        # may be gone at tf.shutdown, or closing at the same moment in the uncached bench).
-        self.abort()
+        self.abort()  # as for _NativePair
 
 
 class _NcclPending(PendingOps):
-    def __init__(self, works: list[Any], pairs: list[_NcclPair], keep: list[Any]) -> None:
-        self._works = works
-        self._pairs = pairs
+    def __init__(self, started: list[tuple[Any, Any]], keep: list[Any]) -> None:
+        self._started = started  # (pair, what its enqueue returned)
         self._keep = keep  # packed buffers: alive until the device is done with them
 
     def ready(self) -> bool:
         try:
-            return all(work.is_completed() for work in self._works)
+            return all(pair.ready(work) for pair, work in self._started)
+        except TransportError:
+            raise
         except Exception as exc:
             raise TransportError(f"nccl: {exc}") from exc
 
     def abort(self) -> None:
-        for pair in self._pairs:
+        for pair, _ in self._started:
             pair.abort()
 
 
@@ -122,7 +179,7 @@ class NcclTransport(Transport):
     def prepare_direction(self, peer: int, kind: str) -> None:
         self._pair(*self._ends(peer, kind))
 
-    def _pair(self, src: int, dst: int) -> _NcclPair:
+    def _pair(self, src: int, dst: int) -> _NativePair | _GroupPair:
         key = self._key(src, dst)
         peer = dst if src == self.ctx.rank else src
         epoch = self.ctx.epoch_of(peer)
@@ -132,26 +189,34 @@ class NcclTransport(Transport):
             cache.evict(key, abort=True, reason="stale epoch")
         return cache.get_or_create(key, lambda: self._create(src, dst, epoch))
 
-    def _create(self, src: int, dst: int, epoch: int) -> _NcclPair:
-        import torch.distributed as dist
-
+    def _create(self, src: int, dst: int, epoch: int) -> _NativePair | _GroupPair:
         device = self.ctx.device
         sending = src == self.ctx.rank
         peer = dst if sending else src
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = self.ctx.timeout + datetime.timedelta(seconds=_WATCHDOG_MARGIN_S)
         store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}")
         me = 0 if sending else 1
-        pg = dist.ProcessGroupNCCL(store, me, 2, options)
-        pair = _NcclPair(pg, 1 - me, epoch)
-        # Warm-up message: creates the p2p communicator now (on this helper thread).
+        lib = nccl_library()
         with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device)
-            probe = torch.ones(1, dtype=torch.uint8, device=device)
-            work = (pg.send if sending else pg.recv)([probe], pair.other, _TAG)
-            work.wait()
-            done = torch.cuda.Event()
-            done.record(stream)
+            if lib is not None and envs.nccl_calls() == "direct":
+                # The sending side makes the id; the store's wait bounds the rendezvous.
+                if sending:
+                    store.set("unique_id", lib.unique_id())
+                comm = lib.init_rank(2, bytes(store.get("unique_id")), me)
+                pair: _NativePair | _GroupPair = _NativePair(lib, comm, 1 - me, epoch)
+            else:
+                import torch.distributed as dist
+
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.ctx.timeout + datetime.timedelta(seconds=_WATCHDOG_MARGIN_S)
+                pair = _GroupPair(dist.ProcessGroupNCCL(store, me, 2, options), 1 - me, epoch)
+            # Warm-up message: NCCL connects the two ranks at their first send/recv, a
+            # rendezvous; here on this helper thread rather than in the first real transfer.
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                probe = torch.ones(1, dtype=torch.uint8, device=device)
+                pair.enqueue([("send" if sending else "recv", probe)], stream)
+                done = torch.cuda.Event()
+                done.record(stream)
         deadline = time.monotonic() + self.ctx.timeout.total_seconds()
         while not done.query():
             if time.monotonic() > deadline:
@@ -165,7 +230,7 @@ class NcclTransport(Transport):
         for op in ops:
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
         device = self.ctx.device
-        works, pairs, keep, to_unpack = [], [], [], []
+        started, keep, to_unpack = [], [], []
         cache = communicator_cache()
         for (src, dst), peer_ops in by_direction.items():
             pair = cache.get(self._key(src, dst))
@@ -187,23 +252,10 @@ class NcclTransport(Transport):
                 wire.extend((op.kind, as_bytes(op.tensors[i])) for i in alone_idx)
             if not wire:
                 continue  # only empty tensors: nothing to move (both sides agree on that)
-            pg = pair.pg
-            pg._start_coalescing()
-            try:
-                for kind, buf in wire:
-                    if kind == "send":
-                        pg.send([buf], pair.other, _TAG)
-                    else:
-                        pg.recv([buf], pair.other, _TAG)
-            finally:
-                work = pg._end_coalescing()
-            # Orders `stream` (the current stream) after the group; the host does not wait.
-            work.wait()
-            works.append(work)
-            pairs.append(pair)
+            started.append((pair, pair.enqueue(wire, stream)))
         for buf, targets in to_unpack:
-            unpack(buf, targets)  # on `stream`, after the group (work.wait() above)
-        return _NcclPending(works, pairs, keep)
+            unpack(buf, targets)  # on `stream`, after the group
+        return _NcclPending(started, keep)
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
         cache = communicator_cache()

@@ -99,9 +99,9 @@ class Transfer:
         self._ready: Callable[[], bool] | None = None
         self._settle: Callable[[], None] | None = None
         self._seen_ready = False
-        # Until issued: moves the transfer on from the waiting thread (reads the peers' headers,
-        # issues), so a waiter does not sleep until the p2p thread wakes up to do it.
-        self._poll: Callable[[], None] | None = None
+        # The p2p engine: a waiting caller drives it (reads the peers' headers, issues) rather
+        # than sleep until the engine's own thread wakes up to do it.
+        self._driver: Any = None
 
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:
@@ -182,13 +182,22 @@ class Transfer:
         self._issued.set()
 
     def _wait_issued(self, limit: float) -> bool:
-        """Waits until issued: first polling (driving the transfer on) for a short window, then
-        sleeping until another thread issues it. Returns whether it was issued in time."""
-        poll = self._poll
-        if poll is not None and not self._issued.is_set():
-            poll()  # at least once, even where the polling window is zero
-            spin_until(self._issued.is_set, idle=poll)
+        """Waits until issued: first driving the engine for a short window, then sleeping until
+        another thread issues it. Returns whether it was issued in time."""
+        if self._driver is not None and not self._issued.is_set():
+            self._drive_while(self._issued.is_set)
         return self._issued.wait(limit)
+
+    def _drive_while(self, done: Callable[[], bool]) -> bool:
+        """Polls ``done()`` for the spin window, driving the engine between polls (at least once,
+        even where the window is zero). Returns whether ``done()`` turned true."""
+        driver = self._driver
+        driver.begin_driving()
+        try:
+            driver.drive()
+            return spin_until(done, idle=driver.drive)
+        finally:
+            driver.end_driving()
 
     def _settled(self) -> bool:
         """Finished, or its work is seen finished here (the future follows from the pool)."""
@@ -240,10 +249,15 @@ class Transfer:
     def _wait_exception(self, timeout: float | None) -> BaseException | None:
         limit = self._timeout_left(timeout)
         deadline = time.monotonic() + limit
-        # Once issued, only the device is left to wait for: poll its readiness here for a
-        # short window (runtime._spin) rather than sleep until the completion pool says so.
-        if self._wait_issued(limit) and spin_until(self._settled) and not self._future.done():
+        # Poll (driving the engine) for a short window (runtime._spin) rather than sleep until
+        # another thread says so: until issued, then until the device work is seen finished.
+        seen = self._driver is not None and self._drive_while(
+            lambda: self._issued.is_set() and self._settled()
+        )
+        if seen and not self._future.done():
             return None  # succeeded: seen here before the completion pool got to it
+        if self._issued.wait(limit) and spin_until(self._settled) and not self._future.done():
+            return None
         try:
             return self._future.exception(max(0.0, deadline - time.monotonic()))
         except FutureTimeout:

@@ -126,3 +126,22 @@ def test_transfer_latch_releases_every_waiter_and_tolerates_races():
         thread.join(5.0)
     assert woke == [True] * 8
     assert latch.is_set() and latch.wait(0.0) and latch.wait(1.0)
+
+
+def test_nccl_calls_setting(monkeypatch):
+    from tensorferry import envs
+    from tensorferry.p2p import _nccl_lib
+
+    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS", raising=False)
+    assert envs.nccl_calls() == "direct"
+    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "torch")
+    assert envs.nccl_calls() == "torch"
+    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "nvlink")
+    with pytest.raises(ValueError, match="TENSORFERRY_NCCL_CALLS"):
+        envs.nccl_calls()
+    lib = _nccl_lib.library()  # None on a CPU-only build; never raises
+    if lib is not None:
+        assert lib.version() >= 21800
+        assert len(lib.unique_id()) == 128
+        with pytest.raises(ValueError, match="128 bytes"):
+            lib.init_rank(2, b"short", 0)
