@@ -55,6 +55,7 @@ from tensorferry.p2p import _link
 from tensorferry.p2p._engine_faults import PairFaults
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare
+from tensorferry.runtime._spin import spin_window_s
 from tensorferry.runtime._wakeup import write_wakeup
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class Engine(PairFaults):
         self._drivers = 0
         self._drivers_lock = threading.Lock()
         self._watching_links = True
+        self._unflushed: set[_link.Link] = set()  # links with queued frames (_flush_links)
         # Preparing is a rendezvous that blocks its helper until the peer prepares too: room for
         # both directions with every peer at once (and the side-channel connects), so a rank
         # never waits for a helper while a peer waits for it.
@@ -255,6 +257,7 @@ class Engine(PairFaults):
             self._expire(time.monotonic())
         except Exception:
             log.exception("p2p engine: progress failed")
+        self._flush_links()
 
     def _next_timeout(self) -> float:
         if self._commands:
@@ -316,12 +319,22 @@ class Engine(PairFaults):
             peer.outbox.append(frame)
             self._ensure_link(peer)
             return
-        try:
-            peer.link.send(frame)
-        except OSError:
-            self._on_link_lost(peer.link)
-            return
-        self._update_interest(peer.link)
+        peer.link.queue(frame)
+        self._unflushed.add(peer.link)
+
+    def _flush_links(self) -> None:
+        """Writes the frames queued since the last flush: one system call per link for all the
+        headers of a batch, rather than one per header."""
+        links, self._unflushed = self._unflushed, set()
+        for link in links:
+            if link.closed:
+                continue
+            try:
+                link.flush()
+            except OSError:
+                self._on_link_lost(link)
+                continue
+            self._update_interest(link)
 
     def _ensure_link(self, peer: PeerState) -> None:
         # The lower rank connects; the higher rank waits for the hello.
@@ -549,6 +562,7 @@ class Engine(PairFaults):
         for peer in list(self._peers.values()):
             for kind in ("send", "recv"):
                 self._resolve(peer, kind)
+        self._flush_links()  # headers out before the (slower) issuing: the peers wait for them
         for unit in list(self._units):
             if unit.state == "waiting" and self._issuable(unit):
                 self._issue(unit)
@@ -675,6 +689,9 @@ class Engine(PairFaults):
             timeout=max(0.0, unit.deadline - time.monotonic()),
             description=unit.transfer.description,
             inline=True,  # _on_completed is quick and hands user callbacks to a worker
+            # A caller waiting on the transfer usually sees it finish within its polling window
+            # and completes it itself: the pool's thread stays out of its way until then.
+            delay=spin_window_s(),
         )
         future.add_done_callback(lambda f: self._on_completed(unit, f))
         unit.transfer._mark_issued(done_event, ready, lambda: self._settle_seen(unit, future))

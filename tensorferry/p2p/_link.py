@@ -80,10 +80,14 @@ class Link:
 
     def send(self, frame: dict[str, Any]) -> None:
         """Queues ``frame`` and writes what the socket takes now."""
+        self.queue(frame)
+        self.flush()
+
+    def queue(self, frame: dict[str, Any]) -> None:
+        """Queues ``frame``; :meth:`flush` writes it (with whatever else is queued)."""
         payload = json.dumps(frame, separators=(",", ":")).encode()
         self._out += _LEN.pack(len(payload))
         self._out += payload
-        self.flush()
 
     def flush(self) -> None:
         """Writes queued bytes until the socket would block. Raises OSError if it is broken."""

@@ -106,7 +106,7 @@ class Transfer:
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:
         """True once the transfer finished (successfully or not). Never blocks."""
-        return self._seen_ready or self._future.done()
+        return self._future.done() or self._settled()
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Blocks until the transfer finished; returns ``self``.

@@ -46,6 +46,7 @@ class _Item:
     deadline: float | None
     seq: int = field(default=0)
     inline: bool = False
+    due: float = 0.0  # monotonic time of the first poll
 
 
 class CompletionPool:
@@ -65,6 +66,9 @@ class CompletionPool:
         self._running_per_owner: dict[Hashable, int] = {}
         self._seq = itertools.count()
         self._shutdown = False
+        # When the poller looks at its items next at the latest (inf: only when told); a new
+        # item due before then wakes it.
+        self._poller_wakes_at = 0.0
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._poller = threading.Thread(target=self._poll_loop, name=f"{name}-poller", daemon=True)
         self._poller.start()
@@ -79,6 +83,7 @@ class CompletionPool:
         timeout: float | None = None,
         description: str = "",
         inline: bool = False,
+        delay: float = 0.0,
     ) -> Future:
         """Returns a future completed once ``ready()`` returns true.
 
@@ -94,6 +99,9 @@ class CompletionPool:
                 wake-up. Only for futures whose callbacks are the library's own: quick, never
                 blocking, never user code (they delay every other completion while they run).
                 Not with ``then``.
+            delay: seconds before the first poll: for work whose caller usually sees it finish
+                first (and :meth:`discard` s it), so the poller thread neither polls it nor
+                wakes up for it, and takes no turn at the GIL meanwhile.
 
         Raises:
             CompletionPoolShutdownError: the pool was shut down.
@@ -106,12 +114,14 @@ class CompletionPool:
             if self._shutdown:
                 raise CompletionPoolShutdownError("the completion pool is shut down")
             seq = next(self._seq)
-            item = _Item(future, ready, then, owner, description, deadline, seq, inline)
+            due = time.monotonic() + delay
+            item = _Item(future, ready, then, owner, description, deadline, seq, inline, due)
             future._tensorferry_seq = seq  # type: ignore[attr-defined]  # for discard()
             self._pending[seq] = item
             if owner is not None:
                 self._running_per_owner[owner] = self._running_per_owner.get(owner, 0) + 1
-            self._lock.notify_all()
+            if due < self._poller_wakes_at:
+                self._lock.notify_all()
         return future
 
     def after_event(
@@ -239,14 +249,17 @@ class CompletionPool:
         while True:
             with self._lock:
                 if not self._pending:
-                    while not self._pending and not self._shutdown:
-                        self._lock.wait()
+                    self._idle_wait_locked()
                     sleep_s = _POLL_MIN_S
                 if self._shutdown:
                     return
-                items = list(self._pending.values())
+                now = time.monotonic()
+                items = [item for item in self._pending.values() if item.due <= now]
+                if not items:  # all delayed: sleep until the first is due (or a new item)
+                    self._wait_locked(min(i.due for i in self._pending.values()) - now)
+                    continue
+                self._poller_wakes_at = now + sleep_s  # told only about items due before that
             progressed = False
-            now = time.monotonic()
             for item in items:
                 outcome = self._check(item, now)
                 if outcome is None:
@@ -267,6 +280,15 @@ class CompletionPool:
             else:
                 time.sleep(sleep_s)
                 sleep_s = min(sleep_s * 2, _POLL_MAX_S)
+
+    def _idle_wait_locked(self) -> None:
+        while not self._pending and not self._shutdown:
+            self._wait_locked(None)
+
+    def _wait_locked(self, timeout: float | None) -> None:
+        self._poller_wakes_at = float("inf") if timeout is None else time.monotonic() + timeout
+        self._lock.wait(timeout)
+        self._poller_wakes_at = 0.0
 
     def _check(self, item: _Item, now: float) -> BaseException | bool | None:
         """``True`` when ready, an exception when failed or timed out, ``None`` to keep waiting."""

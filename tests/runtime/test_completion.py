@@ -176,3 +176,23 @@ def test_discard_takes_an_item_back_before_the_pool_completes_it(pool):
     from concurrent.futures import Future
 
     assert not pool.discard(Future()), "a future the pool never made"
+
+
+def test_delayed_item_is_not_polled_before_it_is_due(pool):
+    polls: list[float] = []
+
+    def ready() -> bool:
+        polls.append(time.monotonic())
+        return True
+
+    start = time.monotonic()
+    future = pool.watch(ready, delay=0.2)
+    other = pool.watch(lambda: True)  # an undelayed item still completes at once
+    assert other.result(timeout=5) is None
+    assert not future.done() and not polls, "polled before it was due"
+    assert future.result(timeout=5) is None
+    assert polls and polls[0] - start >= 0.2
+    # The poller went idle in between: a delayed item still wakes it when due.
+    time.sleep(0.05)
+    late = pool.watch(lambda: True, delay=0.05)
+    assert late.result(timeout=5) is None
