@@ -562,6 +562,8 @@ class Engine(PairFaults):
         for peer in list(self._peers.values()):
             for kind in ("send", "recv"):
                 self._resolve(peer, kind)
+                if peer.channels[kind].unconfirmed:
+                    self._confirm(peer, kind)
         self._flush_links()  # headers out before the (slower) issuing: the peers wait for them
         for unit in list(self._units):
             if unit.state == "waiting" and self._issuable(unit):
@@ -579,9 +581,12 @@ class Engine(PairFaults):
                     self._send_header(peer, message)
             if message.header:
                 frame = channel.peer_headers.pop(message.seq, None)
-                if frame is None:
+                if frame is not None:
+                    self._agree(peer, channel, message, frame)
+                elif self._may_speculate(channel, message):
+                    self._speculate(peer, channel, message)
+                else:
                     return
-                self._agree(peer, channel, message, frame)
             else:
                 self._check_static(peer, channel, message)
             if peer.channels[kind] is not channel:
@@ -590,6 +595,48 @@ class Engine(PairFaults):
                 channel.waiting.popleft()
                 if message.static:
                     channel.static_candidates -= 1
+
+    def _may_speculate(self, channel: ChannelState, message: Message) -> bool:
+        return (
+            message.static
+            and channel.static_desc is not None
+            and self.ctx.transport(message.transport).static_speculates
+        )
+
+    def _speculate(self, peer: PeerState, channel: ChannelState, message: Message) -> None:
+        """Resolves a message of an agreed static channel before the peer's header arrived (see
+        ``Transport.static_speculates``): checked against the agreement now (a change faults the
+        pair before anything moves), issued without waiting, and done only once the peer's
+        header confirmed it (:meth:`_confirm`)."""
+        self._check_static(peer, channel, message)
+        if peer.channels[message.op.kind] is channel:  # no fault: it kept the promise
+            message.confirmed = False
+            channel.unconfirmed[message.seq] = message
+
+    def _confirm(self, peer: PeerState, kind: str) -> None:
+        """Checks the peer's headers of messages issued before they arrived."""
+        channel: ChannelState = peer.channels[kind]
+        for seq in [q for q in channel.unconfirmed if q in channel.peer_headers]:
+            message = channel.unconfirmed.pop(seq)
+            frame = channel.peer_headers.pop(seq)
+            theirs: Descriptor = tuple((d, tuple(s)) for d, s in frame["d"])
+            ours = message.desc
+            send_desc, recv_desc = (ours, theirs) if kind == "send" else (theirs, ours)
+            src, dst = (self.rank, peer.rank) if kind == "send" else (peer.rank, self.rank)
+            try:
+                if frame["t"] != message.transport:
+                    raise MismatchError(
+                        f"rank {src} -> rank {dst}: transport changed on a static channel",
+                        field="transport",
+                    )
+                compare(send_desc, recv_desc, src=src, dst=dst)
+            except MismatchError as exc:
+                # The peer broke the promise: our side is issued, so only a pair fault (which
+                # aborts the communicator) ends it. The peer faults the pair too.
+                err = MismatchError(f"static channel changed: {exc}", field=exc.field)
+                self._fault_pair(peer, err, notify=True)
+                return
+            message.confirmed = True
 
     def _agree(self, peer: PeerState, channel: ChannelState, message: Message, frame: dict) -> None:
         theirs: Descriptor = tuple((d, tuple(s)) for d, s in frame["d"])
@@ -612,11 +659,12 @@ class Engine(PairFaults):
                 self._fail_unit(unit, exc, cascade=True, skip_peer=None)
             self._retire(channel, message.seq)
             return
+        transport = self.ctx.transport(message.transport)
         if (
             message.static
             and frame["st"]
             and channel.static_desc is None
-            and self.ctx.transport(message.transport).static_skips_headers
+            and (transport.static_skips_headers or transport.static_speculates)
         ):
             channel.static_desc = ours
             channel.static_transport = message.transport
@@ -681,8 +729,14 @@ class Engine(PairFaults):
             return
         pending = list(unit.pending)
 
+        messages = unit.messages
+
         def ready() -> bool:
-            return all(p.ready() for p in pending) and (done_event is None or done_event.query())
+            return (
+                all(p.ready() for p in pending)
+                and (done_event is None or done_event.query())
+                and all(m.confirmed for m in messages)  # see _speculate
+            )
 
         future = self.ctx.completions.watch(
             ready,

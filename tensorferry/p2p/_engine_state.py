@@ -30,6 +30,7 @@ class Message:
     header: bool | None = None  # None: decided when the message reaches its channel's head
     header_sent: bool = False
     resolved: bool = False
+    confirmed: bool = True  # False while issued ahead of the peer's header (Engine._speculate)
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +65,7 @@ class ChannelState:
     retired: set[int] = field(default_factory=set)  # seqs issued or dropped, ahead of issue_next
     peer_headers: dict[int, dict] = field(default_factory=dict)
     static_candidates: int = 0  # waiting messages with static=True (may set an agreement)
+    unconfirmed: dict[int, Any] = field(default_factory=dict)  # seq -> Message issued ahead
 
 
 @dataclass(eq=False, slots=True)

@@ -135,7 +135,7 @@ class GlooTransport(Transport):
             self._pair(peer)
 
     def _key(self, peer: int) -> tuple[str, int, int]:
-        return ("gloo", *self.ctx.pair(peer))
+        return (self.name, *self.ctx.pair(peer))
 
     def _pair(self, peer: int) -> _GlooPair:
         key = self._key(peer)
@@ -148,7 +148,7 @@ class GlooTransport(Transport):
         def create() -> _GlooPair:
             import torch.distributed as dist
 
-            store = self.ctx.pair_store(peer, "gloo")
+            store = self.ctx.pair_store(peer, self.name)
             pg = dist.ProcessGroupGloo(store, self.ctx.rank_in_pair(peer), 2, self.ctx.timeout)
             return _GlooPair(
                 pg, 1 - self.ctx.rank_in_pair(peer), peer, epoch, self.ctx.timeout.total_seconds()
@@ -195,5 +195,5 @@ class GlooTransport(Transport):
             _graveyard.pop().close()
         cache = communicator_cache()
         for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
-            if isinstance(key, tuple) and key[:1] == ("gloo",) and self.ctx.rank in key[1:]:
+            if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:
                 cache.evict(key, abort=False, reason="shutdown")

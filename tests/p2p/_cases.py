@@ -15,6 +15,7 @@ import torch
 
 import tensorferry.p2p as tf
 from tensorferry.errors import MismatchError, PeerLostError, TransferTimeoutError
+from tensorferry.p2p._gloo import GlooTransport
 
 T = 20.0  # seconds: every wait in these cases is bounded
 
@@ -208,30 +209,79 @@ def all_gather(rank: int, world: int, stacked: bool) -> str:
 
 
 # ---------------------------------------------------------------------- static and mismatch
-def static_channel(rank: int, world: int, steps: int) -> str:
+def static_channel(rank: int, world: int, steps: int, transport: str = "auto") -> str:
     if rank > 1:
         return "idle"
     for step in range(steps):
+        data = payload(0, 1, 500 + step, (4, 4), torch.float32)
         if rank == 0:
-            tf.send(payload(0, 1, 500 + step, (4, 4), torch.float32), 1, static=True).wait(T)
+            tf.send(data, 1, static=True, transport=transport).wait(T)
         else:
-            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True).result(T)
-            assert same_bytes(got, payload(0, 1, 500 + step, (4, 4), torch.float32)), step
+            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, transport=transport).result(T)
+            assert same_bytes(got, data), step
     return "ok"
 
 
-def static_broken(rank: int, world: int) -> str | None:
-    """After the static agreement, the sender changes the shape: both sides must raise."""
+def static_broken(rank: int, world: int, transport: str = "auto", breaker: int = 0) -> str | None:
+    """After the static agreement, rank ``breaker`` (0 sends, 1 receives) changes the shape:
+    both sides must raise."""
     if rank > 1:
         return None
+    shape = (5, 4) if rank == breaker else (4, 4)
     try:
         if rank == 0:
-            tf.send(torch.zeros(5, 4, device=D()), 1, static=True).wait(T)
+            tf.send(torch.zeros(shape, device=D()), 1, static=True, transport=transport).wait(T)
         else:
-            tf.recv(tf.TensorSpec((4, 4)), 0, static=True).wait(T)
+            tf.recv(tf.TensorSpec(shape), 0, static=True, transport=transport).wait(T)
     except MismatchError as exc:
         return exc.field
     raise AssertionError("no MismatchError")
+
+
+class SpeculatingGloo(GlooTransport):
+    """Gloo that keeps every header and issues agreed static messages ahead of the peer's,
+    as NCCL does: the speculative path of the engine, on the CPU."""
+
+    name = "gloo-spec"
+    static_skips_headers = False
+    static_speculates = True
+
+
+def reset_pair_01(rank: int, world: int) -> str:
+    """Ranks 0 and 1 start their pair afresh (a static channel keeps its transport for good)."""
+    if rank > 1:
+        return "idle"
+    tf._api._reset_pair(1 - rank, timeout=T)
+    return "reset"
+
+
+def register_speculating_gloo(rank: int, world: int) -> bool:
+    if "gloo-spec" not in tf.registered_transports():
+        tf.register_transport("gloo-spec", SpeculatingGloo)
+    return True
+
+
+def speculative_issue(rank: int, world: int, transport: str) -> str:
+    """On an agreed static channel a receive is issued before the sender even called (no
+    header from it yet), and completes, with the right bytes, only once it sent."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return "idle"
+    store = _context.current().store
+    data = payload(0, 1, 600, (4, 4), torch.float32)
+    if rank == 0:
+        store.wait(["speculative_issue/posted"])
+        time.sleep(0.2)
+        tf.send(data, 1, static=True, transport=transport).wait(T)
+        return "sent"
+    got = poisoned((4, 4), torch.float32)
+    h = tf.recv(got, 0, static=True, transport=transport)
+    issued, done = h._issued.is_set(), h.done()
+    store.set("speculative_issue/posted", b"1")
+    h.wait(T)
+    assert same_bytes(got, data), "received bytes differ"
+    return f"issued {'ahead' if issued else 'late'}, {'done early' if done else 'done after'}"
 
 
 def mismatch(rank: int, world: int, kind: str) -> str | None:

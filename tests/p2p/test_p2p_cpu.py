@@ -120,6 +120,21 @@ def test_static_channel_then_change_raises_on_both_sides(pool):
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD
 
 
+def test_static_messages_issue_ahead_of_the_peers_header(pool):
+    # gloo-spec: gloo keeping every header, issuing agreed static messages ahead (as NCCL does).
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    for transport in ("gloo", "gloo-spec"):
+        assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
+        assert pool.run("static_channel", 2, transport)[:2] == ["ok", "ok"]
+        assert pool.run("speculative_issue", transport)[:2] == ["sent", "issued ahead, done after"]
+    # A broken promise on either side raises on both, and the channel starts over.
+    for breaker in (0, 1):
+        assert pool.run("static_broken", "gloo-spec", breaker)[:2] == ["shape", "shape"]
+        assert pool.run("static_channel", 3, "gloo-spec")[:2] == ["ok", "ok"]
+    assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
+    assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD
+
+
 @pytest.mark.parametrize("kind", ["count", "dtype", "shape"])
 def test_mismatch_raises_on_both_sides_and_pair_keeps_working(pool, kind):
     assert pool.run("mismatch", kind)[:2] == [kind, kind]
