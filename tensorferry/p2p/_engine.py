@@ -500,10 +500,10 @@ class Engine(PairFaults):
         # No agreement now, and none can come from an earlier message (or none ever skips this
         # transport's headers): a header is certain, so send it at once. This pipelines the
         # header round trips of back-to-back calls instead of paying one per message.
-        certain = channel.static_candidates == int(message.static) or (
-            not self.ctx.transport(message.transport).static_skips_headers
-        )
-        if channel.static_desc is None and certain:
+        skips = self.ctx.transport(message.transport).static_skips_headers
+        if not skips or (
+            channel.static_desc is None and channel.static_candidates == int(message.static)
+        ):
             message.header = True
             self._send_header(peer, message)
         self._ensure_link(peer)
@@ -573,7 +573,7 @@ class Engine(PairFaults):
         channel: ChannelState = peer.channels[kind]
         while channel.waiting:
             message: Message = channel.waiting[0]
-            if message.header is None:
+            if message.header is None:  # only where static agreements skip headers
                 if channel.static_desc is not None:
                     message.header = False
                 else:
@@ -732,10 +732,13 @@ class Engine(PairFaults):
         messages = unit.messages
 
         def ready() -> bool:
+            # Confirmation first: until the peer's header agreed with a message issued ahead of
+            # it (see _speculate), a transport error may just be the pair fault on its way, and
+            # that fault's error (a MismatchError, say) is the one to report.
             return (
-                all(p.ready() for p in pending)
+                all(m.confirmed for m in messages)
+                and all(p.ready() for p in pending)
                 and (done_event is None or done_event.query())
-                and all(m.confirmed for m in messages)  # see _speculate
             )
 
         future = self.ctx.completions.watch(

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +47,8 @@ from tensorferry.p2p._transport import P2POp, PendingOps, Transport
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["NcclTransport", "PACK_BELOW"]
+
+log = logging.getLogger(__name__)
 
 _TAG = 0
 # Tensors under this size in a message of several travel packed: one cat kernel and one NCCL
@@ -86,10 +90,19 @@ class _NativePair:
         return True  # the device work itself is covered by the layer's completion event
 
     def abort(self) -> None:
+        # On a thread of its own: ncclCommAbort may wait for the communicator's kernels to see
+        # the abort, and its caller holds the p2p engine (other peers' transfers go on).
         if not self._aborted:
             self._aborted = True
-            with contextlib.suppress(Exception):
-                self.lib.abort(self.comm)
+            threading.Thread(
+                target=self._abort_now, name="tensorferry-nccl-abort", daemon=True
+            ).start()
+
+    def _abort_now(self) -> None:
+        try:
+            self.lib.abort(self.comm)
+        except Exception:
+            log.warning("nccl: aborting a communicator failed", exc_info=True)
 
     def close(self) -> None:
         # Abort, not destroy: ncclCommAbort is local and never waits for the peer (which may

@@ -247,6 +247,40 @@ class SpeculatingGloo(GlooTransport):
     static_speculates = True
 
 
+def static_in_flight(rank: int, world: int, transport: str, count: int) -> str:
+    """Rank 0 fires ``count`` static sends at once while rank 1 receives them one by one, then
+    they ping-pong: every message of an agreed static channel is confirmed by the peer's
+    header, or its transfer never finishes. Rank 0's sends are numbered before the channel's
+    agreement, rank 1's after it."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return "idle"
+    tf._api._reset_pair(1 - rank, timeout=T)  # a fresh channel: the first message agrees
+    data = [payload(0, 1, 700 + i, (4, 4), torch.float32) for i in range(count)]
+    store = _context.current().store
+    if rank == 0:
+        handles = [tf.send(t, 1, static=True, transport=transport) for t in data]
+        store.set("static_in_flight/fired", b"1")
+        for h in handles:
+            h.wait(T)
+    else:
+        store.wait(["static_in_flight/fired"])  # all of rank 0's are numbered before agreement
+        for i, t in enumerate(data):
+            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, transport=transport).result(T)
+            assert same_bytes(got, t), i
+            time.sleep(0.005)
+    for i, t in enumerate(data):
+        if rank == 0:
+            tf.send(t, 1, static=True, transport=transport)
+            got = tf.recv(tf.TensorSpec((4, 4)), 1, static=True, transport=transport).result(T)
+        else:
+            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, transport=transport).result(T)
+            tf.send(got, 0, static=True, transport=transport)
+        assert same_bytes(got, t), i
+    return "ok"
+
+
 def reset_pair_01(rank: int, world: int) -> str:
     """Ranks 0 and 1 start their pair afresh (a static channel keeps its transport for good)."""
     if rank > 1:

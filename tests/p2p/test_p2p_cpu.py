@@ -127,6 +127,7 @@ def test_static_messages_issue_ahead_of_the_peers_header(pool):
         assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
         assert pool.run("static_channel", 2, transport)[:2] == ["ok", "ok"]
         assert pool.run("speculative_issue", transport)[:2] == ["sent", "issued ahead, done after"]
+        assert pool.run("static_in_flight", transport, 10)[:2] == ["ok", "ok"]
     # A broken promise on either side raises on both, and the channel starts over.
     for breaker in (0, 1):
         assert pool.run("static_broken", "gloo-spec", breaker)[:2] == ["shape", "shape"]
