@@ -106,8 +106,11 @@ class _NativePair:
 
     def close(self) -> None:
         # Abort, not destroy: ncclCommAbort is local and never waits for the peer (which may
-        # be gone at tf.shutdown, or closing at the same moment in the uncached bench).
-        self.abort()
+        # be gone at tf.shutdown, or closing at the same moment in the uncached bench). Here,
+        # with nothing in flight, on this thread: the process may exit right after.
+        if not self._aborted:
+            self._aborted = True
+            self._abort_now()
 
 
 class _GroupPair:
