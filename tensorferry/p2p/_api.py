@@ -123,9 +123,9 @@ def send(
         dst: the receiving rank (not this one).
         static: promise that every message on this channel (this rank → ``dst``) keeps these
             shapes and dtypes. Once both sides passed ``static=True`` and agreed, later
-            messages no longer wait for the peer's header: over gloo they skip it; over NCCL
-            they are issued at once and complete once the peer's header confirmed them. A
-            later change raises ``MismatchError`` on both sides (and resets the pair).
+            messages skip the header exchange on transports where that is safe (gloo; NCCL
+            keeps every header, see ``Transport.static_skips_headers``). A later change raises
+            ``MismatchError`` on both sides (and resets the pair).
         transport: ``"auto"`` (chosen by device and size), ``"nccl"``, ``"gloo"`` or any
             registered transport.
         timeout: seconds until the transfer fails with ``TransferTimeoutError`` (default: the
