@@ -154,8 +154,9 @@ class Engine(PairFaults):
         some virtual machines), and the GIL hand-over that comes with it.
         """
         with self._lock:
-            self._accept(unit)
-            self._handle(self._selector.select(0))
+            # What already arrived first (a fault notice moves the pair to its next epoch
+            # before this unit is numbered), then the unit.
+            self._handle(self._selector.select(0), accept=unit)
             left_waiting = unit.state == "waiting"
         if unit.deadline < self._wakes_at or (left_waiting and not self._watching_links):
             # The engine thread must expire it earlier than it planned to wake, or watch the
@@ -212,8 +213,11 @@ class Engine(PairFaults):
         while not self._stopping:
             with self._lock:  # a unit accepted from here on sees when this thread wakes
                 timeout = self._next_timeout()
-                watch_links = self._drivers == 0
-                if not watch_links:
+                # The peers' frames are for callers to read while they drive, and when nothing
+                # is in flight (the next call reads what came): this thread then stays asleep
+                # instead of taking turns at the GIL with them. It rechecks periodically.
+                watch_links = self._drivers == 0 and self._busy()
+                if self._drivers:
                     timeout = min(timeout, _DRIVEN_RECHECK_S)
                 self._watching_links = watch_links
                 self._wakes_at = time.monotonic() + timeout
@@ -241,7 +245,9 @@ class Engine(PairFaults):
         self._wake_r.close()
         self._wake_w.close()
 
-    def _handle(self, events: list) -> None:
+    def _handle(self, events: list, accept: Unit | None = None) -> None:
+        """One step of the engine: what woke it, queued commands, then ``accept`` (a unit
+        submitted now), then progress and deadlines."""
         for key, mask in events:
             try:
                 self._on_event(key, mask)
@@ -252,12 +258,23 @@ class Engine(PairFaults):
                 self._commands.popleft()()
             except Exception:
                 log.exception("p2p engine: command failed")
+        if accept is not None:
+            self._accept(accept)
         try:
             self._progress()
             self._expire(time.monotonic())
         except Exception:
             log.exception("p2p engine: progress failed")
         self._flush_links()
+
+    def _busy(self) -> bool:
+        """Something waits for the peers' frames: units (headers), transfers in flight (a fault
+        must end them promptly), a pair reset (the peer's reset notice)."""
+        return (
+            bool(self._units)
+            or any(u.state != "done" for u in self._issued)
+            or any(peer.reset_waiter is not None for peer in self._peers.values())
+        )
 
     def _next_timeout(self) -> float:
         if self._commands:
@@ -314,13 +331,18 @@ class Engine(PairFaults):
             peer = self._peers[rank] = PeerState(rank)
         return peer
 
-    def _send_frame(self, peer: PeerState, frame: dict) -> None:
+    def _send_frame(self, peer: PeerState, frame: dict, *, batch: bool = False) -> None:
+        """Sends ``frame`` now, or with ``batch`` at the next :meth:`_flush_links` (headers:
+        those of one engine step leave in one write). Fault and reset notices go at once: the
+        peer must see them before anything the caller does after its transfer failed."""
         if peer.link is None:
             peer.outbox.append(frame)
             self._ensure_link(peer)
             return
         peer.link.queue(frame)
         self._unflushed.add(peer.link)
+        if not batch:
+            self._flush_links()
 
     def _flush_links(self) -> None:
         """Writes the frames queued since the last flush: one system call per link for all the
@@ -519,7 +541,7 @@ class Engine(PairFaults):
             "st": message.static,
             "t": message.transport,
         }
-        self._send_frame(peer, frame)
+        self._send_frame(peer, frame, batch=True)
 
     def _ensure_prepared(self, peer: PeerState, transport: str, kind: str) -> None:
         key = (transport, kind)

@@ -49,9 +49,15 @@ class PairFaults:
                 pending.abort()
             except Exception:
                 log.exception("p2p: abort of pending ops failed")
+        if cascade:
+            self._cascade(unit, exc, was_issued=was_issued, skip_peer=skip_peer)
+        # Last: the caller learns of the failure only once the peers were told (its next call
+        # must not meet the peer still in the old epoch).
         self._finish(unit, exc)
-        if not cascade:
-            return
+
+    def _cascade(
+        self, unit: Unit, exc: BaseException, *, was_issued: bool, skip_peer: int | None
+    ) -> None:
         # The peers of a failed unit may have issued their side (or will, on agreed headers):
         # fault those pairs so both sides start afresh. A lone symmetric mismatch needs none.
         for rank in sorted(unit.peers):
