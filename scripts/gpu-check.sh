@@ -2,7 +2,8 @@
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
-#   trace-overlap graph graph-bench overlap demo sendrecv
+#   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks allgather
+# p2p-ranks and allgather use every GPU of the machine (one rank each): the N-rank runs.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ printf '#!/bin/sh\nexec python3 -m tensorferry.cli.main "$@"\n' >/tmp/tf-bin/ten
 command -v python >/dev/null || ln -sf "$(command -v python3)" /tmp/tf-bin/python
 chmod +x /tmp/tf-bin/tensorferry && export PATH=/tmp/tf-bin:$PATH
 SOCKET=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")  # ranks of the N-rank steps
 R=$LOGS/results
 summary=()
 step() {  # step NAME LIMIT_S COMMAND...
@@ -57,6 +59,9 @@ for s in $steps; do
     ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;
     ce-tests) step ce-tests 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       tests/nvlink/_worker.py ce ;;
+    p2p-ranks) step p2p-ranks 240 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
+    allgather) step allgather 240 tensorferry bench allgather --out "$R" ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;

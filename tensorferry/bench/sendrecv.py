@@ -27,11 +27,19 @@ DEFAULT_TRANSPORTS = "nccl,nccl-4,nvlink,nvlink-4,nvlink-zc,ce,auto"
 
 
 def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix):
-            return int(float(text[:-1]) * mult)
-    return int(text)
+    raw = text.strip().upper()
+    try:
+        for suffix, mult in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+            if raw.endswith(suffix):
+                value = int(float(raw[:-1]) * mult)
+                break
+        else:
+            value = int(raw)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a byte count like 4096, 64K, 1M or 1G") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_sizes(text: str) -> list[int]:
+    """``"256,4K,1M"`` as byte counts. Raises ValueError naming a bad entry."""
     return [_parse_size(s) for s in text.split(",") if s.strip()]
 
 

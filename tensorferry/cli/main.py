@@ -26,6 +26,7 @@ BENCHMARKS = {
     "toy": ("tensorferry.bench.toy", "toy programs: cached vs uncached communicators"),
     "batch": ("tensorferry.bench.batch", "64 small tensors: one batch vs separate calls"),
     "sendrecv": ("tensorferry.bench.sendrecv", "send/recv bandwidth and latency vs NCCL"),
+    "allgather": ("tensorferry.bench.allgather", "ring all-gather vs torch's, any world size"),
     "overlap": ("tensorferry.bench.overlap", "graph overlap off/on vs hand-written streams"),
     "graph": ("tensorferry.bench.graph", "per-execute overhead of compiled graphs"),
 }

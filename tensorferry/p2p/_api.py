@@ -99,6 +99,7 @@ def _submit(
     event = _caller_event(messages) if caller_event is True else caller_event
     unit = Unit(messages, transfer, deadline, caller_event=event, after=after)
     if after is not None:
+        after.awaited = True
         unit.after_issued_is_enough = all(m.op.tensors[0].is_cuda for m in messages) and all(
             m.op.tensors[0].is_cuda for m in after.messages
         )

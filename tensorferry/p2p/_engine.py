@@ -801,6 +801,8 @@ class Engine(PairFaults):
         unit.state = "done"
         if not unit.transfer._finish_if_no_callbacks():
             self._finish(unit, None)  # user callbacks: on a completion-pool worker
+        if unit.awaited:
+            self._wake()  # a unit waits for this one (a ring's next step): issue it now
 
     def _retire(self, channel: ChannelState, seq: int) -> None:
         channel.retired.add(seq)

@@ -49,6 +49,8 @@ class Unit:
     """A unit that must finish first (a ring step reads what the previous step received)."""
     after_issued_is_enough: bool = False
     """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
+    awaited: bool = False
+    """A later unit waits for this one to finish (its ``after``): finishing wakes the engine."""
 
     @property
     def peers(self) -> set[int]:

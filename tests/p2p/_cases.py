@@ -208,6 +208,38 @@ def all_gather(rank: int, world: int, stacked: bool) -> str:
     return "ok"
 
 
+def all_gather_matches_torch(rank: int, world: int, numel: int, dtype_name: str) -> str:
+    """``tf.ring_all_gather`` against ``torch.distributed.all_gather_into_tensor`` on the default
+    process group, byte for byte (on CPU copies when that group is gloo). Needs
+    ``torch.distributed`` initialised (the torchrun suite)."""
+    import torch.distributed as dist
+
+    dtype = getattr(torch, dtype_name)
+    inp = payload(rank, rank, 88, (numel,), dtype)
+    out = poisoned((world * numel,), dtype)
+    tf.ring_all_gather(out, inp).wait(T)
+    on_cpu = dist.get_backend() != "nccl"
+    ref_inp = inp.cpu() if on_cpu else inp
+    ref = torch.empty(world * numel, dtype=dtype, device=ref_inp.device)
+    dist.all_gather_into_tensor(ref, ref_inp)
+    assert same_bytes(out.cpu(), ref.cpu()), "ring all-gather differs from torch's"
+    return "ok"
+
+
+def disjoint_pairs_both_ways(rank: int, world: int, numel: int, rounds: int) -> str:
+    """Ranks (0, 1), (2, 3), …: every pair swaps a message both ways at once (``sendrecv``), all
+    pairs at the same time; a rank without a partner idles."""
+    partner = rank ^ 1
+    if partner >= world:
+        return "idle"
+    for step in range(rounds):
+        out = payload(rank, partner, 91 + step, (numel,), torch.float32)
+        got = poisoned((numel,), torch.float32)
+        tf.sendrecv(out, partner, got, partner).wait(T)
+        assert same_bytes(got, payload(partner, rank, 91 + step, (numel,), torch.float32)), step
+    return "ok"
+
+
 # ---------------------------------------------------------------------- static and mismatch
 def static_channel(rank: int, world: int, steps: int, transport: str = "auto") -> str:
     if rank > 1:

@@ -87,6 +87,20 @@ def test_bench_batch_cpu(tmp_path, capsys):
     assert "command:" in md and "torch:" in md
 
 
+def test_bench_allgather_cpu(tmp_path, capsys):
+    # 3 ranks: the ring's output is checked byte for byte against torch's before timing.
+    argv = ["bench", "allgather", "--world", "3", "--sizes", "4K,68", "--iters", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("tf ring (gloo)") == 2 and text.count("torch all_gather_into_tensor") == 2
+    csv_rows = next(p for p in tmp_path.iterdir() if p.suffix == ".csv").read_text().splitlines()
+    assert len(csv_rows) == 1 + 4 and all(",3," in row for row in csv_rows[1:])
+    with pytest.raises(SystemExit, match="multiples of 4"):
+        main(["bench", "allgather", "--sizes", "6"])
+    with pytest.raises(SystemExit, match="byte count"):
+        main(["bench", "allgather", "--sizes", "lots"])
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_packing_round_trips_every_byte(mixed):
     from tensorferry.p2p._packing import pack, unpack
