@@ -640,18 +640,8 @@ class Engine(PairFaults):
         channel: ChannelState = peer.channels[kind]
         for seq in [q for q in channel.unconfirmed if q in channel.peer_headers]:
             message = channel.unconfirmed.pop(seq)
-            frame = channel.peer_headers.pop(seq)
-            theirs: Descriptor = tuple((d, tuple(s)) for d, s in frame["d"])
-            ours = message.desc
-            send_desc, recv_desc = (ours, theirs) if kind == "send" else (theirs, ours)
-            src, dst = (self.rank, peer.rank) if kind == "send" else (peer.rank, self.rank)
             try:
-                if frame["t"] != message.transport:
-                    raise MismatchError(
-                        f"rank {src} -> rank {dst}: transport changed on a static channel",
-                        field="transport",
-                    )
-                compare(send_desc, recv_desc, src=src, dst=dst)
+                self._compare_header(peer, message, channel.peer_headers.pop(seq))
             except MismatchError as exc:
                 # The peer broke the promise: our side is issued, so only a pair fault (which
                 # aborts the communicator) ends it. The peer faults the pair too.
@@ -660,20 +650,25 @@ class Engine(PairFaults):
                 return
             message.confirmed = True
 
-    def _agree(self, peer: PeerState, channel: ChannelState, message: Message, frame: dict) -> None:
+    def _compare_header(self, peer: PeerState, message: Message, frame: dict) -> None:
+        """Raises :class:`MismatchError` naming the first field where ``message`` and the peer's
+        header ``frame`` for it differ (both sides compare the same pair, so both raise it)."""
         theirs: Descriptor = tuple((d, tuple(s)) for d, s in frame["d"])
         ours = message.desc
         send_desc, recv_desc = (ours, theirs) if message.op.kind == "send" else (theirs, ours)
         src, dst = (self.rank, peer.rank) if message.op.kind == "send" else (peer.rank, self.rank)
+        if frame["t"] != message.transport:
+            raise MismatchError(
+                f"rank {src} -> rank {dst}: transports differ: rank {self.rank} uses "
+                f"{message.transport!r}, rank {peer.rank} uses {frame['t']!r}",
+                field="transport",
+            )
+        compare(send_desc, recv_desc, src=src, dst=dst)
+
+    def _agree(self, peer: PeerState, channel: ChannelState, message: Message, frame: dict) -> None:
         message.resolved = True
         try:
-            if frame["t"] != message.transport:
-                raise MismatchError(
-                    f"rank {src} -> rank {dst}: transports differ: rank {self.rank} uses "
-                    f"{message.transport!r}, rank {peer.rank} uses {frame['t']!r}",
-                    field="transport",
-                )
-            compare(send_desc, recv_desc, src=src, dst=dst)
+            self._compare_header(peer, message, frame)
         except MismatchError as exc:
             unit = self._unit_of(message)
             if unit is not None:
@@ -688,7 +683,7 @@ class Engine(PairFaults):
             and channel.static_desc is None
             and (transport.static_skips_headers or transport.static_speculates)
         ):
-            channel.static_desc = ours
+            channel.static_desc = message.desc
             channel.static_transport = message.transport
 
     def _check_static(self, peer: PeerState, channel: ChannelState, message: Message) -> None:
