@@ -87,25 +87,11 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- in each rank
 def _worker(rank: int, world: int, config: dict) -> dict:
-    import datetime
-
-    import torch.distributed as dist
-
     import tensorferry.p2p as tf
+    from tensorferry.p2p._launch import torch_group
 
-    ctx = tf._context.current()
-    dist.init_process_group(
-        "nccl" if ctx.device.type == "cuda" else "gloo",
-        store=dist.PrefixStore("bench/allgather/torch", ctx.store),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-        **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
-    )
-    try:
-        return _measure(rank, world, ctx.device, config)
-    finally:
-        dist.destroy_process_group()
+    with torch_group("bench/allgather/torch", timeout_s=300):
+        return _measure(rank, world, tf._context.current().device, config)
 
 
 def _measure(rank: int, world: int, device: Any, config: dict) -> dict:

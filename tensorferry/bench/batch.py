@@ -112,28 +112,11 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- in each rank
 def _worker(rank: int, world: int, config: dict) -> dict:
-    import datetime
-
-    import torch.distributed as dist
-
     import tensorferry.p2p as tf
+    from tensorferry.p2p._launch import torch_group
 
-    ctx = tf._context.current()
-    device = ctx.device
-    peer = 1 - rank
-    store = dist.PrefixStore("bench/batch/torch", ctx.store)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-        **({"device_id": device} if device.type == "cuda" else {}),
-    )
-    try:
-        return _measure(rank, peer, device, config)
-    finally:
-        dist.destroy_process_group()
+    with torch_group("bench/batch/torch", timeout_s=120):
+        return _measure(rank, 1 - rank, tf._context.current().device, config)
 
 
 def _sync(device: Any) -> None:

@@ -7,14 +7,15 @@ starts its own two processes.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["under_torchrun", "run_world"]
+__all__ = ["under_torchrun", "run_world", "torch_group"]
 
 
 def under_torchrun() -> bool:
@@ -116,3 +117,30 @@ def run_world(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+@contextlib.contextmanager
+def torch_group(name: str, timeout_s: float) -> Iterator[None]:
+    """``torch.distributed``'s default process group beside this rank's p2p context, for a
+    benchmark to compare with: same ranks, same store (under ``name``), NCCL on a GPU rank and
+    gloo on a CPU one. Destroyed on exit."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tensorferry.p2p import _context
+
+    ctx = _context.current()
+    cuda = ctx.device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.PrefixStore(name, ctx.store),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": ctx.device} if cuda else {}),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
