@@ -55,7 +55,8 @@ def _message(
     else:
         items, single = as_recv_list(tensors, ctx.device, what)
     name = ctx.choose(transport, peer, items)
-    message = Message(P2POp(kind, peer, items), name, describe(items), static)  # type: ignore[arg-type]
+    desc = describe(items)
+    message = Message(P2POp(kind, peer, items, desc), name, desc, static)  # type: ignore[arg-type]
     return message, single
 
 

@@ -21,15 +21,18 @@ behaviour and more host time per call.
 ``start`` issues every message of a call in one direction with one peer as ONE NCCL group,
 enqueued on the transfer's stream (after the caller's work, before the layer's completion
 event): NCCL launches the whole group as one kernel. Tensors travel as bytes, so every dtype
-works. Tensors under :data:`PACK_BELOW` of a message with several of them are packed (one
-``cat`` on the sender, one ``_foreach_copy_`` on the receiver, both on the transfer's stream). A
-call with several peers, or both directions, issues one group per direction and peer.
+works. Tensors under :data:`PACK_BELOW` of a message with several of them are packed, on the
+transfer's stream: into a buffer kept for that layout and direction (:mod:`._staging`: one
+``_foreach_copy_`` per dtype each way), or, for a layout whose tensors cannot be viewed in such
+a buffer, into a fresh one (one ``cat`` on the sender, one ``_foreach_copy_`` on the receiver).
+A call with several peers, or both directions, issues one group per direction and peer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -42,7 +45,8 @@ from tensorferry.errors import TransferTimeoutError, TransportError
 from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
-from tensorferry.p2p._transport import P2POp, PendingOps, Transport
+from tensorferry.p2p._staging import Staging, StagingCache, layout_plan
+from tensorferry.p2p._transport import P2POp, PendingOps, Transport, TransportContext
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["NcclTransport", "PACK_BELOW"]
@@ -160,6 +164,10 @@ class NcclTransport(Transport):
     # 2 × H200 and the cause is not found; every NCCL message waits for the peer's header.
     static_speculates = False
 
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._staging = StagingCache()
+
     def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
         # ~20 µs per group call, ~350 GB/s for large messages (H200 NVLink, GPU.md).
         return 20e-6 + nbytes / 350e9
@@ -238,7 +246,7 @@ class NcclTransport(Transport):
         for op in ops:
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
         device = self.ctx.device
-        started, keep, to_unpack = [], [], []
+        started, keep, to_unpack, used = [], [], [], []
         cache = communicator_cache()
         for (src, dst), peer_ops in by_direction.items():
             pair = cache.get(self._key(src, dst))
@@ -246,6 +254,17 @@ class NcclTransport(Transport):
                 raise TransportError(f"nccl: the direction rank {src} → {dst} is not prepared")
             wire: list[tuple[str, torch.Tensor]] = []
             for op in peer_ops:
+                staging = self._staging_for(op, src, dst)
+                if staging is not None and staging not in used:  # once per group
+                    used.append(staging)
+                    staging.claim(stream)
+                    if op.kind == "send":
+                        staging.pack(op.tensors)  # on `stream`: after the caller's writes
+                    else:
+                        to_unpack.append(functools.partial(staging.unpack, op.tensors))
+                    wire.append((op.kind, staging.buffer))
+                    wire.extend((op.kind, as_bytes(op.tensors[i])) for i in staging.alone)
+                    continue
                 packed_idx, alone_idx = wire_plan(op.tensors, pack_below=PACK_BELOW)
                 if packed_idx:
                     small = [op.tensors[i] for i in packed_idx]
@@ -254,16 +273,29 @@ class NcclTransport(Transport):
                     else:
                         total = sum(t.numel() * t.element_size() for t in small)
                         buf = torch.empty(total, dtype=torch.uint8, device=device)
-                        to_unpack.append((buf, small))
+                        to_unpack.append(functools.partial(unpack, buf, small))
                     wire.append((op.kind, buf))
                     keep.append(buf)
                 wire.extend((op.kind, as_bytes(op.tensors[i])) for i in alone_idx)
             if not wire:
                 continue  # only empty tensors: nothing to move (both sides agree on that)
             started.append((pair, pair.enqueue(wire, stream)))
-        for buf, targets in to_unpack:
-            unpack(buf, targets)  # on `stream`, after the group
+        for finish in to_unpack:
+            finish()  # on `stream`, after the group
+        for staging in used:
+            staging.release(stream)
         return _NcclPending(started, keep)
+
+    def _staging_for(self, op: P2POp, src: int, dst: int) -> Staging | None:
+        """The reused packing buffer of this op's layout and direction, or ``None`` when its
+        small tensors are packed afresh (no layout given, nothing to pack, or a layout whose
+        tensors cannot be viewed in place)."""
+        if op.layout is None:
+            return None
+        plan = layout_plan(op.layout, pack_below=PACK_BELOW)
+        if not plan.groups or not plan.aligned:
+            return None
+        return self._staging.get((src, dst, op.layout), plan, op.layout, self.ctx.device)
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
         cache = communicator_cache()
@@ -271,6 +303,7 @@ class NcclTransport(Transport):
             cache.evict(self._key(*self._ends(peer, kind)), abort=abort, reason=reason)
 
     def close(self) -> None:
+        self._staging.clear()
         cache = communicator_cache()
         for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
             if isinstance(key, tuple) and key[:1] == ("nccl",) and self.ctx.rank in key[1:]:

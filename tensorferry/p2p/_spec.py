@@ -168,6 +168,8 @@ def as_recv_list(
         )
     if not items:
         raise ValueError(f"{what} is an empty list: nothing to transfer")
+    if all(type(item) is torch.Tensor for item in items):  # buffers given: the one-pass check
+        return _check_tensors(items, device, what), single
     out = []
     for i, item in enumerate(items):
         if isinstance(item, TensorSpec):

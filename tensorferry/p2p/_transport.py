@@ -117,11 +117,14 @@ class P2POp:
         peer: the other side's global rank (never our own).
         tensors: contiguous tensors on the transport's device; for ``"recv"`` they are written.
             Their shapes and dtypes equal the peer's, in order (verified by the layer).
+        layout: the tensors' ``(dtype name, shape)`` descriptor when the layer made it (equal
+            on both sides), else ``None``; transports may key per-layout caches on it.
     """
 
     kind: Literal["send", "recv"]
     peer: int
     tensors: tuple[torch.Tensor, ...]
+    layout: Any = None
 
     @property
     def nbytes(self) -> int:

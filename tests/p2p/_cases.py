@@ -196,6 +196,49 @@ def many_small_batch(rank: int, world: int, count: int) -> str:
     return "ok"
 
 
+def _layout(rank: int, peer: int, tag: int, unaligned: bool) -> list[torch.Tensor]:
+    """Small tensors of two dtypes (packed) around one large one (sent alone); ``unaligned``
+    puts a float32 at an odd byte offset of the packed part."""
+    specs = [((256,), torch.float32)] * 40 + [((70_000,), torch.float32)]
+    specs += [((5,), torch.bfloat16)] * 3
+    if unaligned:
+        specs = [((17,), torch.uint8), ((3,), torch.float32), *specs]
+    return [payload(rank, peer, tag * 100 + i, s, d) for i, (s, d) in enumerate(specs)]
+
+
+def repeated_layouts(rank: int, world: int, rounds: int) -> str:
+    """Ranks 0 and 1 swap the same layouts round after round, fresh data each time: through
+    ``sendrecv`` one round and separate calls the next (another CUDA stream), twice in one batch
+    (one group), and with a layout whose packed tensors sit at unaligned offsets."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    for r in range(rounds):
+        for unaligned in (False, True):
+            tag = 2 * r + unaligned
+            into = [poisoned(t.shape, t.dtype) for t in _layout(peer, rank, tag, unaligned)]
+            mine = _layout(rank, peer, tag, unaligned)
+            if r % 2 == 0:
+                tf.sendrecv(mine, peer, into, peer).wait(T)
+            else:
+                received = tf.recv(into, peer)
+                tf.send(mine, peer).wait(T)
+                received.wait(T)
+            want = _layout(peer, rank, tag, unaligned)
+            assert all(same_bytes(a, b) for a, b in zip(into, want, strict=True)), (r, unaligned)
+    # Two messages of one layout in one group: they must not share a packing buffer.
+    into = [[poisoned(t.shape, t.dtype) for t in _layout(peer, rank, 0, False)] for _ in "ab"]
+    with tf.batch() as b:
+        for i, target in enumerate(into):
+            b.send(_layout(rank, peer, 500 + i, False), peer)
+            b.recv(target, peer)
+    b.wait(T)
+    for i, target in enumerate(into):
+        want = _layout(peer, rank, 500 + i, False)
+        assert all(same_bytes(a, b) for a, b in zip(target, want, strict=True)), i
+    return "ok"
+
+
 def all_gather(rank: int, world: int, stacked: bool) -> str:
     shape = (3, 5)
     inp = payload(rank, rank, 77, shape, torch.float32)

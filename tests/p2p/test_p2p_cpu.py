@@ -105,6 +105,10 @@ def test_many_small_tensors_batched_and_separate(pool):
     assert pool.run("many_small_batch", 64)[:2] == ["sent", "ok"]
 
 
+def test_repeated_layouts_keep_every_byte(pool):
+    assert pool.run("repeated_layouts", 3)[:2] == ["ok", "ok"]
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 def test_ring_all_gather(pool, stacked):
     assert pool.run("all_gather", stacked) == ["ok"] * WORLD

@@ -57,6 +57,7 @@ def test_mixed_batch(pool):
 
 def test_many_small_tensors_packed(pool):
     assert pool.run("many_small_batch", 64) == ["sent", "ok"]
+    assert pool.run("repeated_layouts", 4) == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("stacked", [False, True])

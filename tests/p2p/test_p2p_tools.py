@@ -120,6 +120,84 @@ def test_packing_round_trips_every_byte(mixed):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def _random_message(gen: torch.Generator) -> list[torch.Tensor]:
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+    out = []
+    for _ in range(int(torch.randint(1, 12, (1,), generator=gen))):
+        dtype = dtypes[int(torch.randint(0, len(dtypes), (1,), generator=gen))]
+        numel = int(torch.randint(0, 40, (1,), generator=gen)) ** 2  # 0 to 1521 elements
+        out.append(torch.randint(0, 2, (numel,), generator=gen).to(dtype))
+    return out
+
+
+def test_layout_plan_sends_what_the_fresh_packing_sends():
+    """A side packing through a kept buffer and a side packing afresh must put the same bytes
+    on the wire: same tensors packed, in the same order, and the same ones alone."""
+    from tensorferry.p2p._packing import wire_plan
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._staging import LayoutPlan
+
+    gen = torch.Generator().manual_seed(3)
+    aligned_seen = unaligned_seen = 0
+    for _ in range(300):
+        tensors = _random_message(gen)
+        packed, alone = wire_plan(tensors, pack_below=2048)
+        plan = LayoutPlan(describe(tensors), pack_below=2048)
+        members = sorted((offset, i) for group in plan.groups.values() for i, offset in group)
+        assert [i for _, i in members] == packed and plan.alone == alone
+        sizes = [tensors[i].nbytes for i in packed]
+        assert [offset for offset, _ in members] == [sum(sizes[:k]) for k in range(len(sizes))]
+        assert plan.packed_bytes == sum(sizes)
+        expect_aligned = all(offset % tensors[i].element_size() == 0 for offset, i in members)
+        assert plan.aligned == expect_aligned
+        aligned_seen += expect_aligned and bool(packed)
+        unaligned_seen += not expect_aligned
+    assert aligned_seen > 20 and unaligned_seen > 20  # both kinds were exercised
+
+
+def test_staging_buffer_round_trips_every_byte_and_matches_fresh_packing():
+    from tensorferry.p2p._packing import pack
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._staging import LayoutPlan, Staging
+
+    gen = torch.Generator().manual_seed(11)
+    tensors = [torch.randn(256, generator=gen) for _ in range(5)]
+    tensors += [torch.randn(70_000, generator=gen), torch.randint(-5, 5, (9,), generator=gen)]
+    tensors += [torch.randn(2, generator=gen), torch.randn(3, 7, generator=gen).bfloat16()]
+    layout = describe(tensors)
+    plan = LayoutPlan(layout, pack_below=4096)
+    assert plan.aligned and plan.alone == [5]
+    staging = Staging(plan, layout, torch.device("cpu"))
+    for round_ in range(3):  # the buffer is reused: each round's bytes replace the last
+        data = [t + round_ for t in tensors]
+        staging.pack(data)
+        assert torch.equal(staging.buffer, pack([data[i] for i in range(len(data)) if i != 5]))
+        targets = [torch.full_like(t, 99) for t in data]  # poisoned
+        staging.unpack(targets)
+        for i, (got, want) in enumerate(zip(targets, data, strict=True)):
+            if i == 5:  # travels alone: not the staging buffer's business
+                assert torch.equal(got, torch.full_like(want, 99))
+            else:
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (round_, i)
+
+
+def test_staging_cache_keeps_the_most_recent_layouts():
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._staging import LayoutPlan, StagingCache
+
+    cache = StagingCache(capacity=2)
+    cpu = torch.device("cpu")
+    layouts = [describe([torch.zeros(n), torch.zeros(n)]) for n in (1, 2, 3)]
+    plans = [LayoutPlan(layout, pack_below=1024) for layout in layouts]
+    first = cache.get("a", plans[0], layouts[0], cpu)
+    assert cache.get("a", plans[0], layouts[0], cpu) is first
+    cache.get("b", plans[1], layouts[1], cpu)
+    cache.get("a", plans[0], layouts[0], cpu)  # "a" is now the most recent
+    cache.get("c", plans[2], layouts[2], cpu)  # drops "b"
+    assert len(cache) == 2 and cache.get("a", plans[0], layouts[0], cpu) is first
+    assert cache.get("b", plans[1], layouts[1], cpu).buffer.numel() == 16  # made again
+
+
 def test_transfer_latch_releases_every_waiter_and_tolerates_races():
     import threading
     import time
