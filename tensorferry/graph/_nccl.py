@@ -1,7 +1,17 @@
 """GPU tensor edges between actors: the link that moves tensors over NCCL.
 
 SWITCH POINT. This is the one place that decides how GPU tensors travel between actor
-processes. Today it is ``torch.distributed`` NCCL ``isend``/``irecv`` (:class:`TorchNcclLink`).
+processes. :func:`make_link` returns
+
+- :class:`DirectNcclLink` when the NCCL library can be loaded (``tensorferry.p2p._nccl_lib``)
+  and ``TENSORFERRY_NCCL_CALLS`` is ``direct`` (the default): the library called through
+  ``ctypes``, with communicators of the link's own. A send is three short library calls that
+  enqueue NCCL's kernel on the current stream; ``ProcessGroupNCCL`` wraps every operation in a
+  work object, CUDA events, a watchdog entry and a stream of its own, about 80 µs of host time
+  per send on the GPU machine — more than a small transfer.
+- :class:`TorchNcclLink` otherwise (``TENSORFERRY_NCCL_CALLS=torch``, or no library to load):
+  ``torch.distributed`` NCCL ``isend``/``irecv``, one process group per graph.
+
 ``tensorferry.p2p`` offers the same service (``send``/``recv`` returning ``Transfer`` handles with
 ``wait_stream``) plus the ``nvlink`` and ``ce`` transports; to move onto it, implement
 :class:`GpuLink` with it and return that from :func:`make_link`. Nothing else in the graph
@@ -10,21 +20,48 @@ layer knows which library is underneath.
 Ordering contract a link keeps (what :mod:`tensorferry.graph._gpu` relies on): ``send`` and
 ``recv`` are called with the stream that orders the transfer as the *current* stream; the
 transfer starts after the work already queued there; the returned handle's ``wait()`` makes the
-current stream wait for the transfer on the device, without blocking the host.
+current stream wait for the transfer on the device, without blocking the host. The caller keeps
+each tensor's memory for the stream until the transfer is done (``record_stream``, or memory
+allocated on that stream).
+
+:class:`DirectNcclLink` has one communicator per direction of each pair of ranks that exchange
+tensors (as ``tensorferry.p2p._nccl`` explains): a communicator runs its operations in the order
+each rank issued them, and a rank's sends and receives with one peer are issued on different
+streams in orders the two ranks do not share; on one communicator for both directions, a
+receive queued ahead of a send on one rank and the reverse on the other would wait for each
+other forever.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["GpuLink", "NcclSetup", "TorchNcclLink", "host_store", "make_link"]
+from tensorferry import envs
+from tensorferry.errors import TransferTimeoutError
+from tensorferry.p2p._nccl_lib import NcclLibrary
+from tensorferry.p2p._nccl_lib import library as nccl_library
+
+__all__ = [
+    "GpuLink",
+    "NcclSetup",
+    "DirectNcclLink",
+    "TorchNcclLink",
+    "host_store",
+    "make_link",
+]
 
 log = logging.getLogger(__name__)
+
+# Ranks within a direction's two-rank communicator: the sending actor is 0, the receiving one 1.
+_SENDER = 0
+_RECEIVER = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +112,9 @@ class TorchNcclLink:
 
         self._dist = dist
         timeout = datetime.timedelta(seconds=setup.timeout_s)
-        store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, timeout=timeout)
-        store = dist.PrefixStore(setup.prefix, store)
         dist.init_process_group(
             "nccl",
-            store=store,
+            store=_driver_store(setup),
             rank=setup.rank,
             world_size=setup.world_size,
             timeout=timeout,
@@ -113,6 +148,205 @@ class TorchNcclLink:
             self._dist.destroy_process_group()
 
 
+class _OnStream:
+    """Handle of a :class:`DirectNcclLink` transfer. Its NCCL operation was enqueued on the
+    current stream itself, so everything queued there afterwards already runs after it:
+    ``wait()`` has nothing left to order (``ProcessGroupNCCL`` needs it because it runs the
+    operation on a stream of its own)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+
+_ON_STREAM = _OnStream()
+
+
+class DirectNcclLink:
+    """NCCL point-to-point called directly: one two-rank communicator per direction of each
+    pair in ``setup.pairs`` that this rank belongs to, made and connected in the constructor.
+
+    Issuing is not thread-safe: the actor's schedule thread makes every call.
+
+    Args:
+        setup: rank, the pairs and where the store is.
+        device: this actor's CUDA device.
+        lib: the NCCL library (:func:`tensorferry.p2p._nccl_lib.library`).
+        store: the store the unique ids travel through, already under ``setup.prefix``; by
+            default the driver's TCP store, connected here.
+
+    Raises:
+        TransferTimeoutError: a peer's unique id or its first transfer did not come within
+            ``setup.timeout_s``.
+    """
+
+    def __init__(
+        self,
+        setup: NcclSetup,
+        device: torch.device,
+        lib: NcclLibrary,
+        *,
+        store: Any = None,
+    ) -> None:
+        self._lib = lib
+        self._rank = setup.rank
+        self._device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._timeout_s = setup.timeout_s
+        self._peer_comms: dict[int, tuple[int, int]] = {}
+        """Peer rank to (communicator this rank sends on, communicator it receives on)."""
+        self._opened: list[int] = []
+        """Every communicator made, for ``close``."""
+        self._warm_up_stream: Any = None
+        if store is None:
+            store = _driver_store(setup)
+        try:
+            # Both ranks of a pair walk the pairs in one global order, low → high before
+            # high → low within a pair, so no two ranks wait on each other while creating
+            # (see TorchNcclLink._warm_up).
+            for low, high in setup.pairs:
+                if self._rank not in (low, high):
+                    continue
+                peer = high if self._rank == low else low
+                comms = {
+                    src: self._open_direction(store, src, dst)
+                    for src, dst in ((low, high), (high, low))
+                }
+                self._peer_comms[peer] = (comms[self._rank], comms[peer])
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "rank %d: direct NCCL links to ranks %s ready", self._rank, sorted(self._peer_comms)
+        )
+
+    def _open_direction(self, store: Any, src: int, dst: int) -> int:
+        """Makes the communicator that carries ``src`` → ``dst`` and runs its first transfer."""
+        sending = src == self._rank
+        peer = dst if sending else src
+        key = f"nccl/{src}-to-{dst}"
+        if sending:
+            unique_id = self._lib.unique_id()
+            store.set(key, unique_id)
+        else:
+            try:
+                unique_id = bytes(store.get(key))  # waits up to the store's timeout
+            except (RuntimeError, TimeoutError) as exc:
+                raise TransferTimeoutError(
+                    f"rank {self._rank}: no NCCL id from rank {peer} for {src} → {dst} "
+                    f"within {self._timeout_s} s ({exc})"
+                ) from exc
+        with torch.cuda.device(self._device):
+            comm = self._lib.init_rank(2, unique_id, _SENDER if sending else _RECEIVER)
+        self._opened.append(comm)
+        self._warm_up(comm, sending, peer)
+        return comm
+
+    def _warm_up(self, comm: int, sending: bool, peer: int) -> None:
+        # NCCL connects the two ranks at their first transfer, a rendezvous: here, bounded by
+        # the set-up timeout, rather than in the graph's first execution.
+        if self._warm_up_stream is None:
+            self._warm_up_stream = torch.cuda.Stream(self._device)
+        with torch.cuda.device(self._device), torch.cuda.stream(self._warm_up_stream):
+            probe = torch.ones(1, dtype=torch.uint8, device=self._device)
+            if sending:
+                self._enqueue(self._lib.send, probe, comm, _RECEIVER)
+            else:
+                self._enqueue(self._lib.recv, probe, comm, _SENDER)
+            done = torch.cuda.Event()
+            done.record()
+        _wait_for_event(
+            done, self._timeout_s, f"rank {self._rank}: first NCCL transfer with rank {peer}"
+        )
+
+    def send(self, tensor: torch.Tensor, peer: int) -> _OnStream:
+        """Enqueues sending ``tensor`` (contiguous, any dtype) to ``peer`` on the current stream."""
+        self._enqueue(self._lib.send, tensor, self._comms_with(peer)[0], _RECEIVER)
+        return _ON_STREAM
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> _OnStream:
+        """Enqueues receiving into ``tensor`` (contiguous; the sender's has as many bytes) from
+        ``peer`` on the current stream."""
+        self._enqueue(self._lib.recv, tensor, self._comms_with(peer)[1], _SENDER)
+        return _ON_STREAM
+
+    def _comms_with(self, peer: int) -> tuple[int, int]:
+        try:
+            return self._peer_comms[peer]
+        except KeyError:
+            raise ValueError(
+                f"rank {self._rank} has no NCCL communicator with rank {peer} "
+                f"(no edge between them, or the link is closed)"
+            ) from None
+
+    def _enqueue(
+        self, move: Callable[..., None], tensor: torch.Tensor, comm: int, other: int
+    ) -> None:
+        nbytes = tensor.nbytes
+        if not nbytes:
+            return  # both ends skip it: the receiver learnt the same shape from the metadata
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"NCCL moves contiguous tensors as bytes, got strides {tensor.stride()}"
+            )
+        lib = self._lib
+        # A group around the single operation: ncclSend/ncclRecv keep the GIL (they only
+        # enqueue), and ncclGroupEnd, which launches and may wait, releases it. A bare
+        # ncclSend would launch holding the GIL.
+        lib.group_start()
+        try:
+            move(tensor.data_ptr(), nbytes, other, comm, _current_stream_handle(self._index))
+        finally:
+            lib.group_end()
+
+    def close(self) -> None:
+        """Aborts every communicator (abort never waits for the peer, which may be gone);
+        calling it again does nothing."""
+        opened, self._opened = self._opened, []
+        self._peer_comms = {}
+        for comm in opened:
+            try:
+                self._lib.abort(comm)
+            except Exception:
+                log.warning(
+                    "rank %d: aborting an NCCL communicator failed", self._rank, exc_info=True
+                )
+
+
+def _driver_store(setup: NcclSetup) -> Any:
+    """The driver's TCP store under the graph's prefix (waits there end after the set-up
+    timeout)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=setup.timeout_s)
+    store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(setup.prefix, store)
+
+
+def _current_stream_handle(index: int) -> int:
+    # The raw handle: torch's Stream object costs microseconds on every transfer.
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _wait_for_event(event: Any, timeout_s: float, what: str) -> None:
+    """Polls ``event`` on the host until it fired.
+
+    Raises:
+        TransferTimeoutError: it did not fire within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError(f"{what} did not finish within {timeout_s} s")
+        time.sleep(1e-4)
+
+
 def make_link(setup: NcclSetup, device: torch.device) -> GpuLink:
     """The link the graph uses for GPU edges (see the module doc: the switch point)."""
+    # The setting first: with ``torch`` the library is not even loaded.
+    if envs.nccl_calls() == "direct":
+        lib = nccl_library()
+        if lib is not None:
+            return DirectNcclLink(setup, device, lib)
     return TorchNcclLink(setup, device)
