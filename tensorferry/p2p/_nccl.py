@@ -25,7 +25,8 @@ works. Tensors under :data:`PACK_BELOW` of a message with several of them are pa
 transfer's stream: into a buffer kept for that layout and direction (:mod:`._staging`: one
 ``_foreach_copy_`` per dtype each way), or, for a layout whose tensors cannot be viewed in such
 a buffer, into a fresh one (one ``cat`` on the sender, one ``_foreach_copy_`` on the receiver).
-A call with several peers, or both directions, issues one group per direction and peer.
+A call with several peers, or both directions, issues all of them as one group spanning their
+communicators (see ``_enqueue`` for the deadlock that separate groups would risk).
 """
 
 from __future__ import annotations
@@ -75,14 +76,19 @@ class _NativePair:
         self._aborted = False
 
     def enqueue(self, wire: list[tuple[str, torch.Tensor]], stream: Any) -> None:
-        lib, comm, other, handle = self.lib, self.comm, self.other, stream.cuda_stream
-        lib.group_start()
+        """``wire`` as one NCCL group of its own on ``stream``."""
+        self.lib.group_start()
         try:
-            for kind, buf in wire:
-                move = lib.send if kind == "send" else lib.recv
-                move(buf.data_ptr(), buf.numel(), other, comm, handle)
+            self.add(wire, stream.cuda_stream)
         finally:
-            lib.group_end()
+            self.lib.group_end()
+
+    def add(self, wire: list[tuple[str, torch.Tensor]], handle: int) -> None:
+        """Adds ``wire``'s operations to the NCCL group the caller has open."""
+        lib, comm, other = self.lib, self.comm, self.other
+        for kind, buf in wire:
+            move = lib.send if kind == "send" else lib.recv
+            move(buf.data_ptr(), buf.numel(), other, comm, handle)
 
     def ready(self, _work: None) -> bool:
         if self._aborted:
@@ -246,7 +252,7 @@ class NcclTransport(Transport):
         for op in ops:
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
         device = self.ctx.device
-        started, keep, to_unpack, used = [], [], [], []
+        wires, keep, to_unpack, used = [], [], [], []
         cache = communicator_cache()
         for (src, dst), peer_ops in by_direction.items():
             pair = cache.get(self._key(src, dst))
@@ -277,14 +283,40 @@ class NcclTransport(Transport):
                     wire.append((op.kind, buf))
                     keep.append(buf)
                 wire.extend((op.kind, as_bytes(op.tensors[i])) for i in alone_idx)
-            if not wire:
-                continue  # only empty tensors: nothing to move (both sides agree on that)
-            started.append((pair, pair.enqueue(wire, stream)))
+            if wire:  # else only empty tensors: nothing to move (both sides agree on that)
+                wires.append((pair, wire))
+        started = self._enqueue(wires, stream)
         for finish in to_unpack:
             finish()  # on `stream`, after the group
         for staging in used:
             staging.release(stream)
         return _NcclPending(started, keep)
+
+    @staticmethod
+    def _enqueue(wires: list[tuple[Any, list]], stream: Any) -> list[tuple[Any, Any]]:
+        """Issues every direction's operations: our own communicators' in ONE group.
+
+        One group, not one per direction: groups queued one after another on one stream run in
+        that order, so with a rank's send group ahead of its receive group on each side, each
+        send waits for a receive queued behind the peer's own send — a deadlock once messages
+        outgrow NCCL's buffers (a ``sendrecv`` of a few MiB each way). NCCL launches one group
+        spanning several communicators as one unit. ``ProcessGroupNCCL`` pairs run on their own
+        streams and are issued one by one.
+        """
+        native = [(pair, wire) for pair, wire in wires if isinstance(pair, _NativePair)]
+        started: list[tuple[Any, Any]] = [(pair, None) for pair, _ in native]
+        if native:
+            lib = native[0][0].lib
+            lib.group_start()
+            try:
+                for pair, wire in native:
+                    pair.add(wire, stream.cuda_stream)
+            finally:
+                lib.group_end()
+        for pair, wire in wires:
+            if not isinstance(pair, _NativePair):
+                started.append((pair, pair.enqueue(wire, stream)))
+        return started
 
     def _staging_for(self, op: P2POp, src: int, dst: int) -> Staging | None:
         """The reused packing buffer of this op's layout and direction, or ``None`` when its

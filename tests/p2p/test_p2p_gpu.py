@@ -46,6 +46,12 @@ def test_sendrecv_rounds(pool):
     assert pool.run("ring_sendrecv", 4) == ["ok", "ok"]
 
 
+def test_large_sendrecv_both_ways(pool):
+    # 64 MiB each way at once: far past NCCL's buffers, so the two directions' operations must
+    # be issued together (issued one after the other on each rank, they waited for each other).
+    assert pool.run("disjoint_pairs_both_ways", 16 << 20, 2) == ["ok", "ok"]
+
+
 def test_both_directions_in_any_order(pool):
     # 64 MiB messages: far beyond NCCL's buffers, so no send can finish before its receive.
     assert pool.run("cross_traffic", 16 << 20, 3) == ["ok", "ok"]
