@@ -46,9 +46,9 @@ for s in $steps; do
       --device cuda --large-mib 0 ;;
     batch-nospin) step batch-nospin 45 env TENSORFERRY_SPIN_US=0 tensorferry bench batch \
       --device cuda ;;
-    graph) step graph 100 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
+    graph) step graph 160 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
-    overlap) step overlap 60 tensorferry bench overlap --iters 20 --out "$R" ;;
+    overlap) step overlap 150 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;
     demo) step demo 45 tensorferry demo --out "$LOGS/demo" ;;
     sendrecv) step sendrecv 70 tensorferry bench sendrecv --sizes "${SENDRECV_SIZES:-1M,64M,1G}" \
       --transports "${SENDRECV_TRANSPORTS:-nccl,nvlink,ce}" --max-seconds-per-point 0.3 \

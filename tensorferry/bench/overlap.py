@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--branches", type=int, default=3, help="tensors per execution")
     parser.add_argument("--iters", type=int, default=None, help="timed executions (GPU 30, CPU 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed executions first")
+    parser.add_argument(
+        "--transports",
+        default="auto",
+        help="graph edge transports to time, comma-separated (auto, nccl, ce, nvlink; GPU only "
+        "for the last three)",
+    )
 
 
 def _time_graph(graph: Any, iters: int, warmup: int) -> list[float]:
@@ -160,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
     from tensorferry.graph import InputNode, MultiOutputNode, actor
     from tensorferry.graph.demo import DemoReceiver, DemoSender, _check
 
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = sorted(set(transports) - {"auto", "nccl", "ce", "nvlink"})
+    if unknown or not transports:
+        raise SystemExit(f"--transports: unknown {unknown or 'empty list'}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     on_gpu = gpus >= 2
     size = args.size or (10_000 if on_gpu else 384)
@@ -173,56 +183,63 @@ def run(args: argparse.Namespace) -> int:
                    for i in range(2)]  # fmt: skip
         receiver = actor(DemoReceiver).spawn(size, dtype, "cpu", name="receiver")
     reference = "cuda:1" if on_gpu else "cpu"
-    times: dict[str, list[float]] = {}
+    times: dict[tuple[str, str], list[float]] = {}
     try:
-        for overlap in (False, True):
-            with InputNode() as inp:
-                outs = [
-                    receiver.consume.bind(
-                        senders[b % len(senders)]
-                        .produce.bind(inp, b)
-                        .with_transport("auto", static_shape=True, direct_return=True)
-                    )
-                    for b in range(args.branches)
-                ]
-                dag = MultiOutputNode(outs)
-            graph = dag.compile(overlap_communication=overlap)
-            try:
-                _check(graph.execute(0).get(timeout=300), 0, size, dtype, reference)
-                times["on" if overlap else "off"] = _time_graph(graph, iters, args.warmup)
-                last = args.warmup + iters  # checked again after the timed runs
-                _check(graph.execute(last).get(timeout=300), last, size, dtype, reference)
-            finally:
-                graph.teardown(kill_actors=False)
+        for transport in transports:
+            for overlap in (False, True):
+                with InputNode() as inp:
+                    outs = [
+                        receiver.consume.bind(
+                            senders[b % len(senders)]
+                            .produce.bind(inp, b)
+                            .with_transport(transport, static_shape=True, direct_return=True)
+                        )
+                        for b in range(args.branches)
+                    ]
+                    dag = MultiOutputNode(outs)
+                graph = dag.compile(overlap_communication=overlap)
+                try:
+                    _check(graph.execute(0).get(timeout=300), 0, size, dtype, reference)
+                    key = (transport, "on" if overlap else "off")
+                    times[key] = _time_graph(graph, iters, args.warmup)
+                    last = args.warmup + iters  # checked again after the timed runs
+                    _check(graph.execute(last).get(timeout=300), last, size, dtype, reference)
+                finally:
+                    graph.teardown(kill_actors=False)
     finally:
         for handle in (*senders, receiver):
             handle.kill()
+    hand = ("-", "hand")
     if on_gpu:
-        times["hand"] = _handwritten_gpu(size, args.branches, iters, args.warmup)
+        times[hand] = _handwritten_gpu(size, args.branches, iters, args.warmup)
     else:
-        times["hand"] = _handwritten_cpu(size, args.branches, iters, args.warmup)
+        times[hand] = _handwritten_cpu(size, args.branches, iters, args.warmup)
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    labels = {
-        "off": "graph, overlap off",
-        "on": "graph, overlap on",
-        "hand": "hand-written streams" if on_gpu else "products alone, 1 process (floor)",
-    }
+
+    def label(key: tuple[str, str]) -> str:
+        if key == hand:
+            return "hand-written streams" if on_gpu else "products alone, 1 process (floor)"
+        return f"graph ({key[0]}), overlap {key[1]}"
+
     rows = [
         {
-            "version": labels[k],
-            "median_ms": median[k],
-            "min_ms": min(times[k]) * 1e3,
-            "vs_hand": median[k] / median["hand"],
-            "vs_off": median[k] / median["off"],
+            "version": label(key),
+            "median_ms": median[key],
+            "min_ms": min(times[key]) * 1e3,
+            "vs_hand": median[key] / median[hand],
+            "vs_off": median[key] / median[(key[0], "off")] if key != hand else "",
         }
-        for k in ("off", "on", "hand")
+        for key in times
     ]
-    verdict = [
-        f"overlap on within {median['on'] / median['hand'] - 1:+.1%} of the hand-written version "
-        "(target: within +5%)",
-        f"overlap on is {1 - median['on'] / median['off']:.1%} faster than overlap off "
-        "(target: >= 10%)",
-    ]
+    verdict = []
+    for transport in transports:
+        on, off = median[(transport, "on")], median[(transport, "off")]
+        verdict += [
+            f"{transport}: overlap on within {on / median[hand] - 1:+.1%} of the hand-written "
+            "version (target: within +5%)",
+            f"{transport}: overlap on is {1 - on / off:.1%} faster than overlap off "
+            "(target: >= 10%)",
+        ]
     notes = [
         f"{args.branches} tensors of {size}x{size} {str(dtype).replace('torch.', '')} per "
         f"execution, {iters} timed executions after {args.warmup} warm-up, one in flight",

@@ -121,7 +121,12 @@ def transport_report() -> dict[str, str | None]:
         symm_reason = None
     except Exception as exc:
         symm_reason = f"symmetric memory unavailable ({exc})"
-    report["ce"] = peer_reason or symm_reason
+    from tensorferry.p2p.copy_engine import _streamops
+
+    streamops_reason = (
+        None if _streamops.available() else "cuda-python (cuda.bindings) is not installed"
+    )
+    report["ce"] = peer_reason or symm_reason or streamops_reason
     if _version("triton") is None:
         triton_reason = "Triton is not installed (pip install 'tensorferry[triton]')"
     else:

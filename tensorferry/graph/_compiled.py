@@ -88,6 +88,27 @@ class Executor(Protocol):
     def teardown(self, *, timeout: float, kill_actors: bool) -> None: ...
 
 
+def _check_p2p_transports(graph: GraphSpec) -> None:
+    """Rejects a ``ce`` or ``nvlink`` edge that cannot run on this machine, naming why.
+
+    Raises:
+        GraphCompileError: e.g. one GPU only, no peer access, Triton missing for ``nvlink``.
+    """
+    wanted = {e.transport for e in graph.edges if e.transport in ("ce", "nvlink")}
+    if not wanted:
+        return
+    from tensorferry.cli.doctor import transport_report
+
+    report = transport_report()
+    for edge in graph.edges:
+        reason = report.get(edge.transport) if edge.transport in wanted else None
+        if reason is not None:
+            raise GraphCompileError(
+                f"edge {edge.src_actor} -> {edge.dst_actor}: transport {edge.transport!r} cannot "
+                f"run on this machine ({reason}); use 'auto' or 'nccl'"
+            )
+
+
 def _executor_class(name: str, handles: dict[str, Any]) -> type:
     """The executor that runs a graph of these actors, checked against what was asked for.
 
@@ -200,6 +221,7 @@ class CompiledGraph:
             available_transports=executor_class.transports,
             host_transport=executor_class.host_transport,
         )
+        _check_p2p_transports(self.graph)
         self.schedules: Schedules = build_schedules(
             self.graph,
             overlap=options.overlap_communication,

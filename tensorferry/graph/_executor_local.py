@@ -27,7 +27,7 @@ from typing import Any
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
 from tensorferry.graph._channel import Channel, Control, unlink_prefix
 from tensorferry.graph._executor_base import ExecutorBase
-from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
+from tensorferry.graph._plan import DRIVER, RENDEZVOUS_TRANSPORTS, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
 __all__ = ["LocalExecutor"]
@@ -51,8 +51,8 @@ class LocalExecutor(ExecutorBase):
         start_timeout: seconds for every actor to set up (NCCL included).
     """
 
-    transports = frozenset({"shm", "nccl"})
-    """Transports this executor runs (``nvlink`` and ``ce`` come with tensorferry.p2p)."""
+    transports = frozenset({"shm", "nccl", "ce", "nvlink"})
+    """Transports this executor runs (``ce`` and ``nvlink`` through tensorferry.p2p)."""
     host_transport = "shm"
     """Driver inputs and outputs, and ``auto`` edges without NCCL, go over shared memory."""
 
@@ -151,9 +151,9 @@ class LocalExecutor(ExecutorBase):
         self._watchdog.start()
 
     def _nccl_setups(self) -> dict[str, Any]:
+        gpu_edges = [e for e in self.graph.edges if e.transport in RENDEZVOUS_TRANSPORTS]
         actors = sorted(
-            {e.src_actor for e in self.graph.edges if e.transport == "nccl"}
-            | {e.dst_actor for e in self.graph.edges if e.transport == "nccl"},
+            {e.src_actor for e in gpu_edges} | {e.dst_actor for e in gpu_edges},
             key=self._names.index,
         )
         if not actors:
@@ -161,13 +161,13 @@ class LocalExecutor(ExecutorBase):
         from tensorferry.graph._nccl import NcclSetup, host_store
 
         self._store, port = host_store()
-        pairs = sorted(
-            {
-                tuple(sorted((actors.index(e.src_actor), actors.index(e.dst_actor))))
-                for e in self.graph.edges
-                if e.transport == "nccl"
-            }
-        )
+
+        def pair(edge: Any) -> tuple[int, int]:
+            low, high = sorted((actors.index(edge.src_actor), actors.index(edge.dst_actor)))
+            return low, high
+
+        pairs = sorted({pair(e) for e in gpu_edges if e.transport == "nccl"})
+        p2p_pairs = sorted({(e.transport, *pair(e)) for e in gpu_edges if e.transport != "nccl"})
         return {
             name: NcclSetup(
                 rank=rank,
@@ -175,8 +175,9 @@ class LocalExecutor(ExecutorBase):
                 ranks={n: r for r, n in enumerate(actors)},
                 store_port=port,
                 prefix=self.prefix,
-                pairs=tuple(pairs),  # type: ignore[arg-type]
+                pairs=tuple(pairs),
                 timeout_s=self._start_timeout,
+                p2p_pairs=tuple(p2p_pairs),
             )
             for rank, name in enumerate(actors)
         }

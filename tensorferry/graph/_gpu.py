@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import io
+import logging
 import pickle
 import queue
 import threading
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from tensorferry.graph._runner import ScheduleRunner
 
 __all__ = ["GpuOps"]
+
+log = logging.getLogger(__name__)
 
 _FOREVER = 1e9
 # Longest sleep while GPU work is in flight (after the spin): its end is expected soon, and each
@@ -208,12 +211,13 @@ class GpuOps:
         self.send_stream = self.client.stream(self.device, "send")
         self.recv_stream = self.client.stream(self.device, "recv")
         self.d2h_stream = self.client.stream(self.device, "device_to_host")
-        self.link: Any = None
+        self.links: dict[str, Any] = {}  # transport -> GpuLink
+        self._link_owners: list[Any] = []
         self._ranks: dict[str, int] = {}
         if plan.nccl is not None:
-            from tensorferry.graph._nccl import make_link
+            from tensorferry.graph._nccl import make_links
 
-            self.link = make_link(plan.nccl, self.device)
+            self.links, self._link_owners = make_links(plan.nccl, self.device)
             self._ranks = plan.nccl.ranks
         self._done: dict[int, torch.cuda.Event] = {}
         self._static: dict[int, Any] = {}
@@ -309,14 +313,14 @@ class GpuOps:
                 self._static[edge.edge_id] = meta
         skeleton, specs = meta
         stream = self.recv_stream if self.overlap else self.compute_stream
-        peer = self._ranks[edge.src_actor]
+        peer, link = self._ranks[edge.src_actor], self.links[edge.transport]
         with torch.cuda.stream(stream):
             start = self._span_start(stream)
             buffers = [
                 torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs
             ]
             for buffer in buffers:
-                self.link.recv(buffer, peer).wait()  # the stream waits, not the host
+                link.recv(buffer, peer).wait()  # the stream waits, not the host
             self._span_end(execution, op, "recv" if self.overlap else "compute", start, stream)
         value = buffers[0] if skeleton is None else _CudaUnpickler(skeleton, buffers).load()
         event = torch.cuda.Event()
@@ -409,7 +413,7 @@ class GpuOps:
             self._static[edge.edge_id] = meta
             channel.write(meta, timeout=_FOREVER)
         stream = self.send_stream if self.overlap else self.compute_stream
-        peer = self._ranks[edge.dst_actor]
+        peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
         with torch.cuda.stream(stream):
             if self.overlap and done is not None:
                 stream.wait_event(done)
@@ -417,7 +421,7 @@ class GpuOps:
             for tensor in tensors:
                 tensor = tensor.contiguous()
                 tensor.record_stream(stream)
-                self.link.send(tensor, peer).wait()
+                link.send(tensor, peer).wait()
             self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
 
     def _to_host(
@@ -445,6 +449,9 @@ class GpuOps:
         try:
             torch.cuda.synchronize(self.device)
         finally:
-            if self.link is not None:
-                self.link.close()
+            for owner in reversed(self._link_owners):
+                try:
+                    owner.close()
+                except Exception:
+                    log.warning("closing a GPU link failed", exc_info=True)
             self.client.close()

@@ -12,10 +12,9 @@ processes. :func:`make_link` returns
 - :class:`TorchNcclLink` otherwise (``TENSORFERRY_NCCL_CALLS=torch``, or no library to load):
   ``torch.distributed`` NCCL ``isend``/``irecv``, one process group per graph.
 
-``tensorferry.p2p`` offers the same service (``send``/``recv`` returning ``Transfer`` handles with
-``wait_stream``) plus the ``nvlink`` and ``ce`` transports; to move onto it, implement
-:class:`GpuLink` with it and return that from :func:`make_link`. Nothing else in the graph
-layer knows which library is underneath.
+Edges over ``ce`` and ``nvlink`` go through ``tensorferry.p2p`` instead
+(:mod:`tensorferry.graph._p2p_link`); :func:`make_links` gives an actor one link per transport it
+uses. Nothing else in the graph layer knows which library is underneath.
 
 Ordering contract a link keeps (what :mod:`tensorferry.graph._gpu` relies on): ``send`` and
 ``recv`` are called with the stream that orders the transfer as the *current* stream; the
@@ -55,6 +54,7 @@ __all__ = [
     "TorchNcclLink",
     "host_store",
     "make_link",
+    "make_links",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,12 @@ _RECEIVER = 1
 
 @dataclass(frozen=True, slots=True)
 class NcclSetup:
-    """How one actor joins the graph's NCCL group."""
+    """How one actor joins the graph's GPU links: NCCL, and the p2p layer's ``ce``/``nvlink``."""
 
     rank: int
     world_size: int
     ranks: dict[str, int]
-    """Actor name to rank, for every actor with an NCCL edge."""
+    """Actor name to rank, for every actor with a GPU edge (NCCL, ce or nvlink)."""
     store_port: int
     """Port of the driver's TCP store."""
     prefix: str
@@ -81,6 +81,13 @@ class NcclSetup:
     timeout_s: float
     store_host: str = "127.0.0.1"
     """Address of the driver's TCP store (the driver's host address when actors run elsewhere)."""
+    p2p_pairs: tuple[tuple[str, int, int], ...] = ()
+    """``(transport, low rank, high rank)`` of the pairs that exchange tensors over ``ce`` or
+    ``nvlink`` (:mod:`tensorferry.graph._p2p_link`); ``pairs`` holds the NCCL ones."""
+
+    @property
+    def p2p_transports(self) -> tuple[str, ...]:
+        return tuple(sorted({transport for transport, _, _ in self.p2p_pairs}))
 
 
 class GpuLink(Protocol):
@@ -312,6 +319,27 @@ class DirectNcclLink:
                 log.warning(
                     "rank %d: aborting an NCCL communicator failed", self._rank, exc_info=True
                 )
+
+
+def make_links(setup: NcclSetup, device: torch.device) -> tuple[dict[str, GpuLink], list[Any]]:
+    """Every GPU link of this actor: ``({transport: link}, [what to close, in order])``."""
+    links: dict[str, GpuLink] = {}
+    owners: list[Any] = []
+    try:
+        if setup.pairs:
+            links["nccl"] = make_link(setup, device)
+            owners.append(links["nccl"])
+        if setup.p2p_pairs:
+            from tensorferry.graph._p2p_link import P2PLinks
+
+            p2p = P2PLinks(setup, device)
+            owners.append(p2p)
+            links.update(p2p.links)
+    except BaseException:
+        for owner in reversed(owners):
+            owner.close()
+        raise
+    return links, owners
 
 
 def _driver_store(setup: NcclSetup) -> Any:

@@ -255,6 +255,8 @@ def init(
     world_size: int | None = None,
     init_method: str | None = None,
     timeout: float | None = None,
+    store: Any = None,
+    device: Any = None,
 ) -> None:
     """Sets up point-to-point transfers for this process (one process per device).
 
@@ -273,6 +275,12 @@ def init(
             ``env://``.
         timeout: seconds; default timeout of every transfer and bound of every rendezvous
             (default ``TENSORFERRY_TRANSFER_TIMEOUT_S``).
+        store: a ``torch.distributed`` store every rank reaches (for processes that already
+            share one, e.g. actors of a compiled graph); needs ``rank`` and ``world_size``, and
+            excludes ``init_method``.
+        device: this process's device (``"cuda:1"``, a ``torch.device``); default as above.
+            Must match ``backend``: a CUDA device with ``"auto"``/``"nccl"``, the CPU with
+            ``"gloo"``.
 
     Raises:
         TypeError / ValueError: bad arguments (unknown backend, rank out of range, NCCL without
@@ -301,9 +309,17 @@ def init(
                 f"tensorferry p2p is already initialised (rank {_context.rank} of "
                 f"{_context.world_size}, {_context.backend}); call tf.shutdown() first"
             )
+        if store is not None:
+            master_addr = _given_store(store, rank, world_size, init_method)
+        else:
+            store, rank, world_size, master_addr = _rendezvous(
+                rank, world_size, init_method, timeout_s
+            )
+        assert rank is not None and world_size is not None
+        device, backend = (
+            _given_device(device, backend) if device is not None else (_pick_device(backend, rank))
+        )
         _import_optional_transports()
-        store, rank, world_size, master_addr = _rendezvous(rank, world_size, init_method, timeout_s)
-        device, backend = _pick_device(backend, rank)
         _incarnation += 1
         import torch.distributed as dist
 
@@ -369,6 +385,39 @@ def _rendezvous(
     )
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store, rank, world_size, master
+
+
+def _given_store(store: Any, rank: int | None, world_size: int | None, init_method: Any) -> None:
+    """Checks the arguments that go with ``store=``; returns the master address (none)."""
+    if init_method is not None:
+        raise ValueError("pass either store= or init_method=, not both")
+    if rank is None or world_size is None:
+        raise ValueError("store= needs rank= and world_size= as well")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world size {world_size}")
+    if not all(hasattr(store, name) for name in ("set", "get", "wait")):
+        raise TypeError(f"store must be a torch.distributed Store, got {type(store).__name__}")
+    return None
+
+
+def _given_device(device: Any, backend: str) -> tuple[torch.device, str]:
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"device {device!r} is not a device: {exc}") from None
+    if device.type == "cuda":
+        if backend == "gloo":
+            raise ValueError(f"backend='gloo' keeps this process on the CPU, got device {device}")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if device.index is None else device.index
+        if not 0 <= index < count:
+            raise ValueError(f"device {device} does not exist: this process sees {count} GPU(s)")
+        return torch.device("cuda", index), "nccl"
+    if device.type == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend='nccl' needs a CUDA device, got device cpu")
+        return device, "gloo"
+    raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
 
 
 def _env_int(name: str, method: str) -> int:

@@ -32,12 +32,22 @@ def pair():
 
 @pytest.mark.multigpu
 @needs_two
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("max_inflight", [1, 3])
-def test_nccl_edge_results(pair, overlap, max_inflight):
+@pytest.mark.parametrize(
+    "transport, overlap, max_inflight",
+    [
+        ("nccl", False, 1),
+        ("nccl", False, 3),
+        ("nccl", True, 1),
+        ("nccl", True, 3),
+        ("ce", False, 1),  # the copy engine, through tensorferry.p2p
+        ("ce", True, 3),
+        ("nvlink", True, 3),  # copy kernels over symmetric memory, through tensorferry.p2p
+    ],
+)
+def test_gpu_edge_results(pair, transport, overlap, max_inflight):
     a, b = pair
     with InputNode() as inp:
-        sent = a.make.bind(inp[0]).with_transport("nccl")
+        sent = a.make.bind(inp[0]).with_transport(transport)
         dag = MultiOutputNode([b.scale.bind(sent, inp[1])])
     graph = dag.compile(overlap_communication=overlap, max_inflight=max_inflight)
     try:
@@ -46,6 +56,24 @@ def test_nccl_edge_results(pair, overlap, max_inflight):
         for (x, k), ref in zip(inputs, refs, strict=True):
             (got,) = ref.get(timeout=60)
             assert torch.allclose(got, x * 2 * k)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
+def test_nccl_and_copy_engine_edges_in_one_graph(pair):
+    a, b = pair
+    with InputNode() as inp:
+        over_nccl = b.scale.bind(a.make.bind(inp[0]).with_transport("nccl"), 1.0)
+        over_ce = a.scale.bind(b.make.bind(inp[0]).with_transport("ce"), 3.0)
+        dag = MultiOutputNode([over_nccl, over_ce])
+    graph = dag.compile(overlap_communication=True, max_inflight=2)
+    try:
+        for _ in range(5):
+            x = torch.randn(1000)
+            got_nccl, got_ce = graph.execute(x).get(timeout=60)
+            assert torch.allclose(got_nccl, 2 * x) and torch.allclose(got_ce, 6 * x)
     finally:
         graph.teardown(kill_actors=False)
 

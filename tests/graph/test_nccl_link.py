@@ -288,3 +288,82 @@ def test_close_aborts_each_communicator_once(calls):
     assert calls == [("abort", 101), ("abort", 102), ("abort", 103), ("abort", 104)]
     with pytest.raises(ValueError, match="link is closed"):
         link.send(torch.ones(1), 0)
+
+
+# ---------------------------------------------------------------------- ce / nvlink edges
+def test_make_links_gives_each_transport_its_link_and_closes_what_it_made(monkeypatch):
+    import dataclasses
+
+    from tensorferry.graph import _p2p_link
+
+    made = []
+
+    class FakeP2P:
+        def __init__(self, setup, device):
+            made.append(("p2p", setup.p2p_transports))
+            self.links = {t: f"{t}-link" for t in setup.p2p_transports}
+
+        def close(self):
+            made.append(("p2p closed",))
+
+    class FakeNccl:
+        def close(self):
+            made.append(("nccl closed",))
+
+    monkeypatch.setattr(_p2p_link, "P2PLinks", FakeP2P)
+    monkeypatch.setattr(_nccl, "make_link", lambda setup, device: FakeNccl())
+    setup = dataclasses.replace(
+        setup_for(0), p2p_pairs=(("nvlink", 0, 2), ("ce", 0, 1), ("ce", 1, 2))
+    )
+    links, owners = _nccl.make_links(setup, torch.device("cpu"))
+    assert set(links) == {"nccl", "ce", "nvlink"} and links["ce"] == "ce-link"
+    assert made == [("p2p", ("ce", "nvlink"))]  # sorted: every rank prepares in one order
+    for owner in reversed(owners):
+        owner.close()
+    assert made[1:] == [("p2p closed",), ("nccl closed",)]
+
+    # Only p2p edges: no NCCL communicator is made at all.
+    made.clear()
+    only_p2p = dataclasses.replace(setup, pairs=())
+    links, owners = _nccl.make_links(only_p2p, torch.device("cpu"))
+    assert set(links) == {"ce", "nvlink"} and len(owners) == 1
+
+    # A failing p2p set-up closes the NCCL link made before it.
+    made.clear()
+
+    def broken(setup, device):
+        raise TransferTimeoutError("peer never came")
+
+    monkeypatch.setattr(_p2p_link, "P2PLinks", broken)
+    with pytest.raises(TransferTimeoutError, match="never came"):
+        _nccl.make_links(setup, torch.device("cpu"))
+    assert made == [("nccl closed",)]
+
+
+def test_p2p_partners_per_transport():
+    import dataclasses
+
+    from tensorferry.graph._p2p_link import _partners
+
+    pairs = (("ce", 0, 1), ("ce", 1, 2), ("nvlink", 0, 2), ("ce", 0, 2))
+    setup = dataclasses.replace(setup_for(0), p2p_pairs=pairs)
+    assert _partners(setup, "ce") == [1, 2] and _partners(setup, "nvlink") == [2]
+    setup = dataclasses.replace(setup_for(1), p2p_pairs=pairs)
+    assert _partners(setup, "ce") == [0, 2] and _partners(setup, "nvlink") == []
+
+
+def test_copy_engine_edge_that_cannot_run_here_fails_at_compile(monkeypatch):
+    from types import SimpleNamespace
+
+    from tensorferry.cli import doctor
+    from tensorferry.errors import GraphCompileError
+    from tensorferry.graph._compiled import _check_p2p_transports
+
+    monkeypatch.setattr(
+        doctor, "transport_report", lambda: {"ce": "no peer access between devices", "nccl": None}
+    )
+    edge = SimpleNamespace(src_actor="a", dst_actor="b", transport="ce")
+    with pytest.raises(GraphCompileError, match=r"a -> b: transport 'ce'.*no peer access"):
+        _check_p2p_transports(SimpleNamespace(edges=[edge]))
+    edge.transport = "nccl"  # only ce and nvlink edges are looked at
+    _check_p2p_transports(SimpleNamespace(edges=[edge]))

@@ -41,6 +41,65 @@ def test_init_rejects_bad_arguments():
     assert not tf.is_initialized()
 
 
+def test_init_with_a_store_rejects_bad_arguments():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="rank= and world_size="):
+        tf.init(store=store, world_size=2)
+    with pytest.raises(ValueError, match="not both"):
+        tf.init(store=store, rank=0, world_size=2, init_method="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="out of range"):
+        tf.init(store=store, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="Store"):
+        tf.init(store={}, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="not a device"):
+        tf.init(store=store, rank=0, world_size=2, device="gpu7")
+    with pytest.raises(ValueError, match="CUDA device"):
+        tf.init("nccl", store=store, rank=0, world_size=2, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="does not exist"):
+            tf.init(store=store, rank=0, world_size=2, device="cuda:0")
+    assert not tf.is_initialized()
+
+
+def _swap_over_given_store(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    tf.init(store=dist.PrefixStore("given", store), rank=rank, world_size=2, device="cpu")
+    try:
+        mine = torch.arange(5, dtype=torch.float32) + 10 * rank
+        got = torch.full((5,), -1.0)
+        tf.sendrecv(mine, 1 - rank, got, 1 - rank).wait(20)
+        queue.put((rank, got.tolist(), tf.get_world_size()))
+    finally:
+        tf.shutdown()
+
+
+def test_init_with_a_given_store_and_device():
+    """Processes that already share a store (a compiled graph's actors) join over it."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_swap_over_given_store, args=(r, master.port, queue)) for r in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    results = dict(
+        (rank, (got, world)) for rank, got, world in (queue.get(timeout=60) for _ in procs)
+    )
+    for proc in procs:
+        proc.join(30)
+    assert results[0] == ([10.0, 11.0, 12.0, 13.0, 14.0], 2)
+    assert results[1] == ([0.0, 1.0, 2.0, 3.0, 4.0], 2)
+
+
 def test_tensor_spec():
     spec = tf.TensorSpec((2, 3), torch.bfloat16)
     assert spec.shape == (2, 3) and spec.empty(torch.device("cpu")).dtype == torch.bfloat16
