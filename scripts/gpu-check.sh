@@ -61,7 +61,7 @@ for s in $steps; do
       tests/nvlink/_worker.py ce ;;
     p2p-ranks) step p2p-ranks 240 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
-    allgather) step allgather 240 tensorferry bench allgather --out "$R" ;;
+    allgather) step allgather 150 tensorferry bench allgather --out "$R" ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;
