@@ -432,6 +432,21 @@ def ring_all_gather(
 
     for index, unit in enumerate(steps):
         unit.transfer.add_done_callback(lambda t, i=index: on_step_done(i, t))
+
+    def steps_seen_done() -> bool:
+        # A waiter on the ring looks at the steps' device work itself: the completion pool
+        # leaves a transfer to its waiting caller for a polling window, and nobody waits on
+        # the steps themselves (a ring all-gather took 1.9 ms at any size on 2 GPUs).
+        for unit in steps:
+            step = unit.transfer
+            if step._future.done():
+                if step._future.exception() is not None:
+                    return False  # on_step_done fails the ring
+            elif not step._settled():
+                return False
+        return True
+
+    ring._mark_issued(ready=steps_seen_done, settle=ring._finish_if_no_callbacks)
     return ring
 
 

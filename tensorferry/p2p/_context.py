@@ -277,7 +277,8 @@ def init(
             (default ``TENSORFERRY_TRANSFER_TIMEOUT_S``).
         store: a ``torch.distributed`` store every rank reaches (for processes that already
             share one, e.g. actors of a compiled graph); needs ``rank`` and ``world_size``, and
-            excludes ``init_method``.
+            excludes ``init_method``. Give each world a store (or ``PrefixStore``) of its own:
+            its keys are used as they are.
         device: this process's device (``"cuda:1"``, a ``torch.device``); default as above.
             Must match ``backend``: a CUDA device with ``"auto"``/``"nccl"``, the CPU with
             ``"gloo"``.
@@ -309,9 +310,14 @@ def init(
                 f"tensorferry p2p is already initialised (rank {_context.rank} of "
                 f"{_context.world_size}, {_context.backend}); call tf.shutdown() first"
             )
+        # Successive inits in one process meet under fresh keys of the rendezvous store; a
+        # given store is the caller's namespace (every rank's incarnation count may differ,
+        # e.g. actors that joined different graphs before).
+        namespace = "tensorferry/p2p"
         if store is not None:
             master_addr = _given_store(store, rank, world_size, init_method)
         else:
+            namespace = f"tensorferry/p2p/{_incarnation + 1}"
             store, rank, world_size, master_addr = _rendezvous(
                 rank, world_size, init_method, timeout_s
             )
@@ -323,7 +329,7 @@ def init(
         _incarnation += 1
         import torch.distributed as dist
 
-        prefixed = dist.PrefixStore(f"tensorferry/p2p/{_incarnation}", store)
+        prefixed = dist.PrefixStore(namespace, store)
         context = P2PContext(
             rank=rank,
             world_size=world_size,

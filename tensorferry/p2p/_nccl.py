@@ -336,7 +336,4 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         self._staging.clear()
-        cache = communicator_cache()
-        for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
-            if isinstance(key, tuple) and key[:1] == ("nccl",) and self.ctx.rank in key[1:]:
-                cache.evict(key, abort=False, reason="shutdown")
+        self._evict_cached("shutdown")

@@ -289,6 +289,16 @@ class Transport(abc.ABC):
     def close(self) -> None:  # noqa: B027
         """Releases every resource (``tf.shutdown``). Default: nothing to release."""
 
+    def _evict_cached(self, reason: str) -> None:
+        """Drops this transport's communicators of this rank from the runtime's cache (keys
+        ``(name, rank, rank)``), so a later ``tf.init`` never finds the old world's."""
+        from tensorferry.runtime import communicator_cache
+
+        cache = communicator_cache()
+        for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
+            if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:
+                cache.evict(key, abort=False, reason=reason)
+
 
 TransportFactory = Callable[[TransportContext], Transport]
 

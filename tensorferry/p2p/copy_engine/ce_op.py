@@ -51,7 +51,7 @@ import torch
 from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
 from tensorferry.p2p.copy_engine import _streamops
 from tensorferry.p2p.nvlink._layout import dtype_code
-from tensorferry.p2p.nvlink._symm import group_name_of
+from tensorferry.p2p.nvlink._symm import group_name_of, join_group
 from tensorferry.p2p.nvlink.sendrecv_op import validate_message
 
 __all__ = ["CopyEngineChannel", "CeTransfer", "CeLayout", "plan_chunks", "agreement_codes"]
@@ -166,9 +166,11 @@ class CopyEngineChannel:
         from tensorferry.runtime import Client
 
         store = None
+        self._own_group = None
         if members is not None:
             group_name, rank, world_size, store = members
-            symm_mem._SymmetricMemory.set_group_info(group_name, rank, world_size, store)
+            # Kept alive with the channel: c10d holds registered groups weakly.
+            self._own_group = join_group(group_name, rank, world_size, store)
 
         if not _streamops.available():
             raise TransportError("the copy-engine transport needs cuda-python (cuda.bindings)")

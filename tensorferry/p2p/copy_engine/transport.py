@@ -17,6 +17,7 @@ import torch
 from tensorferry.errors import TransportError
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
 from tensorferry.p2p.copy_engine import _streamops
+from tensorferry.p2p.nvlink._symm import pair_group_name
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["CopyEngineTransport", "estimate_ce_seconds"]
@@ -84,18 +85,19 @@ class CopyEngineTransport(Transport):
         lo, hi = self.ctx.pair(peer)
         communicator_cache().evict(("ce", lo, hi), abort=abort)
 
+    def close(self) -> None:
+        self._evict_cached("shutdown")
+
     def _channel(self, peer: int) -> tuple[Any, int]:
         from tensorferry.p2p.copy_engine.ce_op import CopyEngineChannel
 
         lo, hi = self.ctx.pair(peer)
         me = self.ctx.rank_in_pair(peer)
-        epoch = self.ctx.epoch_of(peer)
 
         def make() -> Any:
             store = self.ctx.pair_store(peer, "ce")
-            return CopyEngineChannel(
-                device=self.ctx.device, members=(f"tf-ce-{lo}-{hi}-e{epoch}", me, 2, store)
-            )
+            name = pair_group_name("ce", store, first=me == 0)
+            return CopyEngineChannel(device=self.ctx.device, members=(name, me, 2, store))
 
         channel = communicator_cache().get_or_create(("ce", lo, hi), make)
         return channel, 1 - me

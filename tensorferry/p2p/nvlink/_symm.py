@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +20,62 @@ from typing import Any
 
 import torch
 
-__all__ = ["empty", "Registration", "lookup", "registrations", "registry_version", "group_name_of"]
+__all__ = [
+    "empty",
+    "Registration",
+    "lookup",
+    "registrations",
+    "registry_version",
+    "group_name_of",
+    "join_group",
+    "pair_group_name",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_REGISTRATIONS = 4096
 """Capacity of the per-group id space (the device tables are sized for it)."""
+
+
+def pair_group_name(kind: str, store: Any, *, first: bool) -> str:
+    """A symmetric-memory group name both ranks of a pair agree on and this process never used
+    before: symmetric memory keeps a name's group for the life of the process, while the pair
+    may be made again (a new epoch, a new ``tf.init``). The ``first`` rank draws it and posts it
+    in the pair's ``store``; the other reads it there."""
+    if first:
+        name = f"tf-{kind}-{uuid.uuid4().hex[:16]}"
+        store.set("group_name", name)
+        return name
+    return bytes(store.get("group_name")).decode()
+
+
+def join_group(name: str, rank: int, world_size: int, store: Any) -> Any:
+    """Makes ``name`` a symmetric-memory group of these ranks without ``torch.distributed``
+    being initialised: its store for the rendezvous, and — because newer torch versions also
+    look the name up among c10d's registered process groups during a rendezvous — a small gloo
+    group registered under that name when none is. Every rank calls it at the same point.
+
+    Returns:
+        The process group registered here, or ``None``; the caller keeps it alive (c10d holds
+        registered groups weakly).
+    """
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    symm_mem._SymmetricMemory.set_group_info(name, rank, world_size, store)
+    c10d = torch._C._distributed_c10d
+    try:
+        c10d._resolve_process_group(name)
+        return None
+    except RuntimeError:
+        pass
+    group = dist.ProcessGroupGloo(
+        dist.PrefixStore(f"{name}/gloo", store), rank, world_size, datetime.timedelta(seconds=60)
+    )
+    c10d._register_process_group(name, group)
+    return group
 
 
 @dataclass(frozen=True, slots=True)

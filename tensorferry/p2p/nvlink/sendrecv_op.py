@@ -91,9 +91,10 @@ class NvlinkChannel:
             raise ValueError(f"device must be an indexed CUDA device, got {self.device}")
         self.group = group
         self._store = None
+        self._own_group = None
         if members is not None:
             self.group_name, self.rank, self.world_size, self._store = members
-            symm_mem._SymmetricMemory.set_group_info(
+            self._own_group = _symm.join_group(
                 self.group_name, self.rank, self.world_size, self._store
             )
         else:

@@ -21,6 +21,7 @@ import torch
 from tensorferry.errors import TransportError
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
 from tensorferry.p2p.nvlink._layout import ERR_TIMEOUT, ERROR_FIELDS, ChannelConfig
+from tensorferry.p2p.nvlink._symm import pair_group_name
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["NvlinkTransport", "estimate_nvlink_seconds"]
@@ -136,6 +137,7 @@ class NvlinkTransport(Transport):
         communicator_cache().evict(("nvlink", lo, hi), abort=abort)
 
     def close(self) -> None:
+        self._evict_cached("shutdown")
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -154,11 +156,10 @@ class NvlinkTransport(Transport):
 
         lo, hi = self.ctx.pair(peer)
         me = self.ctx.rank_in_pair(peer)
-        epoch = self.ctx.epoch_of(peer)
 
         def make() -> Any:
             store = self.ctx.pair_store(peer, "nvlink")
-            name = f"tf-nvlink-{lo}-{hi}-e{epoch}"
+            name = pair_group_name("nvlink", store, first=me == 0)
             return NvlinkChannel(
                 device=self.ctx.device, config=self.config, members=(name, me, 2, store)
             )
