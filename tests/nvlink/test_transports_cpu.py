@@ -41,3 +41,18 @@ def test_cpu_tensors_are_refused() -> None:
     for cls in (NvlinkTransport, CopyEngineTransport):
         reason = cls(_ctx()).unsupported_reason(peer=1, tensors=[torch.zeros(4)])
         assert reason and "cuda" in reason
+
+
+def test_pair_group_names_agree_and_symmetric_memory_can_resolve_them():
+    import torch.distributed as dist
+
+    from tensorferry.p2p.nvlink._symm import join_group, pair_group_name
+
+    store = dist.HashStore()
+    name = pair_group_name("ce", store, first=True)
+    assert pair_group_name("ce", store, first=False) == name  # the other rank reads it
+    assert pair_group_name("ce", dist.HashStore(), first=True) != name  # fresh per pair
+    group = join_group(name, 0, 1, dist.PrefixStore("join", store))
+    # Resolvable by name, as a symmetric-memory rendezvous on newer torch needs it to be.
+    assert torch._C._distributed_c10d._resolve_process_group(name) is not None
+    assert group is not None

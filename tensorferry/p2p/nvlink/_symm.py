@@ -71,9 +71,15 @@ def join_group(name: str, rank: int, world_size: int, store: Any) -> Any:
         return None
     except RuntimeError:
         pass
-    group = dist.ProcessGroupGloo(
+    # A ProcessGroup with a gloo backend, put together as torch.distributed does it.
+    group = dist.ProcessGroup(store, rank, world_size)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    backend = dist.ProcessGroupGloo(
         dist.PrefixStore(f"{name}/gloo", store), rank, world_size, datetime.timedelta(seconds=60)
     )
+    group._register_backend(torch.device("cpu"), gloo, backend)
+    if hasattr(group, "_set_default_backend"):
+        group._set_default_backend(gloo)
     c10d._register_process_group(name, group)
     return group
 
