@@ -222,7 +222,27 @@ def sendrecv(
         what="recv_buffers",
     )
     received = inc.op.tensors[0] if single else list(inc.op.tensors)
+    _prepare_ring_in_order(ctx, [out, inc])
     return _submit(ctx, [out, inc], received, timeout).transfer
+
+
+def _prepare_ring_in_order(ctx: _context.P2PContext, messages: Sequence[Message]) -> None:
+    """Prepares, in ascending pair order, both pairs of a ring step over a transport that asks
+    for it (``Transport.prepare_in_order``).
+
+    Why: such a transport's pair set-up is a rendezvous that may hold this process (its
+    symmetric-memory exchange) until the peer joins. Made lazily, each rank of a ring of three
+    or more would start with its own right-hand pair and wait for a neighbour busy with the
+    next pair: a cycle. In one global order (lower pair first) every wait is for a pair the
+    peer also reaches first. Returns at once when the pairs are already made.
+    """
+    peers = sorted({m.op.peer for m in messages})
+    if len(peers) < 2:
+        return  # one peer: a single pair, nothing to order
+    for name in sorted({m.transport for m in messages}):
+        transport = ctx.transport(name)
+        if transport.prepare_in_order:
+            transport.prepare(peers)
 
 
 class Batch(Transfer):
@@ -404,6 +424,7 @@ def ring_all_gather(
         return ring
     right, left = (rank + 1) % world, (rank - 1) % world
     ring._driver = ctx.engine  # a waiter moves the steps on
+    prepared = False
     steps: list[Unit] = []
     for step in range(world - 1):
         send_row, recv_row = (rank - step) % world, (rank - step - 1) % world
@@ -413,6 +434,9 @@ def ring_all_gather(
         in_msg, _ = _message(
             ctx, "recv", rows[recv_row], left, static=False, transport=transport, what="out row"
         )
+        if not prepared:  # every step uses the same two pairs
+            _prepare_ring_in_order(ctx, [out_msg, in_msg])
+            prepared = True
         unit = _submit(
             ctx,
             [out_msg, in_msg],

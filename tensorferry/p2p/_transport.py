@@ -249,6 +249,10 @@ class Transport(abc.ABC):
         """
         return None
 
+    prepare_in_order: ClassVar[bool] = False
+    """Rings must prepare their pairs in one global order before the first message (see
+    ``_api._prepare_ring_in_order``): set-up holds the process until the peer joins."""
+
     @abc.abstractmethod
     def prepare(self, peers: Sequence[int]) -> None:
         """Makes this transport's resources for each pair with ``peers`` (a rendezvous: the peer

@@ -7,6 +7,7 @@ assert on. Outputs are poisoned before receiving so a transfer that writes nothi
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -362,6 +363,56 @@ def reset_pair_01(rank: int, world: int) -> str:
         return "idle"
     tf._api._reset_pair(1 - rank, timeout=T)
     return "reset"
+
+
+_SETUP_LOCK = threading.Lock()  # one pair set-up at a time in this process
+
+
+class RendezvousGloo(GlooTransport):
+    """Gloo whose pair set-up holds the whole process until the peer joins that pair, as a
+    symmetric-memory rendezvous may: the set-up that deadlocks a ring of 3+ ranks unless every
+    rank prepares its pairs in one global order (``prepare_in_order``)."""
+
+    name = "gloo-rendezvous"
+    prepare_in_order = True
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.prepared: list[tuple[int, int]] = []  # pairs, in the order they were set up
+
+    def prepare(self, peers) -> None:
+        for peer in peers:
+            pair = tuple(sorted((self.ctx.rank, peer)))
+            if pair in self.prepared:
+                continue
+            with _SETUP_LOCK:
+                store = self.ctx.pair_store(peer, "rendezvous")
+                store.set(f"here/{self.ctx.rank}", b"1")
+                store.wait([f"here/{peer}"], datetime.timedelta(seconds=8))
+                self.prepared.append(pair)
+        super().prepare(peers)
+
+
+def ordered_ring(rank: int, world: int, rounds: int) -> list:
+    """A ring (``sendrecv`` and ``ring_all_gather``) over a transport whose pair set-up holds
+    the process: finishes only if the pairs are set up in one global order. Returns the order
+    this rank set its pairs up in."""
+    from tensorferry.p2p import _context
+
+    if "gloo-rendezvous" not in tf.registered_transports():
+        tf.register_transport("gloo-rendezvous", RendezvousGloo)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for r in range(rounds):
+        out = payload(rank, right, 300 + r, (64,), torch.float32)
+        into = poisoned((64,), torch.float32)
+        tf.sendrecv(out, right, into, left, transport="gloo-rendezvous").wait(T)
+        assert same_bytes(into, payload(left, rank, 300 + r, (64,), torch.float32)), r
+    gathered = poisoned((world, 5), torch.int64)
+    mine = payload(rank, rank, 301, (5,), torch.int64)
+    tf.ring_all_gather(gathered, mine, transport="gloo-rendezvous").wait(T)
+    for src in range(world):
+        assert same_bytes(gathered[src], payload(src, src, 301, (5,), torch.int64)), src
+    return list(_context.current().transport("gloo-rendezvous").prepared)
 
 
 def register_speculating_gloo(rank: int, world: int) -> bool:

@@ -164,6 +164,11 @@ def test_many_small_tensors_batched_and_separate(pool):
     assert pool.run("many_small_batch", 64)[:2] == ["sent", "ok"]
 
 
+def test_ring_over_a_transport_whose_set_up_holds_the_process(pool):
+    # 3 ranks: each prepares both of its pairs, lower pair first, before the first message.
+    assert pool.run("ordered_ring", 2) == [[(0, 1), (0, 2)], [(0, 1), (1, 2)], [(0, 2), (1, 2)]]
+
+
 def test_repeated_layouts_keep_every_byte(pool):
     assert pool.run("repeated_layouts", 3)[:2] == ["ok", "ok"]
 

@@ -48,6 +48,8 @@ class CopyEngineTransport(Transport):
     """Moves agreed messages with copy engines into the peer's symmetric staging."""
 
     name = "ce"
+    # Pair set-up is a symmetric-memory rendezvous; rings of 3+ ranks prepare in order.
+    prepare_in_order = True
     device_type = "cuda"
 
     def unsupported_reason(self, *, peer: int, tensors: Sequence[torch.Tensor]) -> str | None:

@@ -64,6 +64,8 @@ class NvlinkTransport(Transport):
     """Moves agreed messages with the Triton copy kernels over NVLink."""
 
     name = "nvlink"
+    # Pair set-up is a symmetric-memory rendezvous; rings of 3+ ranks prepare in order.
+    prepare_in_order = True
     device_type = "cuda"
 
     def __init__(self, ctx: Any, *, config: ChannelConfig | None = None) -> None:
