@@ -2,8 +2,10 @@
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
-#   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks allgather
-# p2p-ranks and allgather use every GPU of the machine (one rank each): the N-rank runs.
+#   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
+#   allgather
+# p2p-ranks* and allgather use every GPU of the machine (one rank each): the N-rank runs;
+# p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,9 @@ for s in $steps; do
     p2p-ranks) step p2p-ranks 240 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
     allgather) step allgather 150 tensorferry bench allgather --out "$R" ;;
+    p2p-ranks-nvlink | p2p-ranks-ce) step "$s" 150 env TENSORFERRY_AUTO_TRANSPORTS="${s#p2p-ranks-},gloo" \
+      TF_TEST_DUMP_AFTER=120 python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
+      tests/p2p/torchrun_suite.py ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -134,9 +135,18 @@ def _measure(rank: int, world: int, device: Any, config: dict) -> dict:
                 tf.ring_all_gather(o, i, transport=t).wait()
 
             out[(f"tf ring ({transport})", size)] = timed(tf_ring)
+            _progress(rank, f"{size} B per rank over {transport}", out)
 
         def torch_all_gather(o: Any = ref, i: Any = inp) -> None:
             dist.all_gather_into_tensor(o, i)
 
         out[("torch all_gather_into_tensor", size)] = timed(torch_all_gather)
+        _progress(rank, f"{size} B per rank with torch", out)
     return out
+
+
+def _progress(rank: int, what: str, out: dict) -> None:
+    """One line per timed point (rank 0, stderr): a long run shows how far it got."""
+    if rank == 0:
+        seconds = list(out.values())[-1]
+        print(f"allgather: {what}: {seconds * 1e6:.1f} µs (rank 0)", file=sys.stderr, flush=True)

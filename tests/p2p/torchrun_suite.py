@@ -84,6 +84,10 @@ _TIMED_OUT_IN_TIME = _Check("a timeout after 0.9-4 s", lambda r: 0.9 <= r < 4.0)
 
 
 def main() -> int:
+    if os.environ.get("TF_TEST_DUMP_AFTER"):  # a hang shows every thread's stack
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["TF_TEST_DUMP_AFTER"]))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     tf.init(timeout=30)  # reuses the process group's store, rank and world size
     rank, world = tf.get_rank(), tf.get_world_size()
