@@ -18,15 +18,15 @@ transfer pays nothing for set-up. Where the library cannot be loaded (or with
 ``TENSORFERRY_NCCL_CALLS=torch``) a ``ProcessGroupNCCL`` per direction stands in, with the same
 behaviour and more host time per call.
 
-``start`` issues every message of a call in one direction with one peer as ONE NCCL group,
-enqueued on the transfer's stream (after the caller's work, before the layer's completion
-event): NCCL launches the whole group as one kernel. Tensors travel as bytes, so every dtype
+``start`` issues every message of a call as ONE NCCL group, whatever their directions and
+peers, enqueued on the transfer's stream (after the caller's work, before the layer's
+completion event): NCCL launches the whole group at once. Tensors travel as bytes, so every dtype
 works. Tensors under :data:`PACK_BELOW` of a message with several of them are packed, on the
 transfer's stream: into a buffer kept for that layout and direction (:mod:`._staging`: one
 ``_foreach_copy_`` per dtype each way), or, for a layout whose tensors cannot be viewed in such
 a buffer, into a fresh one (one ``cat`` on the sender, one ``_foreach_copy_`` on the receiver).
-A call with several peers, or both directions, issues all of them as one group spanning their
-communicators (see ``_enqueue`` for the deadlock that separate groups would risk).
+With several peers or both directions the group spans their communicators (``_enqueue`` says
+why separate groups would deadlock).
 """
 
 from __future__ import annotations
