@@ -278,7 +278,8 @@ def init(
         store: a ``torch.distributed`` store every rank reaches (for processes that already
             share one, e.g. actors of a compiled graph); needs ``rank`` and ``world_size``, and
             excludes ``init_method``. Give each world a store (or ``PrefixStore``) of its own:
-            its keys are used as they are.
+            its keys are used as they are. Its ranks must share one host (links listen on
+            loopback).
         device: this process's device (``"cuda:1"``, a ``torch.device``); default as above.
             Must match ``backend``: a CUDA device with ``"auto"``/``"nccl"``, the CPU with
             ``"gloo"``.
@@ -315,7 +316,8 @@ def init(
         # e.g. actors that joined different graphs before).
         namespace = "tensorferry/p2p"
         if store is not None:
-            master_addr = _given_store(store, rank, world_size, init_method)
+            _check_given_store(store, rank, world_size, init_method)
+            master_addr = None  # no rendezvous host known: links advertise loopback
         else:
             namespace = f"tensorferry/p2p/{_incarnation + 1}"
             store, rank, world_size, master_addr = _rendezvous(
@@ -393,8 +395,10 @@ def _rendezvous(
     return store, rank, world_size, master
 
 
-def _given_store(store: Any, rank: int | None, world_size: int | None, init_method: Any) -> None:
-    """Checks the arguments that go with ``store=``; returns the master address (none)."""
+def _check_given_store(
+    store: Any, rank: int | None, world_size: int | None, init_method: Any
+) -> None:
+    """Checks the arguments that go with ``store=``."""
     if init_method is not None:
         raise ValueError("pass either store= or init_method=, not both")
     if rank is None or world_size is None:
@@ -403,7 +407,6 @@ def _given_store(store: Any, rank: int | None, world_size: int | None, init_meth
         raise ValueError(f"rank {rank} is out of range for world size {world_size}")
     if not all(hasattr(store, name) for name in ("set", "get", "wait")):
         raise TypeError(f"store must be a torch.distributed Store, got {type(store).__name__}")
-    return None
 
 
 def _given_device(device: Any, backend: str) -> tuple[torch.device, str]:
