@@ -63,7 +63,8 @@ for s in $steps; do
       tests/nvlink/_worker.py ce ;;
     p2p-ranks) step p2p-ranks 240 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
-    allgather) step allgather 150 tensorferry bench allgather --out "$R" ;;
+    allgather) step allgather 150 tensorferry bench allgather \
+      --transports "${ALLGATHER_TRANSPORTS:-nccl}" --out "$R" ;;
     p2p-ranks-nvlink | p2p-ranks-ce) step "$s" 150 env TENSORFERRY_AUTO_TRANSPORTS="${s#p2p-ranks-},gloo" \
       TF_TEST_DUMP_AFTER=120 python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
       tests/p2p/torchrun_suite.py ;;
