@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "empty",
@@ -61,10 +62,12 @@ def join_group(name: str, rank: int, world_size: int, store: Any) -> Any:
     """
     import datetime
 
-    import torch.distributed as dist
     from torch.distributed import _symmetric_memory as symm_mem
 
-    symm_mem._SymmetricMemory.set_group_info(name, rank, world_size, store)
+    exchange_store = _GroupSequencedStore(store)
+    with _lock:
+        _exchange_stores[name] = exchange_store  # c10d calls back into it: keep it alive
+    symm_mem._SymmetricMemory.set_group_info(name, rank, world_size, exchange_store)
     c10d = torch._C._distributed_c10d
     try:
         c10d._resolve_process_group(name)
@@ -82,6 +85,70 @@ def join_group(name: str, rank: int, world_size: int, store: Any) -> Any:
         group._set_default_backend(gloo)
     c10d._register_process_group(name, group)
     return group
+
+
+class _GroupSequencedStore(dist.Store):
+    """The store a group's symmetric-memory rendezvous talks through, renumbering its keys.
+
+    torch numbers its rendezvous exchanges (keys ``<prefix>/<n>/<rank>``) with ONE counter per
+    process, shared by every group. Two ranks of a pair that took part in different numbers of
+    exchanges before — around a ring of four, rank 0 sets up its pair with 1 while rank 3 sets
+    up its pair with 0 — would each wait on a key the other never writes. Here the ``k``-th
+    exchange of this group is numbered ``k`` on every rank, whatever the process counter says.
+    Every other key passes through unchanged.
+
+    c10d reaches the Python methods only while this object lives: :func:`join_group` keeps it.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self._inner = inner
+        self._local: dict[tuple[str, str], int] = {}
+        self._next: dict[str, int] = {}
+        self._guard = threading.Lock()
+
+    def _key(self, key: str) -> str:
+        parts = key.rsplit("/", 2)
+        if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+            return key
+        prefix, seq, rank = parts
+        with self._guard:
+            local = self._local.get((prefix, seq))
+            if local is None:  # a new exchange: its rank's own key comes first
+                local = self._local[(prefix, seq)] = self._next.get(prefix, 0)
+                self._next[prefix] = local + 1
+        return f"{prefix}/{local}/{rank}"
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(self._key(key))
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        renamed = [self._key(k) for k in keys]
+        if timeout is None:
+            self._inner.wait(renamed)
+        else:
+            self._inner.wait(renamed, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check([self._key(k) for k in keys])
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(self._key(key), amount)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._inner.compare_set(self._key(key), expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(self._key(key))
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._inner.set_timeout(timeout)
+
+
+_exchange_stores: dict[str, _GroupSequencedStore] = {}
 
 
 @dataclass(frozen=True, slots=True)
