@@ -72,7 +72,7 @@ def test_without_renumbering_the_same_pattern_waits_forever() -> None:
     shared.set_timeout(timedelta(seconds=1))
     store = dist.PrefixStore("pair/0-3", shared)
     store.set("CUDASymmetricMemory/7/0", b"x")
-    with pytest.raises(Exception, match="[Tt]imeout|[Tt]imed out|[Ww]ait"):
+    with pytest.raises(Exception, match=r"[Tt]imeout|[Tt]imed out|[Ww]ait"):
         store.wait(["CUDASymmetricMemory/0/1"])
 
 
