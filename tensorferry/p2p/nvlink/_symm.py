@@ -54,7 +54,8 @@ def join_group(name: str, rank: int, world_size: int, store: Any) -> Any:
     """Makes ``name`` a symmetric-memory group of these ranks without ``torch.distributed``
     being initialised: its store for the rendezvous, and — because newer torch versions also
     look the name up among c10d's registered process groups during a rendezvous — a small gloo
-    group registered under that name when none is. Every rank calls it at the same point.
+    group registered under that name when none is. Every rank calls it at the same point. Both
+    reach the store through :class:`_GroupSequencedStore`.
 
     Returns:
         The process group registered here, or ``None``; the caller keeps it alive (c10d holds
@@ -74,8 +75,9 @@ def join_group(name: str, rank: int, world_size: int, store: Any) -> Any:
         return None
     except RuntimeError:
         pass
-    # A ProcessGroup with a gloo backend, put together as torch.distributed does it.
-    group = dist.ProcessGroup(store, rank, world_size)
+    # A ProcessGroup with a gloo backend, put together as torch.distributed does it. Newer
+    # torch versions run the rendezvous exchanges through the group's store: the renumbering one.
+    group = dist.ProcessGroup(exchange_store, rank, world_size)
     gloo = dist.ProcessGroup.BackendType.GLOO
     backend = dist.ProcessGroupGloo(
         dist.PrefixStore(f"{name}/gloo", store), rank, world_size, datetime.timedelta(seconds=60)
