@@ -17,6 +17,7 @@ import torch
 from tensorferry.errors import TransportError
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
 from tensorferry.p2p.copy_engine import _streamops
+from tensorferry.p2p.nvlink._pair_setup import with_peer_turn
 from tensorferry.p2p.nvlink._symm import pair_group_name
 from tensorferry.runtime import communicator_cache
 
@@ -98,8 +99,18 @@ class CopyEngineTransport(Transport):
 
         def make() -> Any:
             store = self.ctx.pair_store(peer, "ce")
-            name = pair_group_name("ce", store, first=me == 0)
-            return CopyEngineChannel(device=self.ctx.device, members=(name, me, 2, store))
+
+            def set_up() -> Any:
+                name = pair_group_name("ce", store, first=me == 0)
+                return CopyEngineChannel(device=self.ctx.device, members=(name, me, 2, store))
+
+            return with_peer_turn(
+                store,
+                me,
+                set_up,
+                timeout_s=self.ctx.timeout.total_seconds(),
+                what=f"ce set-up with rank {peer}",
+            )
 
         channel = communicator_cache().get_or_create(("ce", lo, hi), make)
         return channel, 1 - me

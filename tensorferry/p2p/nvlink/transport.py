@@ -21,6 +21,7 @@ import torch
 from tensorferry.errors import TransportError
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
 from tensorferry.p2p.nvlink._layout import ERR_TIMEOUT, ERROR_FIELDS, ChannelConfig
+from tensorferry.p2p.nvlink._pair_setup import with_peer_turn
 from tensorferry.p2p.nvlink._symm import pair_group_name
 from tensorferry.runtime import communicator_cache
 
@@ -161,9 +162,19 @@ class NvlinkTransport(Transport):
 
         def make() -> Any:
             store = self.ctx.pair_store(peer, "nvlink")
-            name = pair_group_name("nvlink", store, first=me == 0)
-            return NvlinkChannel(
-                device=self.ctx.device, config=self.config, members=(name, me, 2, store)
+
+            def set_up() -> Any:
+                name = pair_group_name("nvlink", store, first=me == 0)
+                return NvlinkChannel(
+                    device=self.ctx.device, config=self.config, members=(name, me, 2, store)
+                )
+
+            return with_peer_turn(
+                store,
+                me,
+                set_up,
+                timeout_s=self.ctx.timeout.total_seconds(),
+                what=f"nvlink set-up with rank {peer}",
             )
 
         channel = communicator_cache().get_or_create(("nvlink", lo, hi), make)
