@@ -3,8 +3,8 @@
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
-#   allgather
-# p2p-ranks* and allgather use every GPU of the machine (one rank each): the N-rank runs;
+#   allgather symm-pairs
+# p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
 set -uo pipefail
@@ -68,6 +68,8 @@ for s in $steps; do
     p2p-ranks-nvlink | p2p-ranks-ce) step "$s" 150 env TENSORFERRY_AUTO_TRANSPORTS="${s#p2p-ranks-},gloo" \
       TF_TEST_DUMP_AFTER=120 python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
       tests/p2p/torchrun_suite.py ;;
+    symm-pairs) step symm-pairs 60 env PROBE_LIMIT=45 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node "$GPUS" scripts/symm_pairs_probe.py ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;
