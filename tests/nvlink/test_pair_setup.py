@@ -132,3 +132,35 @@ def test_a_store_reused_from_an_earlier_world_is_named() -> None:
     store.set("turn", "go")
     with pytest.raises(TransportError, match="earlier world"):
         with_peer_turn(store, 0, lambda: None, timeout_s=1, what="x", lock=threading.Lock())
+
+
+def test_set_up_pair_gives_both_ranks_one_group_name_and_their_indices() -> None:
+    from tensorferry.p2p.nvlink._pair_setup import set_up_pair
+
+    shared = dist.HashStore()
+
+    class Ctx:  # the parts of a TransportContext that set_up_pair uses
+        timeout = timedelta(seconds=10)
+
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def rank_in_pair(self, peer: int) -> int:
+            return 0 if self.rank < peer else 1
+
+        def pair_store(self, peer: int, purpose: str) -> dist.Store:
+            lo, hi = sorted((self.rank, peer))
+            return dist.PrefixStore(f"pair/{lo}-{hi}/{purpose}", shared)
+
+    built: dict[int, tuple[str, int]] = {}
+    locks = {2: threading.Lock(), 5: threading.Lock()}  # one per simulated process
+
+    def rank_main(rank: int, peer: int) -> None:
+        built[rank] = set_up_pair(
+            Ctx(rank), peer, "ce", lambda group, index, store: (group, index), lock=locks[rank]
+        )
+
+    threads = [threading.Thread(target=rank_main, args=(r, p)) for r, p in ((2, 5), (5, 2))]
+    _run(threads)
+    assert built[2][0] == built[5][0] and built[2][0].startswith("tf-ce-")
+    assert (built[2][1], built[5][1]) == (0, 1)

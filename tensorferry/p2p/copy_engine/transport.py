@@ -17,8 +17,7 @@ import torch
 from tensorferry.errors import TransportError
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
 from tensorferry.p2p.copy_engine import _streamops
-from tensorferry.p2p.nvlink._pair_setup import with_peer_turn
-from tensorferry.p2p.nvlink._symm import pair_group_name
+from tensorferry.p2p.nvlink._pair_setup import set_up_pair
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["CopyEngineTransport", "estimate_ce_seconds"]
@@ -98,18 +97,13 @@ class CopyEngineTransport(Transport):
         me = self.ctx.rank_in_pair(peer)
 
         def make() -> Any:
-            store = self.ctx.pair_store(peer, "ce")
-
-            def set_up() -> Any:
-                name = pair_group_name("ce", store, first=me == 0)
-                return CopyEngineChannel(device=self.ctx.device, members=(name, me, 2, store))
-
-            return with_peer_turn(
-                store,
-                me,
-                set_up,
-                timeout_s=self.ctx.timeout.total_seconds(),
-                what=f"ce set-up with rank {peer}",
+            return set_up_pair(
+                self.ctx,
+                peer,
+                "ce",
+                lambda group, index, store: CopyEngineChannel(
+                    device=self.ctx.device, members=(group, index, 2, store)
+                ),
             )
 
         channel = communicator_cache().get_or_create(("ce", lo, hi), make)

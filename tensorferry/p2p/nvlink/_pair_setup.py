@@ -31,8 +31,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tensorferry.errors import TransferTimeoutError, TransportError
+from tensorferry.p2p.nvlink._symm import pair_group_name
 
-__all__ = ["with_peer_turn"]
+__all__ = ["set_up_pair", "with_peer_turn"]
 
 T = TypeVar("T")
 
@@ -46,6 +47,35 @@ BACKOFF_S = 0.05
 while we pause finds us back in time)."""
 
 
+def set_up_pair(
+    ctx: Any, peer: int, kind: str, build: Callable[[str, int, Any], T], *, lock: Any = None
+) -> T:
+    """Makes the ``kind`` channel of this rank's pair with ``peer``: a fresh group name and
+    ``build(group_name, rank_in_pair, pair_store)``, in the pair's turn (:func:`with_peer_turn`).
+
+    Args:
+        ctx: the transports' ``TransportContext``.
+        peer: the other rank.
+        kind: the transport's name (names the pair's store and group).
+        build: makes the channel; runs on this thread under the set-up lock.
+        lock: as for :func:`with_peer_turn`.
+    """
+    me = ctx.rank_in_pair(peer)
+    store = ctx.pair_store(peer, kind)
+
+    def set_up() -> T:
+        return build(pair_group_name(kind, store, first=me == 0), me, store)
+
+    return with_peer_turn(
+        store,
+        me,
+        set_up,
+        timeout_s=ctx.timeout.total_seconds(),
+        what=f"{kind} set-up with rank {peer}",
+        lock=lock,
+    )
+
+
 def with_peer_turn(
     store: Any,
     me: int,
@@ -53,7 +83,7 @@ def with_peer_turn(
     *,
     timeout_s: float,
     what: str,
-    lock: Any = _setup_lock,
+    lock: Any = None,
 ) -> T:
     """Runs ``make`` (a set-up that rendezvouses with the peer) once both ranks of the pair
     committed to it, under the process-wide set-up lock.
@@ -64,11 +94,13 @@ def with_peer_turn(
         make: the set-up; runs on this thread.
         timeout_s: give up after this many seconds without the peer committing.
         what: names the set-up in errors.
-        lock: the process-wide set-up lock (tests stand in one per simulated process).
+        lock: the set-up lock; default: the process-wide one (tests give one per simulated
+            process).
 
     Raises:
         TransferTimeoutError: the peer did not commit within ``timeout_s``.
     """
+    lock = _setup_lock if lock is None else lock
     deadline = time.monotonic() + timeout_s
     claim = f"w{me}".encode()
     while True:

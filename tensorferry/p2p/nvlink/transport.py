@@ -21,8 +21,7 @@ import torch
 from tensorferry.errors import TransportError
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
 from tensorferry.p2p.nvlink._layout import ERR_TIMEOUT, ERROR_FIELDS, ChannelConfig
-from tensorferry.p2p.nvlink._pair_setup import with_peer_turn
-from tensorferry.p2p.nvlink._symm import pair_group_name
+from tensorferry.p2p.nvlink._pair_setup import set_up_pair
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["NvlinkTransport", "estimate_nvlink_seconds"]
@@ -161,20 +160,13 @@ class NvlinkTransport(Transport):
         me = self.ctx.rank_in_pair(peer)
 
         def make() -> Any:
-            store = self.ctx.pair_store(peer, "nvlink")
-
-            def set_up() -> Any:
-                name = pair_group_name("nvlink", store, first=me == 0)
-                return NvlinkChannel(
-                    device=self.ctx.device, config=self.config, members=(name, me, 2, store)
-                )
-
-            return with_peer_turn(
-                store,
-                me,
-                set_up,
-                timeout_s=self.ctx.timeout.total_seconds(),
-                what=f"nvlink set-up with rank {peer}",
+            return set_up_pair(
+                self.ctx,
+                peer,
+                "nvlink",
+                lambda group, index, store: NvlinkChannel(
+                    device=self.ctx.device, config=self.config, members=(group, index, 2, store)
+                ),
             )
 
         channel = communicator_cache().get_or_create(("nvlink", lo, hi), make)
