@@ -16,7 +16,10 @@ Faults. A *pair fault* (deadline passed, transport error, static agreement broke
 failed half-way) fails every unfinished unit with that peer, aborts and evicts the pair's
 transport resources and moves the pair to its next *epoch*; a ``fault`` frame tells the peer,
 which does the same: it fails its messages the faulting side had already numbered and renumbers
-the rest into the new epoch. A header mismatch on a single message is symmetric and needs no
+the rest into the new epoch. Should it fail more than that (receives issued ahead on a static
+channel), a ``fault ack`` frame says how many, and the faulting side fails as many of its next
+messages, which take those numbers of the new epoch. Units whose work had finished when the
+fault came are completed, not failed. A header mismatch on a single message is symmetric and needs no
 fault: both sides fail it and go on. A dead peer (side channel closed without ``bye``) fails
 everything with it with ``PeerLostError``; other peers are untouched.
 
@@ -66,6 +69,15 @@ __all__ = ["Engine", "Message", "Unit"]
 log = logging.getLogger(__name__)
 
 _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
+
+
+def _error_of(frame: dict, what: str) -> BaseException:
+    """The error a fault (or fault acknowledgement) frame carries, as the peer raised it."""
+    cls = _ERRORS.get(frame.get("err", ""), TransportError)
+    text = f"{what}: {frame.get('msg', '')}"
+    return MismatchError(text, field=frame.get("field")) if cls is MismatchError else cls(text)
+
+
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
 _DRIVEN_RECHECK_S = 0.005
@@ -452,20 +464,23 @@ class Engine(PairFaults):
         if kind == "h":
             # The peer's role on ITS channel: "s" = it sends to us → our "recv" channel.
             channel = peer.channels["recv" if frame["c"] == "s" else "send"]
-            channel.peer_headers[int(frame["q"])] = frame
+            if int(frame["q"]) >= channel.first_seq:
+                channel.peer_headers[int(frame["q"])] = frame
         elif kind == "f":
             self._on_fault_frame(peer, frame)
+        elif kind == "fa":
+            self._on_fault_ack(peer, frame, _error_of(frame, f"rank {peer.rank} failed it too"))
         elif kind == "rs":
             peer.peer_reset_epoch = epoch
             self._maybe_reset(peer)
 
     def _on_fault_frame(self, peer: PeerState, frame: dict) -> None:
-        cls = _ERRORS.get(frame.get("err", ""), TransportError)
-        text = f"rank {peer.rank} abandoned the transfer: {frame.get('msg', '')}"
-        err = MismatchError(text, field=frame.get("field")) if cls is MismatchError else cls(text)
+        err = _error_of(frame, f"rank {peer.rank} abandoned the transfer")
         # Their "send" channel is our "recv" channel and vice versa.
         matched = {"recv": int(frame["n"]["send"]), "send": int(frame["n"]["recv"])}
-        self._fault_pair(peer, err, notify=False, matched=matched)
+        every = frame.get("all", frame["n"])
+        numbered = {"recv": int(every["send"]), "send": int(every["recv"])}
+        self._fault_pair(peer, err, notify=False, matched=matched, numbered=numbered)
 
     # ------------------------------------------------------------------ submission
     def _accept(self, unit: Unit) -> None:
@@ -477,11 +492,13 @@ class Engine(PairFaults):
             if peer.lost is not None:
                 self._finish(unit, PeerLostError(str(peer.lost)))
                 return
-        debt_error = self._pay_debts(unit)
+        debt_error, creditor = self._pay_debts(unit)
         if debt_error is not None:
             unit.state = "waiting"  # so _fail_unit cascades to the unit's other peers
             self._units.append(unit)
-            self._fail_unit(unit, debt_error, cascade=True, skip_peer=None)
+            # The creditor failed its side already: no fault with it (a new one would fail
+            # what it posted since).
+            self._fail_unit(unit, debt_error, cascade=True, skip_peer=creditor)
             return
         unit.state = "waiting"
         self._units.append(unit)
@@ -489,16 +506,25 @@ class Engine(PairFaults):
             self._number(self._peer(message.op.peer), message)
             self._ensure_prepared(self._peer(message.op.peer), message.transport, message.op.kind)
 
-    def _pay_debts(self, unit: Unit) -> BaseException | None:
-        """The error of a debt ``unit`` pays off (see ``PeerState.debts``), else ``None``."""
-        error = None
+    def _pay_debts(self, unit: Unit) -> tuple[BaseException | None, int | None]:
+        """The error of a debt ``unit`` pays off (see ``PeerState.debts`` and
+        ``PeerState.numbered_debts``) and the peer owed, else ``(None, None)``."""
+        error, creditor = None, None
         for message in unit.messages:
             peer = self._peer(message.op.peer)
-            count, err = peer.debts.get(message.op.kind, (0, None))
+            kind = message.op.kind
+            count, err = peer.debts.get(kind, (0, None))
             if count > 0:
-                peer.debts[message.op.kind] = (count - 1, err)
-                error = error or err
-        return error
+                peer.debts[kind] = (count - 1, err)
+                error, creditor = error or err, peer.rank if creditor is None else creditor
+            count, err = peer.numbered_debts.get(kind, (0, None))
+            if count > 0:  # the number the peer skipped is ours to consume
+                peer.numbered_debts[kind] = (count - 1, err)
+                channel = peer.channels[kind]
+                channel.next_seq += 1
+                self._retire(channel, channel.next_seq - 1)
+                error, creditor = error or err, peer.rank if creditor is None else creditor
+        return error, creditor
 
     def _number(self, peer: PeerState, message: Message) -> None:
         channel = peer.channels[message.op.kind]
@@ -768,7 +794,8 @@ class Engine(PairFaults):
             delay=spin_window_s(),
         )
         future.add_done_callback(lambda f: self._on_completed(unit, f))
-        unit.transfer._mark_issued(done_event, ready, lambda: self._settle_seen(unit, future))
+        unit.ready, unit.settle = ready, lambda: self._settle_seen(unit, future)
+        unit.transfer._mark_issued(done_event, ready, unit.settle)
 
     def _settle_seen(self, unit: Unit, future: Future) -> None:
         # On the thread that waited and saw the work finish (Transfer._settled): complete the

@@ -13,6 +13,12 @@ from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["PairFaults"]
 
+
+def _error_fields(err: BaseException) -> dict:
+    """How a fault frame carries ``err`` to the peer (``_engine._error_of`` reads it)."""
+    return {"err": type(err).__name__, "field": getattr(err, "field", None), "msg": str(err)}
+
+
 log = logging.getLogger("tensorferry.p2p._engine")
 
 
@@ -82,26 +88,22 @@ class PairFaults:
         *,
         notify: bool,
         matched: dict[str, int] | None = None,
+        numbered: dict[str, int] | None = None,
     ) -> None:
         """Moves the pair to its next epoch; see the module docstring."""
         old_epoch = peer.epoch
         if notify:
-            # Only messages both sides numbered (headers agreed, or static) count as matched:
-            # the peer fails its counterparts of those and renumbers the rest. A message the
-            # peer had not yet posted is simply dropped; if it posts it later, it becomes the
-            # first message of the new epoch.
-            counts = {kind: self._agreed_count(peer.channels[kind]) for kind in ("send", "recv")}
-            field_name = getattr(err, "field", None)
+            # Only messages both sides numbered (headers agreed, or static) count as matched
+            # ("n"): the peer fails its counterparts of those and renumbers the rest. A message
+            # the peer had not yet posted is simply dropped; if it posts it later, it becomes
+            # the first message of the new epoch. "all" counts every message we numbered (and
+            # fail): the peer's failures past it are ones we must match (see _on_fault_ack).
+            channels = peer.channels
+            counts = {kind: self._agreed_count(channels[kind]) for kind in ("send", "recv")}
+            numbered = {kind: channels[kind].next_seq for kind in ("send", "recv")}
             self._send_frame(
                 peer,
-                {
-                    "k": "f",
-                    "e": old_epoch,
-                    "n": counts,
-                    "err": type(err).__name__,
-                    "field": field_name,
-                    "msg": str(err),
-                },
+                {"k": "f", "e": old_epoch, "n": counts, "all": numbered, **_error_fields(err)},
             )
         log.info(
             "p2p: pair with rank %d faulted in epoch %d (%s): %s",
@@ -110,6 +112,7 @@ class PairFaults:
             "ours" if matched is None else f"theirs, matched {matched}",
             err,
         )
+        self._settle_finished(peer)
         # Messages the faulting side numbered failed with it; ours after those are renumbered.
         keep: list[Message] = []
         doomed: list[Unit] = []
@@ -128,13 +131,35 @@ class PairFaults:
                 elif unit not in doomed:
                     doomed.append(unit)
         keep = [m for m in keep if self._unit_of(m) not in doomed]
-        debts = {}
+        debts, skipped = {}, {}
         for kind in ("send", "recv") if matched is not None else ():
             owed = matched[kind] - peer.channels[kind].next_seq
             if owed > 0:  # only on static channels: see _agreed_count
                 debts[kind] = (owed, err)
+            # Ours past every message the peer numbered that fail all the same (issued ahead on
+            # a static channel): the peer must fail that many of its next ones, or those would
+            # meet our next messages.
+            their_all = (numbered or matched)[kind]
+            beyond = [
+                m.seq
+                for unit in doomed
+                for m in unit.messages
+                if m.op.peer == peer.rank and m.op.kind == kind and m.seq >= their_all
+            ]
+            if beyond:
+                skipped[kind] = max(beyond) + 1 - their_all
         self._new_epoch(peer, abort=True, reason=str(err))
         peer.debts = debts
+        peer.numbered_debts = {}
+        if skipped:
+            # The peer takes numbers 0..n-1 of the new epoch for the messages it fails: ours
+            # start after them. Their kinds are the mirror of ours.
+            for kind, count in skipped.items():
+                channel = peer.channels[kind]
+                channel.next_seq = channel.issue_next = channel.first_seq = count
+            mirror = {"send": "recv", "recv": "send"}
+            owe = {mirror[kind]: count for kind, count in skipped.items()}
+            self._send_frame(peer, {"k": "fa", "e": peer.epoch, "owe": owe, **_error_fields(err)})
         for unit in doomed:
             self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
         for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
@@ -148,6 +173,39 @@ class PairFaults:
         if channel.static_desc is not None or not channel.waiting:
             return channel.next_seq
         return channel.waiting[0].seq  # everything before the oldest unresolved message
+
+    def _settle_finished(self, peer: PeerState) -> None:
+        """Completes issued units with ``peer`` whose work already finished but whose completion
+        nobody has seen yet: a fault must not fail a transfer whose bytes are in place (its
+        peer may well have seen its own side finish)."""
+        for unit in [u for u in self._issued if u.state == "issued" and peer.rank in u.peers]:
+            try:
+                finished = unit.ready is not None and unit.ready()
+            except Exception:  # a failed transport: the fault fails it below
+                finished = False
+            if finished:
+                unit.settle()
+
+    def _on_fault_ack(self, peer: PeerState, frame: dict, err: BaseException) -> None:
+        """The peer, told of a fault we started, also failed messages of its own past our
+        counts (``frame["owe"]``, per our channel kind): our messages with those numbers of the
+        new epoch fail — those posted already, now; the rest as they come."""
+        for kind, count in frame["owe"].items():
+            channel = peer.channels[kind]
+            for message in [m for m in channel.waiting if m.seq < count]:
+                channel.waiting.remove(message)
+                if message.static:
+                    channel.static_candidates -= 1
+                self._retire(channel, message.seq)
+                unit = self._unit_of(message)
+                if unit is not None:
+                    same_peer = [m for m in unit.messages if m.op.peer == peer.rank]
+                    # A unit with more messages to this peer cannot fail half-way: fault again.
+                    skip = peer.rank if len(same_peer) == 1 else None
+                    self._fail_unit(unit, err, cascade=True, skip_peer=skip)
+            left = count - channel.next_seq
+            if left > 0:
+                peer.numbered_debts[kind] = (left, err)
 
     def _new_epoch(self, peer: PeerState, *, abort: bool, reason: str) -> None:
         peer.epoch += 1

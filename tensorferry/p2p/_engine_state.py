@@ -51,6 +51,10 @@ class Unit:
     """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
     awaited: bool = False
     """A later unit waits for this one to finish (its ``after``): finishing wakes the engine."""
+    ready: Any = None
+    """Once issued: true when its work finished (never blocks)."""
+    settle: Any = None
+    """Once issued: completes it now if nobody did yet (after ``ready`` said true)."""
 
     @property
     def peers(self) -> set[int]:
@@ -68,6 +72,9 @@ class ChannelState:
     peer_headers: dict[int, dict] = field(default_factory=dict)
     static_candidates: int = 0  # waiting messages with static=True (may set an agreement)
     unconfirmed: dict[int, Any] = field(default_factory=dict)  # seq -> Message issued ahead
+    # After a fault the peer started: seqs below this were its old-epoch messages we had
+    # already failed (see PairFaults._fault_pair); their headers are dropped.
+    first_seq: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -84,6 +91,10 @@ class PeerState:
     # Per channel: messages of a static channel the peer numbered (and failed) before a fault
     # that we have not posted yet; ours fail on arrival. {kind: (count, error)}
     debts: dict = field(default_factory=dict)
+    # Per channel: the peer failed, in a fault we started, messages of ours we had not numbered
+    # yet; our next ones take those numbers and fail (see PairFaults._on_fault_ack).
+    # {kind: (count, error)}
+    numbered_debts: dict = field(default_factory=dict)
     channels: dict = field(default_factory=lambda: {"send": ChannelState(), "recv": ChannelState()})
     # A symmetric reset (Engine.reset_pair): our waiting caller's future, and the epoch in which
     # the peer said it reached its reset (both needed before the pair's resources go).

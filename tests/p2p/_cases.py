@@ -774,29 +774,32 @@ def stream_ordering(rank: int, world: int) -> str:
 
 def static_broken_with_receives_ahead(rank: int, world: int) -> dict:
     """Rank 1 posts three static receives ahead; rank 0 sends a good message, then one whose
-    shape breaks the static promise, then a good one. Reports what each receive saw."""
+    shape breaks the static promise, then two good ones. Rank 1 posts its fourth receive once
+    the first three finished. Reports what each call saw."""
     if rank > 1:
         return {}
     good = [payload(0, 1, 900 + i, (4, 4), torch.float32) for i in range(4)]
-    if rank == 0:
-        outcomes = []
-        for tensor in [good[0], torch.zeros(5, 4, device=D()), good[2]]:
-            try:
-                tf.send(tensor, 1, static=True, timeout=3.0).wait(T)
-                outcomes.append("ok")
-            except MismatchError as exc:
-                outcomes.append(f"mismatch:{exc.field}")
-            except Exception as exc:
-                outcomes.append(type(exc).__name__)
-        return {"sends": outcomes}
-    handles = [tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0) for _ in range(3)]
-    seen = []
-    for h in handles:
+
+    def outcome(fn) -> str:
         try:
-            got = h.result(T)
-            seen.append(next((f"good{i}" for i, g in enumerate(good) if same_bytes(got, g)), "?"))
+            return fn()
         except MismatchError as exc:
-            seen.append(f"mismatch:{exc.field}")
+            return f"mismatch:{exc.field}"
         except Exception as exc:
-            seen.append(type(exc).__name__)
+            return type(exc).__name__
+
+    def which(got: torch.Tensor) -> str:
+        return next((f"good{i}" for i, g in enumerate(good) if same_bytes(got, g)), "?")
+
+    def send(tensor: torch.Tensor) -> str:
+        tf.send(tensor, 1, static=True, timeout=3.0).wait(T)
+        return "ok"
+
+    if rank == 0:
+        sends = [good[0], torch.zeros(5, 4, device=D()), good[2], good[3]]
+        return {"sends": [outcome(lambda t=t: send(t)) for t in sends]}
+    handles = [tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0) for _ in range(3)]
+    seen = [outcome(lambda h=h: which(h.result(T))) for h in handles]
+    last = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0)
+    seen.append(outcome(lambda: which(last.result(T))))
     return {"recvs": seen}

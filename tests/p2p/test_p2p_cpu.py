@@ -260,14 +260,15 @@ def test_errors_are_tensorferry_errors():
         assert issubclass(cls, TensorFerryError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: after a broken static promise, receives the peer posted ahead fail but the "
-    "sender's matching later message is renumbered into the new epoch (it times out here, or "
-    "lands in the receiver's next receive); needs a fault acknowledgement carrying both sides' "
-    "counts",
-)
 def test_broken_static_promise_with_receives_posted_ahead(pool):
+    """The receiver's third receive may have been issued ahead when the promise broke (it then
+    fails with the fault) or not (it then takes the next message): either way both sides must
+    agree on what happened to the third message, and the fourth lands in the fourth receive."""
     results = pool.run("static_broken_with_receives_ahead", timeout=60)
-    assert results[1]["recvs"] == ["good0", "mismatch:shape", "mismatch:shape"]
-    assert results[0]["sends"] == ["ok", "mismatch:shape", "mismatch:shape"]
+    sends, recvs = results[0]["sends"], results[1]["recvs"]
+    assert sends[:2] == ["ok", "mismatch:shape"] and recvs[:2] == ["good0", "mismatch:shape"]
+    assert (sends[2], recvs[2]) in {("ok", "good2"), ("mismatch:shape", "mismatch:shape")}, (
+        sends,
+        recvs,
+    )
+    assert (sends[3], recvs[3]) == ("ok", "good3"), (sends, recvs)
