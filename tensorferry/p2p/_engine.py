@@ -19,9 +19,9 @@ which does the same: it fails its messages the faulting side had already numbere
 the rest into the new epoch. Should it fail more than that (receives issued ahead on a static
 channel), a ``fault ack`` frame says how many, and the faulting side fails as many of its next
 messages, which take those numbers of the new epoch. Units whose work had finished when the
-fault came are completed, not failed. A header mismatch on a single message is symmetric and needs no
-fault: both sides fail it and go on. A dead peer (side channel closed without ``bye``) fails
-everything with it with ``PeerLostError``; other peers are untouched.
+fault came are completed, not failed. A header mismatch on a single message is symmetric and
+needs no fault: both sides fail it and go on. A dead peer (side channel closed without ``bye``)
+fails everything with it with ``PeerLostError``; other peers are untouched.
 
 Who does the work. Each step runs on whichever thread can take it first, so that none waits
 for a thread wake-up (tens of microseconds on bare metal, hundreds on some virtual machines):
