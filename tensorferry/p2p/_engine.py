@@ -480,7 +480,11 @@ class Engine(PairFaults):
         matched = {"recv": int(frame["n"]["send"]), "send": int(frame["n"]["recv"])}
         every = frame.get("all", frame["n"])
         numbered = {"recv": int(every["send"]), "send": int(every["recv"])}
-        self._fault_pair(peer, err, notify=False, matched=matched, numbered=numbered)
+        done = frame.get("done", {"send": 0, "recv": 0})
+        finished = {"recv": int(done["send"]), "send": int(done["recv"])}
+        self._fault_pair(
+            peer, err, notify=False, matched=matched, numbered=numbered, finished_there=finished
+        )
 
     # ------------------------------------------------------------------ submission
     def _accept(self, unit: Unit) -> None:

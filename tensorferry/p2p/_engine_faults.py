@@ -8,10 +8,14 @@ it uses the engine's state and helpers (``_units``, ``_issued``, ``_peer``, ``_s
 from __future__ import annotations
 
 import logging
+import time
 
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["PairFaults"]
+
+_FINISHING_GRACE_S = 0.2
+"""How long a fault waits for transfers whose peer side already finished."""
 
 
 def _error_fields(err: BaseException) -> dict:
@@ -89,6 +93,7 @@ class PairFaults:
         notify: bool,
         matched: dict[str, int] | None = None,
         numbered: dict[str, int] | None = None,
+        finished_there: dict[str, int] | None = None,
     ) -> None:
         """Moves the pair to its next epoch; see the module docstring."""
         old_epoch = peer.epoch
@@ -101,10 +106,10 @@ class PairFaults:
             channels = peer.channels
             counts = {kind: self._agreed_count(channels[kind]) for kind in ("send", "recv")}
             numbered = {kind: channels[kind].next_seq for kind in ("send", "recv")}
-            self._send_frame(
-                peer,
-                {"k": "f", "e": old_epoch, "n": counts, "all": numbered, **_error_fields(err)},
-            )
+            self._settle_finished(peer)
+            done = self._finished_counts(peer)
+            frame = {"k": "f", "e": old_epoch, "n": counts, "all": numbered, "done": done}
+            self._send_frame(peer, {**frame, **_error_fields(err)})
         log.info(
             "p2p: pair with rank %d faulted in epoch %d (%s): %s",
             peer.rank,
@@ -112,7 +117,7 @@ class PairFaults:
             "ours" if matched is None else f"theirs, matched {matched}",
             err,
         )
-        self._settle_finished(peer)
+        self._settle_finished(peer, finished_there=finished_there)
         # Messages the faulting side numbered failed with it; ours after those are renumbered.
         keep: list[Message] = []
         doomed: list[Unit] = []
@@ -174,17 +179,42 @@ class PairFaults:
             return channel.next_seq
         return channel.waiting[0].seq  # everything before the oldest unresolved message
 
-    def _settle_finished(self, peer: PeerState) -> None:
+    def _settle_finished(
+        self, peer: PeerState, *, finished_there: dict[str, int] | None = None
+    ) -> None:
         """Completes issued units with ``peer`` whose work already finished but whose completion
-        nobody has seen yet: a fault must not fail a transfer whose bytes are in place (its
-        peer may well have seen its own side finish)."""
+        nobody has seen yet: a fault must not fail a transfer whose bytes are in place.
+
+        ``finished_there`` (per our channel kind): how many leading messages the faulting peer
+        saw finish. Our counterparts of those are finishing too (the bytes left the sender):
+        they get a short while to do so, so that both sides report them alike."""
+        deadline = time.monotonic() + _FINISHING_GRACE_S
         for unit in [u for u in self._issued if u.state == "issued" and peer.rank in u.peers]:
-            try:
-                finished = unit.ready is not None and unit.ready()
-            except Exception:  # a failed transport: the fault fails it below
-                finished = False
-            if finished:
-                unit.settle()
+            mine = [m for m in unit.messages if m.op.peer == peer.rank]
+            finishing = finished_there is not None and all(
+                m.seq < finished_there[m.op.kind] for m in mine
+            )
+            while True:
+                try:
+                    finished = unit.ready is not None and unit.ready()
+                except Exception:  # a failed transport: the fault fails it below
+                    break
+                if finished:
+                    unit.settle()
+                    break
+                if not finishing or time.monotonic() > deadline:
+                    break
+                time.sleep(50e-6)
+
+    def _finished_counts(self, peer: PeerState) -> dict[str, int]:
+        """Per channel: how many leading messages with ``peer`` finished (the first unfinished
+        one's number, or every numbered one)."""
+        counts = {}
+        unfinished = [m for u in self._all_units() for m in u.messages if m.op.peer == peer.rank]
+        for kind in ("send", "recv"):
+            seqs = [m.seq for m in unfinished if m.op.kind == kind and m.epoch == peer.epoch]
+            counts[kind] = min(seqs, default=peer.channels[kind].next_seq)
+        return counts
 
     def _on_fault_ack(self, peer: PeerState, frame: dict, err: BaseException) -> None:
         """The peer, told of a fault we started, also failed messages of its own past our

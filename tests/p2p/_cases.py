@@ -803,3 +803,50 @@ def static_broken_with_receives_ahead(rank: int, world: int) -> dict:
     last = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0)
     seen.append(outcome(lambda: which(last.result(T))))
     return {"recvs": seen}
+
+
+def static_broken_with_sends_ahead(rank: int, world: int, transport: str) -> dict:
+    """Mirror of ``static_broken_with_receives_ahead``: rank 0 fires three static sends at once
+    after an agreed first message; rank 1 breaks the promise on its second receive, then
+    receives twice more normally, and both end with one more exchange. Reports each call."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return {}
+    tf._api._reset_pair(1 - rank, timeout=T)  # a fresh channel: the first message agrees
+    good = [payload(0, 1, 950 + i, (4, 4), torch.float32) for i in range(5)]
+    store = _context.current().store
+
+    def outcome(fn) -> str:
+        try:
+            return fn()
+        except MismatchError as exc:
+            return f"mismatch:{exc.field}"
+        except Exception as exc:
+            return type(exc).__name__
+
+    def which(got: torch.Tensor) -> str:
+        return next((f"good{i}" for i, g in enumerate(good) if same_bytes(got, g)), "?")
+
+    def recv(shape: tuple[int, ...]) -> str:
+        spec = tf.TensorSpec(shape)
+        return which(tf.recv(spec, 0, static=True, transport=transport, timeout=3.0).result(T))
+
+    def wait_ok(handle) -> str:
+        handle.wait(T)
+        return "ok"
+
+    if rank == 0:
+        first = outcome(lambda: wait_ok(tf.send(good[0], 1, static=True, transport=transport)))
+        fired = [tf.send(g, 1, static=True, transport=transport, timeout=3.0) for g in good[1:4]]
+        store.set("sends_ahead/fired", b"1")
+        sends = [first] + [outcome(lambda h=h: wait_ok(h)) for h in fired]
+        # Static and on the same transport: the channel may have agreed again meanwhile.
+        last = tf.send(good[4], 1, static=True, transport=transport, timeout=3.0)
+        sends.append(outcome(lambda: wait_ok(last)))
+        return {"sends": sends}
+    recvs = [outcome(lambda: recv((4, 4)))]
+    store.wait(["sends_ahead/fired"])
+    recvs.append(outcome(lambda: recv((5, 4))))  # breaks the promise
+    recvs += [outcome(lambda: recv((4, 4))) for _ in range(3)]
+    return {"recvs": recvs}

@@ -272,3 +272,29 @@ def test_broken_static_promise_with_receives_posted_ahead(pool):
         recvs,
     )
     assert (sends[3], recvs[3]) == ("ok", "good3"), (sends, recvs)
+
+
+_SPECULATION_RACE = pytest.mark.xfail(
+    strict=False,
+    reason="known, about 1 run in 16: with a transport that issues static messages ahead, the "
+    "receiver fails a header mismatch on its own (no pair fault) and may issue its next receive "
+    "on the old channel before the sender's fault arrives; that receive then takes the "
+    "sender's failed message. Fix: on such channels the sender alone faults and the receiver "
+    "holds the channel until it does. No shipped transport speculates (NCCL waits for headers)",
+)
+
+
+@pytest.mark.parametrize("transport", ["gloo", pytest.param("gloo-spec", marks=_SPECULATION_RACE)])
+def test_broken_static_promise_with_sends_in_flight(pool, transport):
+    """The receiver breaks the promise while the sender's next sends are in flight (issued
+    ahead where the transport speculates): each later message either arrives where it was
+    meant to or fails on both sides, and the exchange after them is aligned."""
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    results = pool.run("static_broken_with_sends_ahead", transport, timeout=60)
+    sends, recvs = results[0]["sends"], results[1]["recvs"]
+    assert sends[0] == "ok" and recvs[0] == "good0", (sends, recvs)
+    assert sends[1] == recvs[1] == "mismatch:shape", (sends, recvs)
+    for i in (2, 3):  # recvs[i] received the message sends[i] sent, or both failed
+        pair = (sends[i], recvs[i])
+        assert pair in {("ok", f"good{i}"), ("mismatch:shape", "mismatch:shape")}, (sends, recvs)
+    assert (sends[4], recvs[4]) == ("ok", "good4"), (sends, recvs)
