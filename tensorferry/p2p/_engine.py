@@ -19,8 +19,10 @@ which does the same: it fails its messages the faulting side had already numbere
 the rest into the new epoch. Should it fail more than that (receives issued ahead on a static
 channel), a ``fault ack`` frame says how many, and the faulting side fails as many of its next
 messages, which take those numbers of the new epoch. Units whose work had finished when the
-fault came are completed, not failed. A header mismatch on a single message is symmetric and
-needs no fault: both sides fail it and go on. A dead peer (side channel closed without ``bye``)
+fault came are completed, not failed, and those the faulting side saw finish get a moment to
+finish here too. A header mismatch on a single message is symmetric and needs no fault: both
+sides fail it and go on — except on a static channel whose transport issues messages ahead of
+the peer's header: there the sender faults the pair and the receiver waits for that fault. A dead peer (side channel closed without ``bye``)
 fails everything with it with ``PeerLostError``; other peers are untouched.
 
 Who does the work. Each step runs on whichever thread can take it first, so that none waits
@@ -623,7 +625,7 @@ class Engine(PairFaults):
 
     def _resolve(self, peer: PeerState, kind: str) -> None:
         channel: ChannelState = peer.channels[kind]
-        while channel.waiting:
+        while channel.waiting and not channel.held:
             message: Message = channel.waiting[0]
             if message.header is None:  # only where static agreements skip headers
                 if channel.static_desc is not None:
@@ -674,9 +676,9 @@ class Engine(PairFaults):
                 self._compare_header(peer, message, channel.peer_headers.pop(seq))
             except MismatchError as exc:
                 # The peer broke the promise: our side is issued, so only a pair fault (which
-                # aborts the communicator) ends it. The peer faults the pair too.
+                # aborts the communicator) ends it: ours, or the sender's (_static_broken).
                 err = MismatchError(f"static channel changed: {exc}", field=exc.field)
-                self._fault_pair(peer, err, notify=True)
+                self._static_broken(peer, channel, message, err)
                 return
             message.confirmed = True
 
@@ -700,6 +702,11 @@ class Engine(PairFaults):
         try:
             self._compare_header(peer, message, frame)
         except MismatchError as exc:
+            if channel.static_desc is not None and frame.get("st") and self._speculates(frame):
+                # The peer may have issued its side ahead: not a lone mismatch.
+                err = MismatchError(f"static channel changed: {exc}", field=exc.field)
+                self._static_broken(peer, channel, message, err)
+                return
             unit = self._unit_of(message)
             if unit is not None:
                 unit.symmetric_error_peers.add(peer.rank)
@@ -733,7 +740,33 @@ class Engine(PairFaults):
             channel.waiting.popleft()
             if message.static:
                 channel.static_candidates -= 1
+            if self.ctx.transport(message.transport).static_speculates:
+                self._static_broken(peer, channel, message, err)
+            else:  # no headers go out on this channel: the peer learns only from our fault
+                self._fault_pair(peer, err, notify=True)
+
+    def _speculates(self, frame: dict) -> bool:
+        try:
+            return bool(self.ctx.transport(frame["t"]).static_speculates)
+        except Exception:  # a transport this rank does not have: it issues nothing ahead here
+            return False
+
+    def _static_broken(
+        self, peer: PeerState, channel: ChannelState, message: Message, err: BaseException
+    ) -> None:
+        """A broken static promise on a channel whose messages may be issued ahead of the peer's
+        header. Its SENDER faults the pair; the receiver fails its message and holds the channel
+        until that fault arrives. Were both to fault at once, each would see the other's notice
+        as stale and their counts would never meet; were the receiver to go on, its next receive
+        could take the sender's message already in flight."""
+        if message.op.kind == "send":
             self._fault_pair(peer, err, notify=True)
+            return
+        channel.held = True
+        unit = self._unit_of(message)
+        if unit is not None and unit.state == "waiting":
+            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
+        # An issued one (received ahead) ends with the sender's fault, which aborts the pair.
 
     def _issuable(self, unit: Unit) -> bool:
         before = unit.after

@@ -75,6 +75,9 @@ class ChannelState:
     # After a fault the peer started: seqs below this were its old-epoch messages we had
     # already failed (see PairFaults._fault_pair); their headers are dropped.
     first_seq: int = 0
+    # A receive of a static channel whose sender may issue ahead met a broken promise: nothing
+    # more resolves here until the sender's fault arrives (see Engine._static_broken).
+    held: bool = False
 
 
 @dataclass(eq=False, slots=True)

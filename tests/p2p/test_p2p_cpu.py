@@ -274,17 +274,7 @@ def test_broken_static_promise_with_receives_posted_ahead(pool):
     assert (sends[3], recvs[3]) == ("ok", "good3"), (sends, recvs)
 
 
-_SPECULATION_RACE = pytest.mark.xfail(
-    strict=False,
-    reason="known, about 1 run in 16: with a transport that issues static messages ahead, the "
-    "receiver fails a header mismatch on its own (no pair fault) and may issue its next receive "
-    "on the old channel before the sender's fault arrives; that receive then takes the "
-    "sender's failed message. Fix: on such channels the sender alone faults and the receiver "
-    "holds the channel until it does. No shipped transport speculates (NCCL waits for headers)",
-)
-
-
-@pytest.mark.parametrize("transport", ["gloo", pytest.param("gloo-spec", marks=_SPECULATION_RACE)])
+@pytest.mark.parametrize("transport", ["gloo", "gloo-spec"])
 def test_broken_static_promise_with_sends_in_flight(pool, transport):
     """The receiver breaks the promise while the sender's next sends are in flight (issued
     ahead where the transport speculates): each later message either arrives where it was
