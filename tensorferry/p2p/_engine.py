@@ -22,8 +22,9 @@ messages, which take those numbers of the new epoch. Units whose work had finish
 fault came are completed, not failed, and those the faulting side saw finish get a moment to
 finish here too. A header mismatch on a single message is symmetric and needs no fault: both
 sides fail it and go on — except on a static channel whose transport issues messages ahead of
-the peer's header: there the sender faults the pair and the receiver waits for that fault. A dead peer (side channel closed without ``bye``)
-fails everything with it with ``PeerLostError``; other peers are untouched.
+the peer's header: there the sender faults the pair and the receiver waits for that fault. A
+dead peer (side channel closed without ``bye``) fails everything with it with
+``PeerLostError``; other peers are untouched.
 
 Who does the work. Each step runs on whichever thread can take it first, so that none waits
 for a thread wake-up (tens of microseconds on bare metal, hundreds on some virtual machines):
