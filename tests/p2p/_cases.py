@@ -772,6 +772,21 @@ def stream_ordering(rank: int, world: int) -> str:
     return "ok"
 
 
+def _outcome(fn) -> str:
+    """``fn()``'s result, or what it raised: ``mismatch:<field>`` or the error's type name."""
+    try:
+        return fn()
+    except MismatchError as exc:
+        return f"mismatch:{exc.field}"
+    except Exception as exc:
+        return type(exc).__name__
+
+
+def _which(got: torch.Tensor, good: list[torch.Tensor]) -> str:
+    """``good<i>`` for the payload ``got`` holds byte for byte, else ``?``."""
+    return next((f"good{i}" for i, g in enumerate(good) if same_bytes(got, g)), "?")
+
+
 def static_broken_with_receives_ahead(rank: int, world: int) -> dict:
     """Rank 1 posts three static receives ahead; rank 0 sends a good message, then one whose
     shape breaks the static promise, then two good ones. Rank 1 posts its fourth receive once
@@ -780,16 +795,8 @@ def static_broken_with_receives_ahead(rank: int, world: int) -> dict:
         return {}
     good = [payload(0, 1, 900 + i, (4, 4), torch.float32) for i in range(4)]
 
-    def outcome(fn) -> str:
-        try:
-            return fn()
-        except MismatchError as exc:
-            return f"mismatch:{exc.field}"
-        except Exception as exc:
-            return type(exc).__name__
-
     def which(got: torch.Tensor) -> str:
-        return next((f"good{i}" for i, g in enumerate(good) if same_bytes(got, g)), "?")
+        return _which(got, good)
 
     def send(tensor: torch.Tensor) -> str:
         tf.send(tensor, 1, static=True, timeout=3.0).wait(T)
@@ -797,11 +804,11 @@ def static_broken_with_receives_ahead(rank: int, world: int) -> dict:
 
     if rank == 0:
         sends = [good[0], torch.zeros(5, 4, device=D()), good[2], good[3]]
-        return {"sends": [outcome(lambda t=t: send(t)) for t in sends]}
+        return {"sends": [_outcome(lambda t=t: send(t)) for t in sends]}
     handles = [tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0) for _ in range(3)]
-    seen = [outcome(lambda h=h: which(h.result(T))) for h in handles]
+    seen = [_outcome(lambda h=h: which(h.result(T))) for h in handles]
     last = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0)
-    seen.append(outcome(lambda: which(last.result(T))))
+    seen.append(_outcome(lambda: which(last.result(T))))
     return {"recvs": seen}
 
 
@@ -817,16 +824,8 @@ def static_broken_with_sends_ahead(rank: int, world: int, transport: str) -> dic
     good = [payload(0, 1, 950 + i, (4, 4), torch.float32) for i in range(5)]
     store = _context.current().store
 
-    def outcome(fn) -> str:
-        try:
-            return fn()
-        except MismatchError as exc:
-            return f"mismatch:{exc.field}"
-        except Exception as exc:
-            return type(exc).__name__
-
     def which(got: torch.Tensor) -> str:
-        return next((f"good{i}" for i, g in enumerate(good) if same_bytes(got, g)), "?")
+        return _which(got, good)
 
     def recv(shape: tuple[int, ...]) -> str:
         spec = tf.TensorSpec(shape)
@@ -837,16 +836,16 @@ def static_broken_with_sends_ahead(rank: int, world: int, transport: str) -> dic
         return "ok"
 
     if rank == 0:
-        first = outcome(lambda: wait_ok(tf.send(good[0], 1, static=True, transport=transport)))
+        first = _outcome(lambda: wait_ok(tf.send(good[0], 1, static=True, transport=transport)))
         fired = [tf.send(g, 1, static=True, transport=transport, timeout=3.0) for g in good[1:4]]
         store.set("sends_ahead/fired", b"1")
-        sends = [first] + [outcome(lambda h=h: wait_ok(h)) for h in fired]
+        sends = [first] + [_outcome(lambda h=h: wait_ok(h)) for h in fired]
         # Static and on the same transport: the channel may have agreed again meanwhile.
         last = tf.send(good[4], 1, static=True, transport=transport, timeout=3.0)
-        sends.append(outcome(lambda: wait_ok(last)))
+        sends.append(_outcome(lambda: wait_ok(last)))
         return {"sends": sends}
-    recvs = [outcome(lambda: recv((4, 4)))]
+    recvs = [_outcome(lambda: recv((4, 4)))]
     store.wait(["sends_ahead/fired"])
-    recvs.append(outcome(lambda: recv((5, 4))))  # breaks the promise
-    recvs += [outcome(lambda: recv((4, 4))) for _ in range(3)]
+    recvs.append(_outcome(lambda: recv((5, 4))))  # breaks the promise
+    recvs += [_outcome(lambda: recv((4, 4))) for _ in range(3)]
     return {"recvs": recvs}
