@@ -58,7 +58,7 @@ from tensorferry.errors import (
     TransportError,
 )
 from tensorferry.p2p import _link
-from tensorferry.p2p._engine_faults import PairFaults
+from tensorferry.p2p._engine_faults import PairFaults, mirrored
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare
 from tensorferry.runtime._spin import spin_window_s
@@ -479,14 +479,13 @@ class Engine(PairFaults):
 
     def _on_fault_frame(self, peer: PeerState, frame: dict) -> None:
         err = _error_of(frame, f"rank {peer.rank} abandoned the transfer")
-        # Their "send" channel is our "recv" channel and vice versa.
-        matched = {"recv": int(frame["n"]["send"]), "send": int(frame["n"]["recv"])}
-        every = frame.get("all", frame["n"])
-        numbered = {"recv": int(every["send"]), "send": int(every["recv"])}
-        done = frame.get("done", {"send": 0, "recv": 0})
-        finished = {"recv": int(done["send"]), "send": int(done["recv"])}
         self._fault_pair(
-            peer, err, notify=False, matched=matched, numbered=numbered, finished_there=finished
+            peer,
+            err,
+            notify=False,
+            matched=mirrored(frame["n"]),
+            numbered=mirrored(frame.get("all", frame["n"])),
+            finished_there=mirrored(frame.get("done", {"send": 0, "recv": 0})),
         )
 
     # ------------------------------------------------------------------ submission

@@ -12,10 +12,17 @@ import time
 
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
-__all__ = ["PairFaults"]
+__all__ = ["PairFaults", "mirrored"]
 
 _FINISHING_GRACE_S = 0.2
 """How long a fault waits for transfers whose peer side already finished."""
+
+
+def mirrored(counts: dict) -> dict[str, int]:
+    """Per-channel counts as a peer's frame gives them (its "send" channel is our "recv"
+    channel and vice versa), keyed by our channel kinds."""
+    mirror = {"send": "recv", "recv": "send"}
+    return {mirror[kind]: int(count) for kind, count in counts.items()}
 
 
 def _error_fields(err: BaseException) -> dict:
@@ -97,6 +104,7 @@ class PairFaults:
     ) -> None:
         """Moves the pair to its next epoch; see the module docstring."""
         old_epoch = peer.epoch
+        self._settle_finished(peer, finished_there=finished_there)
         if notify:
             # Only messages both sides numbered (headers agreed, or static) count as matched
             # ("n"): the peer fails its counterparts of those and renumbers the rest. A message
@@ -106,7 +114,6 @@ class PairFaults:
             channels = peer.channels
             counts = {kind: self._agreed_count(channels[kind]) for kind in ("send", "recv")}
             numbered = {kind: channels[kind].next_seq for kind in ("send", "recv")}
-            self._settle_finished(peer)
             done = self._finished_counts(peer)
             frame = {"k": "f", "e": old_epoch, "n": counts, "all": numbered, "done": done}
             self._send_frame(peer, {**frame, **_error_fields(err)})
@@ -117,7 +124,6 @@ class PairFaults:
             "ours" if matched is None else f"theirs, matched {matched}",
             err,
         )
-        self._settle_finished(peer, finished_there=finished_there)
         # Messages the faulting side numbered failed with it; ours after those are renumbered.
         keep: list[Message] = []
         doomed: list[Unit] = []
@@ -162,9 +168,8 @@ class PairFaults:
             for kind, count in skipped.items():
                 channel = peer.channels[kind]
                 channel.next_seq = channel.issue_next = channel.first_seq = count
-            mirror = {"send": "recv", "recv": "send"}
-            owe = {mirror[kind]: count for kind, count in skipped.items()}
-            self._send_frame(peer, {"k": "fa", "e": peer.epoch, "owe": owe, **_error_fields(err)})
+            frame = {"k": "fa", "e": peer.epoch, "owe": mirrored(skipped)}
+            self._send_frame(peer, {**frame, **_error_fields(err)})
         for unit in doomed:
             self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
         for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
