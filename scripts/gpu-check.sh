@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
-#   allgather symm-pairs
+#   allgather symm-pairs stream-probe
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
@@ -58,6 +58,7 @@ for s in $steps; do
     ce-overlap) step ce-overlap 120 tensorferry bench sendrecv --sizes 1G --transports nccl,ce \
       --modes one_way --overlap --max-seconds-per-point 0.3 --out "$R/overlap-ce" ;;
     trace) step trace 60 python3 scripts/trace_pingpong.py ;;
+    stream-probe) step stream-probe 90 python3 scripts/stream_create_probe.py ;;
     ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;
     ce-tests) step ce-tests 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       tests/nvlink/_worker.py ce ;;
@@ -65,8 +66,8 @@ for s in $steps; do
       --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
     allgather) step allgather 150 tensorferry bench allgather \
       --transports "${ALLGATHER_TRANSPORTS:-nccl}" --out "$R" ;;
-    p2p-ranks-nvlink | p2p-ranks-ce) step "$s" 150 env TENSORFERRY_AUTO_TRANSPORTS="${s#p2p-ranks-},gloo" \
-      TF_TEST_DUMP_AFTER=120 python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
+    p2p-ranks-nvlink | p2p-ranks-ce) step "$s" "${RANKS_LIMIT:-150}" env TENSORFERRY_AUTO_TRANSPORTS="${s#p2p-ranks-},gloo" \
+      TF_TEST_DUMP_AFTER=$((${RANKS_LIMIT:-150} - 25)) python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
       tests/p2p/torchrun_suite.py ;;
     symm-pairs) step symm-pairs 60 env PROBE_LIMIT=45 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" scripts/symm_pairs_probe.py ;;
