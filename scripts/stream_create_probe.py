@@ -10,6 +10,7 @@ One GPU. Each call runs on a helper thread, bounded at 3 s; then the flag is set
 Usage: ``python scripts/stream_create_probe.py``
 """
 
+import os
 import threading
 import time
 
@@ -25,6 +26,7 @@ def _bindings_stream() -> None:
 
 
 def _driver_stream() -> None:
+    runtime.cudaSetDevice(0)  # makes the primary context current on this thread
     err, _ = driver.cuStreamCreate(1)
     assert int(err) == 0, err
 
@@ -63,17 +65,26 @@ def probe(name, call) -> str:
     blocked = thread.is_alive()
     one = torch.ones(1, dtype=torch.int32).pin_memory()
     release = torch.cuda.Stream()
-    with torch.cuda.stream(release):
-        flag.copy_(one, non_blocking=True)
+
+    def set_flag() -> None:
+        with torch.cuda.stream(release):
+            flag.copy_(one, non_blocking=True)
+
+    releaser = threading.Thread(target=set_flag, daemon=True)  # may block too
+    releaser.start()
+    releaser.join(5.0)
     thread.join(10.0)
     finished = not thread.is_alive()
-    deadline = time.monotonic() + 10
-    while not done.query() and time.monotonic() < deadline:
+    deadline = time.monotonic() + (10 if not releaser.is_alive() else 0)
+    while not releaser.is_alive() and not done.query() and time.monotonic() < deadline:
         time.sleep(1e-3)
     took = time.perf_counter() - t0
+    issued = not releaser.is_alive()
+    drained = issued and done.query()
     return (
-        f"{name:28s} blocked while waiting: {blocked!s:5s}  finished after release: "
-        f"{finished!s:5s}  waiter drained: {done.query()!s:5s}  ({took:.2f} s) {errors or ''}"
+        f"{name:28s} release issued: {issued!s:5s}  blocked while waiting: {blocked!s:5s}  "
+        f"finished after release: {finished!s:5s}  waiter drained: {drained!s:5s}  "
+        f"({took:.2f} s) {errors or ''}"
     )
 
 
@@ -85,10 +96,14 @@ def main() -> None:
         ("cudaStreamCreateWithPriority", _bindings_stream),
         ("cuStreamCreate", _driver_stream),
         ("event create + record", _event),
-        ("allocate 1 GiB + fill", _alloc),
         ("empty_cache (cudaFree)", _fresh_alloc_free),
+        ("allocate 1 GiB + fill", _alloc),
     ]:
-        print(probe(name, call), flush=True)
+        line = probe(name, call)
+        print(line, flush=True)
+        if "release issued: False" in line:
+            print("the device is stuck behind the wait: stopping here", flush=True)
+            os._exit(0)
 
 
 if __name__ == "__main__":

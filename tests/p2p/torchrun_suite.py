@@ -22,6 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _cases
+import _hangdump
 
 import tensorferry.p2p as tf
 
@@ -88,6 +89,13 @@ def main() -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["TF_TEST_DUMP_AFTER"]))
+        _hangdump.dump_later(float(os.environ["TF_TEST_DUMP_AFTER"]) + 1)
+    if os.environ.get("TENSORFERRY_LOG_LEVEL"):
+        import logging
+
+        rank_tag = f"rank {os.environ.get('RANK', '?')}"
+        logging.basicConfig(format=f"%(relativeCreated)8.0f {rank_tag} %(name)s: %(message)s")
+        logging.getLogger("tensorferry").setLevel(os.environ["TENSORFERRY_LOG_LEVEL"].upper())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     tf.init(timeout=30)  # reuses the process group's store, rank and world size
     rank, world = tf.get_rank(), tf.get_world_size()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,15 @@ class CeTransfer:
             delay = min(delay * 2, 1e-3)
 
 
+# Issued transfers, for the set-up log (a set-up while another channel's streams wait on a
+# peer is where a hang would start).
+_issued: weakref.WeakSet = weakref.WeakSet()
+
+
+def _unfinished_transfers() -> int:
+    return sum(1 for t in list(_issued) if not t.ready())
+
+
 class CopyEngineChannel:
     """One rank's end of the copy-engine transport for a process group.
 
@@ -192,7 +202,16 @@ class CopyEngineChannel:
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self.layout = CeLayout(self.world_size, num_slots)
+        log.debug(
+            "ce channel %s: set-up starts (rank %d of %d; %d transfer(s) of other channels "
+            "not finished)",
+            group_name,
+            rank,
+            world_size,
+            _unfinished_transfers(),
+        )
         self._client = Client(devices=[self.device])
+        log.debug("ce channel %s: streams leased", group_name)
         self._send_stream = self._client.stream(self.device, "send")
         self._recv_stream = self._client.stream(self.device, "recv")
         with torch.cuda.device(self.device):
@@ -206,6 +225,7 @@ class CopyEngineChannel:
             self._stage = symm_mem.empty(
                 self.world_size * num_slots * slot_bytes, dtype=torch.uint8, device=self.device
             )
+            log.debug("ce channel %s: buffers allocated, rendezvous", group_name)
             flag_handle = symm_mem.rendezvous(self._flags, self.group_name)
             stage_handle = symm_mem.rendezvous(self._stage, self.group_name)
             self._handles = (flag_handle, stage_handle)
@@ -304,7 +324,10 @@ class CopyEngineChannel:
         for event in events:
             caller.wait_event(event)
         self._last_events = events
-        return CeTransfer(self, events, checks)
+        transfer = CeTransfer(self, events, checks)
+        _issued.add(transfer)
+        log.debug("ce channel %s: issued %s", self.group_name, checks)
+        return transfer
 
     def _issue_send(self, tensor: torch.Tensor, peer: int, start: Any) -> Any:
         s, lay = self._send_stream, self.layout
