@@ -6,8 +6,13 @@ communicator cache, completion pool, :class:`Client`), :mod:`tensorferry.p2p` (s
 :class:`Transfer` handles) and :mod:`tensorferry.graph` (compiled actor graphs).
 """
 
-from tensorferry import runtime
-from tensorferry.errors import (
+from tensorferry.runtime._hardware_queues import widen_hardware_queues
+
+# Before anything can initialise CUDA: the queue count is fixed when the context is created.
+widen_hardware_queues()
+
+from tensorferry import runtime  # noqa: E402
+from tensorferry.errors import (  # noqa: E402
     ActorDiedError,
     ActorError,
     ClientClosedError,
@@ -21,8 +26,8 @@ from tensorferry.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from tensorferry.graph import actor
-from tensorferry.p2p import (
+from tensorferry.graph import actor  # noqa: E402
+from tensorferry.p2p import (  # noqa: E402
     Batch,
     TensorSpec,
     Transfer,
@@ -39,7 +44,7 @@ from tensorferry.p2p import (
     sendrecv,
     shutdown,
 )
-from tensorferry.runtime import Client, ClientConfig
+from tensorferry.runtime import Client, ClientConfig  # noqa: E402
 
 __version__ = "0.1.0"
 

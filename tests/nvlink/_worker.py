@@ -323,6 +323,30 @@ def main() -> int:
                     raise AssertionError("no MismatchError")
 
             checks.run("ce mismatch nbytes", ce_mismatch)
+
+            def ce_timeout_drains() -> None:
+                # Rank 0 sends and rank 1 never receives: rank 0 times out, and its streams
+                # (and the caller's, which waits on them) must not stay blocked.
+                from tensorferry.errors import TransferTimeoutError
+
+                tce = CopyEngineChannel(timeout_s=1.0)
+                if rank == 0:
+                    handle = tce.send(torch.ones(1 << 20, dtype=torch.uint8, device=device), 1)
+                    try:
+                        handle.wait()
+                    except TransferTimeoutError:
+                        pass
+                    else:
+                        raise AssertionError("no TransferTimeoutError")
+                    if not handle.ready():
+                        raise AssertionError("the timed-out send still waits on the device")
+                    torch.cuda.current_stream(device).synchronize()
+                    tce.abort()
+                dist.barrier()
+                if rank == 1:
+                    tce.close(force=True)
+
+            checks.run("ce timeout drains its streams", ce_timeout_drains)
         ce.close(force=True)
 
     failures = torch.tensor([len(checks.failures)], device=device)

@@ -40,6 +40,8 @@ with ``force=True``.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import math
 import time
@@ -52,8 +54,9 @@ import torch
 from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
 from tensorferry.p2p.copy_engine import _streamops
 from tensorferry.p2p.nvlink._layout import dtype_code
-from tensorferry.p2p.nvlink._symm import group_name_of, join_group
+from tensorferry.p2p.nvlink._symm import group_name_of, join_group, setup_stream
 from tensorferry.p2p.nvlink.sendrecv_op import validate_message
+from tensorferry.runtime._hardware_queues import WANTED_QUEUES, hardware_queues
 
 __all__ = ["CopyEngineChannel", "CeTransfer", "CeLayout", "plan_chunks", "agreement_codes"]
 
@@ -140,6 +143,21 @@ class CeTransfer:
 _issued: weakref.WeakSet = weakref.WeakSet()
 
 
+@functools.cache
+def _warn_if_queues_shared() -> None:
+    queues = hardware_queues()
+    if queues < WANTED_QUEUES:
+        log.warning(
+            "copy-engine transfers wait on device flags, and this process has %d CUDA hardware "
+            "queue(s) per device (CUDA_DEVICE_MAX_CONNECTIONS): streams share queues, and a "
+            "wait can hold up a peer's signal queued behind it (rings of 3+ ranks can "
+            "deadlock). Import tensorferry before CUDA is initialised, or set "
+            "CUDA_DEVICE_MAX_CONNECTIONS=%d.",
+            queues,
+            WANTED_QUEUES,
+        )
+
+
 def _unfinished_transfers() -> int:
     return sum(1 for t in list(_issued) if not t.ready())
 
@@ -202,6 +220,7 @@ class CopyEngineChannel:
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self.layout = CeLayout(self.world_size, num_slots)
+        _warn_if_queues_shared()
         log.debug(
             "ce channel %s: set-up starts (rank %d of %d; %d transfer(s) of other channels "
             "not finished)",
@@ -214,7 +233,7 @@ class CopyEngineChannel:
         log.debug("ce channel %s: streams leased", group_name)
         self._send_stream = self._client.stream(self.device, "send")
         self._recv_stream = self._client.stream(self.device, "recv")
-        with torch.cuda.device(self.device):
+        with setup_stream(self.device):
             self._flags = symm_mem.empty(
                 self.layout.num_words, dtype=torch.int32, device=self.device
             )
@@ -234,11 +253,11 @@ class CopyEngineChannel:
                 stage_handle.get_buffer(r, (self._stage.numel(),), torch.uint8)
                 for r in range(self.world_size)
             ]
-            torch.cuda.synchronize(self.device)
         self._diag_stream = torch.cuda.Stream(self.device)
         self._broken: str | None = None
         self._closed = False
-        self._last_events: list[Any] = []
+        # Transfers issued and not yet seen finished, oldest first (drained in that order).
+        self._unfinished: collections.deque[CeTransfer] = collections.deque()
         if store is not None:
             store.add("ce-ready", 1)
             deadline = time.monotonic() + 300
@@ -323,8 +342,10 @@ class CopyEngineChannel:
             checks.append(("send", send_peer, agreement_codes(send.nbytes, send.dtype)))
         for event in events:
             caller.wait_event(event)
-        self._last_events = events
         transfer = CeTransfer(self, events, checks)
+        while self._unfinished and self._unfinished[0].ready():
+            self._unfinished.popleft()
+        self._unfinished.append(transfer)
         _issued.add(transfer)
         log.debug("ce channel %s: issued %s", self.group_name, checks)
         return transfer
@@ -397,7 +418,7 @@ class CopyEngineChannel:
             got_n, got_d = int(words[base]), int(words[base + 1])
             if got_n and got_n != nbytes_code:
                 self._broken = "nbytes mismatch"
-                self._drain(checks)
+                self._drain()
                 raise MismatchError(
                     f"rank {self.rank}: {role} to/from rank {peer}: the peer's message has a "
                     "different size",
@@ -405,46 +426,63 @@ class CopyEngineChannel:
                 )
             if got_d and got_d != dtype_word:
                 self._broken = "dtype mismatch"
-                self._drain(checks)
+                self._drain()
                 raise MismatchError(
                     f"rank {self.rank}: {role} to/from rank {peer}: the peer's dtype differs",
                     field="dtype",
                 )
         self._broken = "timeout"
+        # Left waiting, our streams would hold up for good whatever shares their hardware
+        # queues (and a device-wide synchronize anywhere in the process).
+        self._drain()
         raise TransferTimeoutError(
             f"rank {self.rank}: copy-engine transfer did not finish in time (peer absent?)"
         )
 
-    def _drain(self, checks: list[tuple], budget_s: float = 2.0) -> None:
-        """After a mismatch, satisfies our own streams' waits from the host until they finish,
-        so the caller's stream (which waits on them) is not blocked forever. What lands in the
-        receive tensor is then garbage — the caller gets the MismatchError instead."""
-        lay = self.layout
+    def _drain(self, budget_s: float = 2.0) -> None:
+        """After a mismatch or a timeout, satisfies our own streams' waits from the host, one
+        unfinished transfer after the other (a stream runs them in issue order), until they
+        finish, so the caller's stream (which waits on them) is not blocked forever. What
+        lands in the receive tensors is then garbage — the caller gets the error instead."""
         deadline = time.monotonic() + budget_s
-        while time.monotonic() < deadline and not all(
-            e.query() for e in self._pending_events(checks)
-        ):
-            with torch.cuda.stream(self._diag_stream):
-                for role, peer, (nbytes_code, dtype_word) in checks:
-                    base = lay.post(peer) if role == "send" else lay.sent(peer)
-                    self._flags[base] = nbytes_code
-                    self._flags[base + 1] = dtype_word
-                    for slot in range(lay.num_slots):
-                        word = lay.free(peer, slot) if role == "send" else lay.ready(peer, slot)
-                        self._flags[word] = 1
-            self._diag_stream.synchronize()
-            time.sleep(1e-3)
+        while self._unfinished and time.monotonic() < deadline:
+            transfer = self._unfinished[0]
+            while not transfer.ready() and time.monotonic() < deadline:
+                self._post_from_host(transfer._checks)
+                time.sleep(1e-3)
+            if transfer.ready():
+                self._unfinished.popleft()
+        if self._unfinished:
+            log.warning(
+                "ce channel %s: %d transfer(s) still wait on the device after draining",
+                self.group_name,
+                len(self._unfinished),
+            )
 
-    def _pending_events(self, checks: list[tuple]) -> list[Any]:
-        return [e for e in self._last_events if e is not None]
+    def _post_from_host(self, checks: list[tuple]) -> None:
+        """Writes, into our own flags, what the peer would have: its agreement words for these
+        messages and every slot ready (for a receive) or free (for a send)."""
+        lay = self.layout
+        with torch.cuda.stream(self._diag_stream):
+            for role, peer, (nbytes_code, dtype_word) in checks:
+                base = lay.post(peer) if role == "send" else lay.sent(peer)
+                self._flags[base] = nbytes_code
+                self._flags[base + 1] = dtype_word
+                for slot in range(lay.num_slots):
+                    word = lay.free(peer, slot) if role == "send" else lay.ready(peer, slot)
+                    self._flags[word] = 1
+        self._diag_stream.synchronize()
 
     @property
     def broken(self) -> str | None:
         return self._broken
 
     def abort(self) -> None:
-        """Drops the channel without waiting (its streams may be blocked)."""
+        """Drops the channel without waiting for the peer: our streams' pending waits are
+        satisfied from the host first (bounded), so they do not stay blocked for good."""
         self._broken = self._broken or "aborted"
+        if not self._closed:
+            self._drain()
         self.close(force=True)
 
     def close(self, *, force: bool = False) -> None:

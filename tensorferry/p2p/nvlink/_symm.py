@@ -10,6 +10,7 @@ Thread-safe: one lock guards the registry.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "setup_stream",
     "empty",
     "Registration",
     "lookup",
@@ -175,6 +177,21 @@ class Registration:
 _lock = threading.Lock()
 _registry: dict[str, list[Registration]] = {}
 _version = 0
+
+
+@contextlib.contextmanager
+def setup_stream(device: torch.device) -> Any:
+    """Runs a channel's set-up work (zeroing signals, first writes) on a stream of its own and
+    waits for that stream alone on the way out.
+
+    Why not ``torch.cuda.synchronize``: it waits for every stream of the device, including
+    other channels' transfers, which may be waiting on a peer that is itself inside a set-up
+    and synchronising. Around a ring of four over ``ce`` every rank sat in that synchronize.
+    """
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield stream
+    stream.synchronize()
 
 
 def group_name_of(group: Any) -> str:

@@ -104,7 +104,7 @@ class NvlinkChannel:
         if self.world_size < 2:
             raise ValueError("an NVLink channel needs a group of at least 2 ranks")
         self.layout = SignalLayout(self.world_size, self.config.max_blocks)
-        with torch.cuda.device(self.device):
+        with _symm.setup_stream(self.device):
             self._sig = symm_mem.empty(self.layout.num_words, dtype=torch.int64, device=self.device)
             self._sig.zero_()
             self._stage = symm_mem.empty(
@@ -124,7 +124,6 @@ class NvlinkChannel:
             self._zc_delta = torch.zeros(
                 _symm.MAX_REGISTRATIONS * self.world_size, dtype=torch.int64, device=self.device
             )
-            torch.cuda.synchronize(self.device)
         self._zc_version = -1
         self._broken: str | None = None
         self._closed = False
