@@ -109,18 +109,19 @@ class CeTransfer:
     """Handle of queued copy-engine work.
 
     Attributes:
-        event: recorded after the last op of this transfer (on the caller's stream too).
+        events: one per direction, each recorded after that direction's last copy.
+        event: the last of them.
     """
 
     def __init__(self, channel: CopyEngineChannel, events: list[Any], checks: list[tuple]) -> None:
         self._channel = channel
-        self._events = events
+        self.events = tuple(events)
         self._checks = checks
         self.event = events[-1] if events else None
 
     def ready(self) -> bool:
         """True once the copies finished. Never blocks."""
-        return all(e.query() for e in self._events)
+        return all(e.query() for e in self.events)
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until done (polling; never past ``timeout`` seconds, default the channel's).
@@ -333,20 +334,42 @@ class CopyEngineChannel:
         caller = torch.cuda.current_stream(self.device) if stream is None else stream
         start = torch.cuda.Event()
         start.record(caller)
+        transfer = self.issue(send, send_peer, recv, recv_peer, after=start)
+        for event in transfer.events:
+            caller.wait_event(event)
+        return transfer
+
+    def issue(
+        self,
+        send: torch.Tensor | None,
+        send_peer: int | None,
+        recv: torch.Tensor | None,
+        recv_peer: int | None,
+        *,
+        after: Any,
+    ) -> CeTransfer:
+        """Queues the copies after the event ``after`` and returns at once, leaving the
+        caller's stream alone (arguments already checked, as by :meth:`sendrecv`).
+
+        For a caller with several channels (a ring: sending right, receiving left): it issues
+        on every channel after one event and only then makes its stream wait for them all.
+        Waiting for each before issuing the next would queue our receive behind our send,
+        which finishes only once the right-hand peer received — itself queued behind its own
+        send: around a ring, nobody receives.
+        """
         events, checks = [], []
         if recv is not None and recv.numel() > 0:
-            events.append(self._issue_recv(recv, recv_peer, start))
+            events.append(self._issue_recv(recv, recv_peer, after))
             checks.append(("recv", recv_peer, agreement_codes(recv.nbytes, recv.dtype)))
         if send is not None and send.numel() > 0:
-            events.append(self._issue_send(send, send_peer, start))
+            events.append(self._issue_send(send, send_peer, after))
             checks.append(("send", send_peer, agreement_codes(send.nbytes, send.dtype)))
-        for event in events:
-            caller.wait_event(event)
         transfer = CeTransfer(self, events, checks)
-        while self._unfinished and self._unfinished[0].ready():
-            self._unfinished.popleft()
-        self._unfinished.append(transfer)
-        _issued.add(transfer)
+        if not torch.cuda.is_current_stream_capturing():  # an event query breaks a capture
+            while self._unfinished and self._unfinished[0].ready():
+                self._unfinished.popleft()
+            self._unfinished.append(transfer)
+            _issued.add(transfer)
         log.debug("ce channel %s: issued %s", self.group_name, checks)
         return transfer
 

@@ -69,6 +69,10 @@ class CopyEngineTransport(Transport):
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
         stream = torch.cuda.current_stream(self.ctx.device) if stream is None else stream
+        # Every copy starts after one event and the caller's stream waits for them all only at
+        # the end (see CopyEngineChannel.issue: waiting in between deadlocks rings).
+        start = torch.cuda.Event()
+        start.record(stream)
         transfers = []
         for op in ops:
             channel, other = self._channel(op.peer)
@@ -78,9 +82,12 @@ class CopyEngineTransport(Transport):
                 if tensor.numel() == 0:
                     continue
                 if op.kind == "send":
-                    transfers.append(channel.send(tensor, other, stream=stream))
+                    transfers.append(channel.issue(tensor, other, None, None, after=start))
                 else:
-                    transfers.append(channel.recv(tensor, other, stream=stream))
+                    transfers.append(channel.issue(None, None, tensor, other, after=start))
+        for transfer in transfers:
+            for event in transfer.events:
+                stream.wait_event(event)
         return _CePending(transfers)
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
