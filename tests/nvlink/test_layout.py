@@ -102,6 +102,7 @@ def test_ce_layout_and_chunks() -> None:
     words += [lay.free(r, s) for r in range(4) for s in range(2)]
     words += [lay.post(r) + i for r in range(4) for i in range(2)]
     words += [lay.sent(r) + i for r in range(4) for i in range(2)]
+    words += [lay.ack(r) for r in range(4)]
     assert len(words) == len(set(words)) and max(words) < lay.num_words
     for nbytes in SIZES:
         chunks = plan_chunks(nbytes, 32 << 20)

@@ -19,6 +19,7 @@ Sender S, on its own send stream::
 
     write R.SENT(S) = codes(nbytes, dtype)               (remote, for R's agreement wait)
     wait  S.POST(R) == codes; reset                       (R posted the same message)
+    wait  S.ACK(R) >= 1; reset                            (R consumed SENT: it may be rewritten)
     per chunk i, slot = i % num_slots:
         wait S.FREE(R, slot) >= 1; reset                 (R copied the slot out)
         memcpy chunk ──► S.stage[R][slot]                 (copy engine, local)
@@ -26,10 +27,14 @@ Sender S, on its own send stream::
 
 Receiver R, on its own recv stream::
 
-    write S.POST(R) = codes; wait R.SENT(S) == codes; reset
+    write S.POST(R) = codes; wait R.SENT(S) == codes; reset; write S.ACK(R) = 1
     per chunk i: wait R.READY(S, slot) >= 1; reset;
                  memcpy S.stage[R][slot] ──► out          (copy engine, over NVLink)
                  write S.FREE(R, slot) = 1                (remote; after the memcpy finished)
+
+Why the ACK: without it the sender of several messages in a row could write the next message's
+codes into R.SENT before R's stream had compared (or reset) the previous ones, and R would then
+wait for codes that never come back (it hung a message of seven tensors of different sizes).
 
 A size or dtype mismatch leaves both streams waiting on the agreement words; the host-side
 ``wait(timeout)`` then reads the words the peer posted, satisfies its own streams' waits from the
@@ -82,9 +87,12 @@ class CeLayout:
     def sent(self, src: int) -> int:
         return 2 * self.world_size * self.num_slots + 2 * self.world_size + 2 * src
 
+    def ack(self, dst: int) -> int:
+        return 2 * self.world_size * self.num_slots + 4 * self.world_size + dst
+
     @property
     def num_words(self) -> int:
-        return 2 * self.world_size * self.num_slots + 4 * self.world_size
+        return 2 * self.world_size * self.num_slots + 5 * self.world_size
 
 
 def agreement_codes(nbytes: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -385,6 +393,8 @@ class CopyEngineChannel:
         for word, value in ((lay.post(peer), nbytes_code), (lay.post(peer) + 1, dtype_word)):
             _streamops.wait_value32(s, flag + 4 * word, value, _streamops.WAIT_EQ)
             _streamops.write_value32(s, flag + 4 * word, 0)
+        _streamops.wait_value32(s, flag + 4 * lay.ack(peer), 1, _streamops.WAIT_GEQ)
+        _streamops.write_value32(s, flag + 4 * lay.ack(peer), 0)
         stage = self._stage  # ours: the receiver pulls from it
         with torch.cuda.stream(s):
             for i, (off, length) in enumerate(plan_chunks(tensor.nbytes, self.slot_bytes)):
@@ -413,6 +423,7 @@ class CopyEngineChannel:
         for word, value in ((lay.sent(peer), nbytes_code), (lay.sent(peer) + 1, dtype_word)):
             _streamops.wait_value32(s, flag + 4 * word, value, _streamops.WAIT_EQ)
             _streamops.write_value32(s, flag + 4 * word, 0)
+        _streamops.write_value32(s, peer_flag + 4 * lay.ack(self.rank), 1)
         stage = self._peer_stage[peer]  # the sender's: pulled over NVLink by our copy engine
         with torch.cuda.stream(s):
             for i, (off, length) in enumerate(plan_chunks(tensor.nbytes, self.slot_bytes)):
@@ -491,6 +502,8 @@ class CopyEngineChannel:
                 base = lay.post(peer) if role == "send" else lay.sent(peer)
                 self._flags[base] = nbytes_code
                 self._flags[base + 1] = dtype_word
+                if role == "send":
+                    self._flags[lay.ack(peer)] = 1
                 for slot in range(lay.num_slots):
                     word = lay.free(peer, slot) if role == "send" else lay.ready(peer, slot)
                     self._flags[word] = 1
