@@ -2,10 +2,12 @@
 
 A GPU runs the work of many streams through a few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``,
 8 by default, at most 32); streams beyond that share a queue, in order. A stream waiting on a
-flag (the copy-engine transport's ``cuStreamWaitValue32``, set by a peer) then holds up
-every stream behind it in its queue. On four ranks this deadlocked a ring: a rank's signal to
-its right-hand peer sat in a queue behind its own wait for the left-hand one, on every rank
-(the N-rank suite over ``ce`` hung on 4 × H200 with 8 queues and passed its rings with 32).
+flag that a peer sets (the copy-engine transport's ``cuStreamWaitValue32``) then holds up every
+stream queued behind it, which may carry the very signal some peer waits for: a deadlock across
+ranks. A rank of a ring over ``ce`` uses some twenty streams. With 8 queues,
+``scripts/stream_create_probe.py`` saw it on one H200: with one stream waiting on a flag, work
+on the default stream and a copy on a third stream (the one meant to set the flag) never ran.
+32 queues make such sharing rarer; they do not rule it out.
 
 The count is read once, when CUDA creates the process's context. Importing tensorferry
 before CUDA is initialised raises it to 32 unless the user set it; set explicitly, the user's

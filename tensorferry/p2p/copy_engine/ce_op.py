@@ -159,8 +159,8 @@ def _warn_if_queues_shared() -> None:
         log.warning(
             "copy-engine transfers wait on device flags, and this process has %d CUDA hardware "
             "queue(s) per device (CUDA_DEVICE_MAX_CONNECTIONS): streams share queues, and a "
-            "wait can hold up a peer's signal queued behind it (rings of 3+ ranks can "
-            "deadlock). Import tensorferry before CUDA is initialised, or set "
+            "wait can hold up a signal a peer needs that is queued behind it. Import "
+            "tensorferry before CUDA is initialised, or set "
             "CUDA_DEVICE_MAX_CONNECTIONS=%d.",
             queues,
             WANTED_QUEUES,
