@@ -5,8 +5,9 @@ A GPU runs the work of many streams through a few hardware queues (``CUDA_DEVICE
 flag that a peer sets (the copy-engine transport's ``cuStreamWaitValue32``) then holds up every
 stream queued behind it, which may carry the very signal some peer waits for: a deadlock across
 ranks. A rank of a ring over ``ce`` uses some twenty streams. With 8 queues,
-``scripts/stream_create_probe.py`` saw it on one H200: with one stream waiting on a flag, work
-on the default stream and a copy on a third stream (the one meant to set the flag) never ran.
+``scripts/stream_create_probe.py`` saw the symptom on one H200: with one stream waiting on a
+flag, allocating and filling 1 GiB on the default stream did not finish, nor did the copy, on
+a third stream, that was to set the flag.
 32 queues make such sharing rarer; they do not rule it out.
 
 The count is read once, when CUDA creates the process's context. Importing tensorferry
