@@ -56,3 +56,57 @@ def test_pair_group_names_agree_and_symmetric_memory_can_resolve_them():
     # Resolvable by name, as a symmetric-memory rendezvous on newer torch needs it to be.
     assert torch._C._distributed_c10d._resolve_process_group(name) is not None
     assert group is not None
+
+
+def test_ce_step_issues_every_copy_before_the_caller_waits(monkeypatch) -> None:
+    """A ring step (send right, receive left) over ``ce``: every copy is issued after ONE event
+    of the caller's stream, and the caller's stream waits for them only afterwards. Waiting for
+    each copy before issuing the next queued a rank's receive behind its own send, and rings of
+    four deadlocked on the device."""
+    import tensorferry.p2p.copy_engine.transport as ce
+    from tensorferry.p2p._transport import P2POp
+
+    log: list[tuple] = []
+
+    class Event:
+        def __init__(self, name: str = "start") -> None:
+            self.name = name
+
+        def record(self, stream) -> None:
+            log.append(("record", self.name))
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            log.append(("caller waits", event.name))
+
+    class Channel:
+        broken = None
+
+        def __init__(self, peer: int) -> None:
+            self.peer = peer
+
+        def issue(self, send, send_peer, recv, recv_peer, *, after):
+            kind = "send" if send is not None else "recv"
+            log.append(("issue", kind, self.peer, after.name))
+            done = Event(f"{kind} {self.peer} done")
+            return type("Issued", (), {"events": (done,), "ready": lambda self: True})()
+
+    monkeypatch.setattr(ce.torch.cuda, "Event", Event)
+    transport = ce.CopyEngineTransport(
+        TransportContext(
+            rank=1, world_size=4, device=torch.device("cpu"), store=None, timeout=timedelta(1)
+        )
+    )
+    monkeypatch.setattr(transport, "_channel", lambda peer: (Channel(peer), 0))
+    x = torch.ones(4)
+    transport.start(
+        [P2POp("send", 2, (x, x)), P2POp("recv", 0, (torch.empty(4), torch.empty(4)))],
+        stream=Stream(),
+    )
+    issues = [entry for entry in log if entry[0] == "issue"]
+    waits = [entry for entry in log if entry[0] == "caller waits"]
+    assert log[0] == ("record", "start")
+    assert [entry[1:3] for entry in issues] == [("send", 2)] * 2 + [("recv", 0)] * 2
+    assert {entry[3] for entry in issues} == {"start"}  # all after the one event
+    assert log.index(waits[0]) > log.index(issues[-1])  # the caller waits last
+    assert len(waits) == 4
