@@ -50,7 +50,6 @@ import functools
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,11 +146,6 @@ class CeTransfer:
             delay = min(delay * 2, 1e-3)
 
 
-# Issued transfers, for the set-up log (a set-up while another channel's streams wait on a
-# peer is where a hang would start).
-_issued: weakref.WeakSet = weakref.WeakSet()
-
-
 @functools.cache
 def _warn_if_queues_shared() -> None:
     queues = hardware_queues()
@@ -165,10 +159,6 @@ def _warn_if_queues_shared() -> None:
             queues,
             WANTED_QUEUES,
         )
-
-
-def _unfinished_transfers() -> int:
-    return sum(1 for t in list(_issued) if not t.ready())
 
 
 class CopyEngineChannel:
@@ -230,14 +220,7 @@ class CopyEngineChannel:
         self.timeout_s = timeout_s
         self.layout = CeLayout(self.world_size, num_slots)
         _warn_if_queues_shared()
-        log.debug(
-            "ce channel %s: set-up starts (rank %d of %d; %d transfer(s) of other channels "
-            "not finished)",
-            group_name,
-            rank,
-            world_size,
-            _unfinished_transfers(),
-        )
+        log.debug("ce channel %s: set-up starts (rank %d of %d)", group_name, rank, world_size)
         self._client = Client(devices=[self.device])
         log.debug("ce channel %s: streams leased", group_name)
         self._send_stream = self._client.stream(self.device, "send")
@@ -377,7 +360,6 @@ class CopyEngineChannel:
             while self._unfinished and self._unfinished[0].ready():
                 self._unfinished.popleft()
             self._unfinished.append(transfer)
-            _issued.add(transfer)
         log.debug("ce channel %s: issued %s", self.group_name, checks)
         return transfer
 
