@@ -7,8 +7,8 @@ stream queued behind it, which may carry the very signal some peer waits for: a 
 ranks. A rank of a ring over ``ce`` uses some twenty streams. With 8 queues,
 ``scripts/stream_create_probe.py`` saw the symptom on one H200: with one stream waiting on a
 flag, allocating and filling 1 GiB on the default stream did not finish, nor did the copy, on
-a third stream, that was to set the flag.
-32 queues make such sharing rarer; they do not rule it out.
+a third stream, that was to set the flag. 32 queues make such sharing rarer; they do not rule
+it out.
 
 The count is read once, when CUDA creates the process's context. Importing tensorferry
 before CUDA is initialised raises it to 32 unless the user set it; set explicitly, the user's
@@ -17,14 +17,11 @@ value stands (some frameworks set 1 on purpose, for ordering).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 __all__ = ["WANTED_QUEUES", "widen_hardware_queues", "hardware_queues"]
-
-log = logging.getLogger(__name__)
 
 _VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
 _CUDA_DEFAULT = 8
