@@ -4,12 +4,18 @@ Workload (the seed example): senders each produce a ``size x size`` tensor, one 
 multiplies each by a weight and returns the column sums. On two GPUs: one sender actor with
 ``--branches`` branches on cuda:0, the receiver on cuda:1, NCCL between them, fp16, size 10000.
 
-Three ways, timed the same way (wall time of one whole execution, results on the host, one
-execution in flight):
+Three ways, timed the same way (the time between one execution's results reaching the host
+and the next's):
 - graph, overlap off: the receiver takes a tensor, multiplies it, takes the next;
 - graph, overlap on: receives issued up front on their own stream, products wait on events;
 - hand-written: two processes with torch.distributed and the same streams/events written by
   hand — the optimum the graph aims at.
+
+Each runs with one execution in flight (``--inflight 1``: the driver waits for a result before
+it submits the next execution, so each interval is one execution's latency) and with two
+(``--inflight 2``: graphs compiled with ``max_inflight=2``, the hand-written sender one execution
+ahead of the receiver): the next execution's first transfer can then hide behind this one's
+products, which is what a pipeline that runs the same graph over and over sees.
 On a CPU-only machine the graph runs with small sizes over shared memory, and the hand-written
 row is the same arithmetic in one process with no transfer at all (a floor, not a peer).
 """
@@ -17,6 +23,8 @@ row is the same arithmetic in one process with no transfer at all (a floor, not 
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import os
 import statistics
 import time
@@ -30,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=None, help="timed executions (GPU 30, CPU 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed executions first")
     parser.add_argument(
+        "--inflight",
+        default="1,2",
+        help="executions in flight to time, comma-separated (graphs compile with max_inflight "
+        "set to each)",
+    )
+    parser.add_argument(
         "--transports",
         default="auto",
         help="graph edge transports to time, comma-separated (auto, nccl, ce, nvlink; GPU only "
@@ -37,20 +51,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _time_graph(graph: Any, iters: int, warmup: int) -> list[float]:
-    for step in range(warmup):
-        graph.execute(step).get(timeout=300)
-    samples = []
-    for step in range(warmup, warmup + iters):
-        start = time.perf_counter()
-        graph.execute(step).get(timeout=300)
-        samples.append(time.perf_counter() - start)
-    return samples
+def _intervals(done_at: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in itertools.pairwise(done_at)]
+
+
+def _time_graph(graph: Any, iters: int, warmup: int, inflight: int) -> list[float]:
+    """Seconds between successive executions' results, ``inflight`` executions submitted ahead
+    (the graph must be compiled with ``max_inflight >= inflight``)."""
+    pending: collections.deque = collections.deque()  # (step, ref), oldest first
+    done_at = []
+
+    def read_oldest() -> None:
+        step, ref = pending.popleft()
+        ref.get(timeout=300)
+        if step >= warmup:
+            done_at.append(time.perf_counter())
+
+    for step in range(warmup + iters + 1):
+        if len(pending) == inflight:
+            read_oldest()
+        pending.append((step, graph.execute(step)))
+    while pending:
+        read_oldest()
+    return _intervals(done_at)
 
 
 def _handwritten_rank(rank: int, port: int, size: int, branches: int, iters: int, warmup: int,
-                      queue: Any) -> None:  # fmt: skip
-    """One rank of the hand-written version: the same work, streams and events by hand."""
+                      inflight: int, queue: Any) -> None:  # fmt: skip
+    """One rank of the hand-written version: the same work, streams and events by hand; the
+    sender runs at most ``inflight`` executions ahead of the receiver's results."""
     import torch
     import torch.distributed as dist
 
@@ -67,9 +96,15 @@ def _handwritten_rank(rank: int, port: int, size: int, branches: int, iters: int
     comm = client.stream(device, "send" if rank == 0 else "recv")
     dtype = torch.float16
     go = torch.zeros(1, device=device)
-    samples = []
+    total = warmup + iters + 1
     if rank == 0:
-        for step in range(warmup + iters):
+        for step in range(total):
+            # At most `inflight` executions ahead, as the graph with max_inflight: wait for the
+            # receiver's go of the execution `inflight` back.
+            if step >= inflight:
+                with torch.cuda.stream(comm):
+                    dist.irecv(go, src=1).wait()
+                comm.synchronize()
             for branch in range(branches):
                 with torch.cuda.stream(compute):
                     x = _data(branch, step, size, dtype, str(device))
@@ -79,14 +114,21 @@ def _handwritten_rank(rank: int, port: int, size: int, branches: int, iters: int
                     comm.wait_event(ready)
                     x.record_stream(comm)
                     dist.isend(x, dst=1).wait()
-            # One execution in flight, as the graph with max_inflight=1: wait for the go.
-            with torch.cuda.stream(comm):
-                dist.irecv(go, src=1).wait()
-            comm.synchronize()
     else:
         weight = _weight(size, dtype, str(device))
-        for step in range(warmup + iters):
-            start = time.perf_counter()
+        done_at: list[float] = []
+        launched: collections.deque = collections.deque()  # (step, done event, host results)
+
+        def finish_oldest() -> None:
+            step, done, _results = launched.popleft()
+            done.synchronize()  # the column sums are on the host
+            if step >= warmup:
+                done_at.append(time.perf_counter())
+            if step + inflight < total:  # the sender waits for this go
+                with torch.cuda.stream(comm):
+                    dist.isend(go, dst=0).wait()
+
+        for step in range(total):
             arrived = []
             with torch.cuda.stream(comm):
                 for _ in range(branches):
@@ -95,28 +137,32 @@ def _handwritten_rank(rank: int, port: int, size: int, branches: int, iters: int
                     event = torch.cuda.Event()
                     event.record(comm)
                     arrived.append((buffer, event))
-            sums = []
             with torch.cuda.stream(compute):
+                results = []
                 for buffer, event in arrived:
                     compute.wait_event(event)
                     buffer.record_stream(compute)
-                    sums.append((buffer @ weight).float().sum(dim=0))
-                # On the host, as the graph's driver gets them. The copies must run on `compute`
-                # (after the products): on the default stream they would not wait for them.
-                results = [s.cpu() for s in sums]
-            if step >= warmup:
-                samples.append(time.perf_counter() - start)
-            with torch.cuda.stream(comm):
-                comm.wait_stream(compute)
-                dist.isend(go, dst=0).wait()
-            del results
-        queue.put(samples)
+                    column_sums = (buffer @ weight).float().sum(dim=0)
+                    # To the host as the graph's driver gets them, without blocking this
+                    # thread: the next execution's receives are posted meanwhile.
+                    host = torch.empty(size, dtype=torch.float32, pin_memory=True)
+                    host.copy_(column_sums, non_blocking=True)
+                    results.append(host)
+                done = torch.cuda.Event()
+                done.record(compute)
+            launched.append((step, done, results))
+            if len(launched) == inflight:
+                finish_oldest()
+        while launched:
+            finish_oldest()
+        queue.put(_intervals(done_at))
     torch.cuda.synchronize(device)
     dist.destroy_process_group()
     client.close()
 
 
-def _handwritten_gpu(size: int, branches: int, iters: int, warmup: int) -> list[float]:
+def _handwritten_gpu(size: int, branches: int, iters: int, warmup: int,
+                     inflight: int) -> list[float]:  # fmt: skip
     import multiprocessing
     import socket
 
@@ -127,7 +173,7 @@ def _handwritten_gpu(size: int, branches: int, iters: int, warmup: int) -> list[
     queue = context.Queue()
     procs = [
         context.Process(target=_handwritten_rank,
-                        args=(rank, port, size, branches, iters, warmup, queue))
+                        args=(rank, port, size, branches, iters, warmup, inflight, queue))
         for rank in range(2)
     ]  # fmt: skip
     for proc in procs:
@@ -167,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
     from tensorferry.graph.demo import DemoReceiver, DemoSender, _check
 
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    try:
+        inflights = sorted({int(n) for n in args.inflight.split(",") if n.strip()})
+    except ValueError:
+        inflights = []
+    if not inflights or inflights[0] < 1:
+        raise SystemExit(f"--inflight: positive integers, comma-separated, got {args.inflight!r}")
     unknown = sorted(set(transports) - {"auto", "nccl", "ce", "nvlink"})
     if unknown or not transports:
         raise SystemExit(f"--transports: unknown {unknown or 'empty list'}")
@@ -183,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                    for i in range(2)]  # fmt: skip
         receiver = actor(DemoReceiver).spawn(size, dtype, "cpu", name="receiver")
     reference = "cuda:1" if on_gpu else "cpu"
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str, int], list[float]] = {}
     try:
         for transport in transports:
             for overlap in (False, True):
@@ -197,52 +249,58 @@ def run(args: argparse.Namespace) -> int:
                         for b in range(args.branches)
                     ]
                     dag = MultiOutputNode(outs)
-                graph = dag.compile(overlap_communication=overlap)
-                try:
-                    _check(graph.execute(0).get(timeout=300), 0, size, dtype, reference)
-                    key = (transport, "on" if overlap else "off")
-                    times[key] = _time_graph(graph, iters, args.warmup)
-                    last = args.warmup + iters  # checked again after the timed runs
-                    _check(graph.execute(last).get(timeout=300), last, size, dtype, reference)
-                finally:
-                    graph.teardown(kill_actors=False)
+                for inflight in inflights:
+                    graph = dag.compile(overlap_communication=overlap, max_inflight=inflight)
+                    try:
+                        _check(graph.execute(0).get(timeout=300), 0, size, dtype, reference)
+                        key = (transport, "on" if overlap else "off", inflight)
+                        times[key] = _time_graph(graph, iters, args.warmup, inflight)
+                        last = args.warmup + iters + 1  # checked again after the timed runs
+                        _check(graph.execute(last).get(timeout=300), last, size, dtype, reference)
+                    finally:
+                        graph.teardown(kill_actors=False)
     finally:
         for handle in (*senders, receiver):
             handle.kill()
-    hand = ("-", "hand")
-    if on_gpu:
-        times[hand] = _handwritten_gpu(size, args.branches, iters, args.warmup)
-    else:
-        times[hand] = _handwritten_cpu(size, args.branches, iters, args.warmup)
+    for inflight in inflights:
+        hand = ("-", "hand", inflight)
+        if on_gpu:
+            times[hand] = _handwritten_gpu(size, args.branches, iters, args.warmup, inflight)
+        else:  # one process, nothing in flight: the same floor for every row
+            times[hand] = _handwritten_cpu(size, args.branches, iters, args.warmup)
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
-    def label(key: tuple[str, str]) -> str:
-        if key == hand:
+    def label(key: tuple[str, str, int]) -> str:
+        if key[1] == "hand":
             return "hand-written streams" if on_gpu else "products alone, 1 process (floor)"
         return f"graph ({key[0]}), overlap {key[1]}"
 
     rows = [
         {
             "version": label(key),
+            "inflight": key[2],
             "median_ms": median[key],
             "min_ms": min(times[key]) * 1e3,
-            "vs_hand": median[key] / median[hand],
-            "vs_off": median[key] / median[(key[0], "off")] if key != hand else "",
+            "vs_hand": median[key] / median[("-", "hand", key[2])],
+            "vs_off": median[key] / median[(key[0], "off", key[2])] if key[1] != "hand" else "",
         }
-        for key in times
+        for key in sorted(times, key=lambda k: (k[2], k[1] == "hand"))
     ]
     verdict = []
-    for transport in transports:
-        on, off = median[(transport, "on")], median[(transport, "off")]
-        verdict += [
-            f"{transport}: overlap on within {on / median[hand] - 1:+.1%} of the hand-written "
-            "version (target: within +5%)",
-            f"{transport}: overlap on is {1 - on / off:.1%} faster than overlap off "
-            "(target: >= 10%)",
-        ]
+    for inflight in inflights:
+        hand_ms = median[("-", "hand", inflight)]
+        for transport in transports:
+            on, off = median[(transport, "on", inflight)], median[(transport, "off", inflight)]
+            verdict += [
+                f"{transport}, {inflight} in flight: overlap on within {on / hand_ms - 1:+.1%} "
+                "of the hand-written version (target: within +5%)",
+                f"{transport}, {inflight} in flight: overlap on is {1 - on / off:.1%} faster "
+                "than overlap off (target: >= 10%)",
+            ]
     notes = [
         f"{args.branches} tensors of {size}x{size} {str(dtype).replace('torch.', '')} per "
-        f"execution, {iters} timed executions after {args.warmup} warm-up, one in flight",
+        f"execution, {iters} timed executions after {args.warmup} warm-up; a time is the "
+        "interval between successive executions' results on the host",
         "every version returns the column sums of each product to the host; results of the "
         "graph were checked against a reference recomputed by the driver",
         "graph times include the driver's execute()/get() overhead (tens of microseconds)",

@@ -17,9 +17,9 @@ on the receiver by 16% for 4 GiB; a plain cross-device copy by 6-7%; see
 
 Sender S, on its own send stream::
 
+    wait  S.ACK(R) >= 1; reset                            (R consumed the last SENT; starts 1)
     write R.SENT(S) = codes(nbytes, dtype)               (remote, for R's agreement wait)
     wait  S.POST(R) == codes; reset                       (R posted the same message)
-    wait  S.ACK(R) >= 1; reset                            (R consumed SENT: it may be rewritten)
     per chunk i, slot = i % num_slots:
         wait S.FREE(R, slot) >= 1; reset                 (R copied the slot out)
         memcpy chunk ──► S.stage[R][slot]                 (copy engine, local)
@@ -35,6 +35,9 @@ Receiver R, on its own recv stream::
 Why the ACK: without it the sender of several messages in a row could write the next message's
 codes into R.SENT before R's stream had compared (or reset) the previous ones, and R would then
 wait for codes that never come back (it hung a message of seven tensors of different sizes).
+The sender waits for it before it writes SENT, not after: R sets it as soon as it matched, so by
+the next message it is long there, and no message waits a round trip for its own ACK. Like the
+FREE slots it starts at 1.
 
 A size or dtype mismatch leaves both streams waiting on the agreement words; the host-side
 ``wait(timeout)`` then reads the words the peer posted, satisfies its own streams' waits from the
@@ -231,6 +234,7 @@ class CopyEngineChannel:
             )
             self._flags.zero_()
             for dst in range(self.world_size):
+                self._flags[self.layout.ack(dst)] = 1  # the first SENT may be written
                 for slot in range(num_slots):
                     self._flags[self.layout.free(dst, slot)] = 1
             self._stage = symm_mem.empty(
@@ -370,13 +374,13 @@ class CopyEngineChannel:
         nbytes_code, dtype_word = agreement_codes(tensor.nbytes, tensor.dtype)
         src = tensor.reshape(-1).view(torch.uint8)
         s.wait_event(start)
+        _streamops.wait_value32(s, flag + 4 * lay.ack(peer), 1, _streamops.WAIT_GEQ)
+        _streamops.write_value32(s, flag + 4 * lay.ack(peer), 0)
         _streamops.write_value32(s, peer_flag + 4 * lay.sent(self.rank), nbytes_code)
         _streamops.write_value32(s, peer_flag + 4 * (lay.sent(self.rank) + 1), dtype_word)
         for word, value in ((lay.post(peer), nbytes_code), (lay.post(peer) + 1, dtype_word)):
             _streamops.wait_value32(s, flag + 4 * word, value, _streamops.WAIT_EQ)
             _streamops.write_value32(s, flag + 4 * word, 0)
-        _streamops.wait_value32(s, flag + 4 * lay.ack(peer), 1, _streamops.WAIT_GEQ)
-        _streamops.write_value32(s, flag + 4 * lay.ack(peer), 0)
         stage = self._stage  # ours: the receiver pulls from it
         with torch.cuda.stream(s):
             for i, (off, length) in enumerate(plan_chunks(tensor.nbytes, self.slot_bytes)):
