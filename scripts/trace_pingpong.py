@@ -2,7 +2,12 @@
 
 Wraps the p2p layer's stages (call, accept, header out/in, issue, wait) with timestamps in both
 ranks (one clock: same host) and prints three iterations merged. NCCL on a 2-GPU machine, gloo
-otherwise.  Usage: ``python scripts/trace_pingpong.py``
+otherwise.  Usage: ``python scripts/trace_pingpong.py [--speculate] [--dump-after S]``
+
+``--speculate`` turns on the NCCL transport's speculative issue for this run only (agreed static
+messages issued before the peer's header; off in the library, see
+``NcclTransport.static_speculates``). ``--dump-after S`` prints every thread's Python stack
+every S seconds in each rank (to find where a hang sits).
 """
 
 import time
@@ -61,6 +66,16 @@ def patch():
 def worker(rank, world, cfg):
     patch()
     import tensorferry.p2p as tf
+
+    if cfg.get("speculate"):
+        from tensorferry.p2p import _nccl
+
+        _nccl.NcclTransport.static_speculates = True
+    if cfg.get("dump_after"):
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(cfg["dump_after"], repeat=True, file=sys.stderr)
 
     dev = tf._context.current().device
     peer = 1 - rank
@@ -134,10 +149,17 @@ def _spans(events):
 
 
 if __name__ == "__main__":
+    import argparse
+
     from tensorferry.p2p._launch import run_world
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--speculate", action="store_true")
+    parser.add_argument("--dump-after", type=float, default=0.0)
+    args = parser.parse_args()
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    res = run_world(worker, {}, backend=backend, timeout=120)
+    cfg = {"speculate": args.speculate, "dump_after": args.dump_after}
+    res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")
         print(f"rank {r}: one small tensor per call, median us per stage:")
