@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace trace-graph
+#   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
+#   trace-speculate trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
@@ -50,7 +51,7 @@ for s in $steps; do
       --device cuda ;;
     graph) step graph 160 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
-    overlap) step overlap 150 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;
+    overlap) step overlap 240 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;
     demo) step demo 45 tensorferry demo --out "$LOGS/demo" ;;
     sendrecv) step sendrecv 70 tensorferry bench sendrecv --sizes "${SENDRECV_SIZES:-1M,64M,1G}" \
       --transports "${SENDRECV_TRANSPORTS:-nccl,nvlink,ce}" --max-seconds-per-point 0.3 \
@@ -58,6 +59,8 @@ for s in $steps; do
     ce-overlap) step ce-overlap 120 tensorferry bench sendrecv --sizes 1G --transports nccl,ce \
       --modes one_way --overlap --max-seconds-per-point 0.3 --out "$R/overlap-ce" ;;
     trace) step trace 60 python3 scripts/trace_pingpong.py ;;
+    trace-speculate) step trace-speculate 75 python3 scripts/trace_pingpong.py --speculate \
+      --dump-after 45 ;;
     stream-probe) step stream-probe 90 python3 scripts/stream_create_probe.py ;;
     ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;
     ce-tests) step ce-tests 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
