@@ -117,6 +117,9 @@ class Engine(PairFaults):
         # Guards all the state below. The engine thread holds it while it handles what woke it;
         # callers hold it to queue and drive their own units (see submit and drive).
         self._lock = threading.RLock()
+        # Set on a thread while it runs an engine step: a transfer's ready() called from
+        # inside one (fault handling) must not start another (see _issue).
+        self._stepping = threading.local()
         # When the engine thread's select returns at the latest: a unit due earlier wakes it.
         self._wakes_at = 0.0
         # Callers polling drive() now, and whether the engine thread watches the peers' links
@@ -181,7 +184,7 @@ class Engine(PairFaults):
     def drive(self) -> None:
         """One step of the engine on a waiting caller's thread: handles what arrived (headers,
         faults) and issues what may go. Returns at once if another thread holds the engine."""
-        if not self._lock.acquire(blocking=False):
+        if getattr(self._stepping, "on", False) or not self._lock.acquire(blocking=False):
             return
         try:
             self._handle(self._selector.select(0))
@@ -263,6 +266,13 @@ class Engine(PairFaults):
     def _handle(self, events: list, accept: Unit | None = None) -> None:
         """One step of the engine: what woke it, queued commands, then ``accept`` (a unit
         submitted now), then progress and deadlines."""
+        self._stepping.on = True
+        try:
+            self._step(events, accept)
+        finally:
+            self._stepping.on = False
+
+    def _step(self, events: list, accept: Unit | None) -> None:
         for key, mask in events:
             try:
                 self._on_event(key, mask)
@@ -811,12 +821,21 @@ class Engine(PairFaults):
 
         messages = unit.messages
 
+        def confirmed() -> bool:
+            if all(m.confirmed for m in messages):
+                return True
+            # Issued ahead of the peer's header (see _speculate): whoever polls reads the
+            # peer's frames (a caller waiting, the completion pool), so the engine thread need
+            # not be woken for them.
+            self.drive()
+            return all(m.confirmed for m in messages)
+
         def ready() -> bool:
             # Confirmation first: until the peer's header agreed with a message issued ahead of
-            # it (see _speculate), a transport error may just be the pair fault on its way, and
-            # that fault's error (a MismatchError, say) is the one to report.
+            # it, a transport error may just be the pair fault on its way, and that fault's
+            # error (a MismatchError, say) is the one to report.
             return (
-                all(m.confirmed for m in messages)
+                confirmed()
                 and all(p.ready() for p in pending)
                 and (done_event is None or done_event.query())
             )

@@ -166,9 +166,9 @@ class NcclTransport(Transport):
 
     name = "nccl"
     device_type = "cuda"
-    # Not yet: with speculation on, two GPU benchmarks (batch, the ping-pong trace) hung on
-    # 2 × H200 and the cause is not found; every NCCL message waits for the peer's header.
-    static_speculates = False
+    # Agreed static messages go without waiting for the peer's header, and count as done once
+    # it came and agreed (an abandoned NCCL receive can complete: the header is what tells).
+    static_speculates = True
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
