@@ -5,8 +5,8 @@ Rank 0 sends ``--count`` tensors of ``--bytes`` each to rank 1 and rank 1 sends 
 way). Variants:
 
 - ``tf send(list)``: one ``tf.send`` of the whole list (one message: small tensors packed into
-  one buffer, one group call), ``static=True`` (after the first, messages go without waiting
-  for the peer's header: gloo skips it, NCCL issues at once and confirms with it later);
+  one buffer, one group call), ``static=True`` (over gloo headers are skipped after the first;
+  NCCL keeps every header);
 - ``tf batch``: one ``tf.batch()`` with one ``b.send`` per tensor (one group call of
   ``count`` messages), ``static=True``;
 - ``tf separate``: ``count`` separate ``tf.send``/``tf.recv`` calls, ``static=True``;

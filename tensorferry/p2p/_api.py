@@ -125,10 +125,9 @@ def send(
         dst: the receiving rank (not this one).
         static: promise that every message on this channel (this rank → ``dst``) keeps these
             shapes and dtypes. Once both sides passed ``static=True`` and agreed, later
-            messages no longer wait for the peer's header: gloo skips it, NCCL issues at once
-            and counts the message done once the peer's header came and agreed (see
-            ``Transport.static_speculates``). A later change raises ``MismatchError`` on both
-            sides (and resets the pair).
+            messages skip the header exchange on transports where that is safe (gloo; NCCL
+            keeps every header, see ``Transport.static_skips_headers``). A later change raises
+            ``MismatchError`` on both sides (and resets the pair).
         transport: ``"auto"`` (chosen by device and size), ``"nccl"``, ``"gloo"`` or any
             registered transport.
         timeout: seconds until the transfer fails with ``TransferTimeoutError`` (default: the

@@ -166,9 +166,10 @@ class NcclTransport(Transport):
 
     name = "nccl"
     device_type = "cuda"
-    # Agreed static messages go without waiting for the peer's header, and count as done once
-    # it came and agreed (an abandoned NCCL receive can complete: the header is what tells).
-    static_speculates = True
+    # Not used: a speculative receive makes a broken promise end in an abort of a communicator
+    # with that receive pending, and ncclCommAbort then blocked for good on 2 × H200 (the
+    # receiver's thread sat in it). Every NCCL message waits for the peer's header.
+    static_speculates = False
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
