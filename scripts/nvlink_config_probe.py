@@ -86,7 +86,7 @@ def main() -> None:
                 out[:size].fill_(0xA5)  # poison
                 torch.cuda.synchronize()
 
-                def op(size=size, out=out):
+                def op(size=size, out=out, channel=channel):
                     if rank == 0:
                         channel.sendrecv(src[:size], peer, None, None)
                     else:
