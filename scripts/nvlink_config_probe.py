@@ -1,9 +1,10 @@
 """Which NVLink kernel configuration moves large messages fastest, next to NCCL in one run.
 
-Two ranks (``torchrun --nproc-per-node 2``). For each ``ChannelConfig`` below: one-way time of
-256 MiB and 1 GiB, staged and zero-copy (the receive tensor in symmetric memory), CUDA-graph
-replayed and timed with events (median, max over ranks), and NCCL's ``isend``/``irecv`` of the
-same sizes. Every configuration's result is checked byte for byte first.
+Two ranks (``torchrun --nproc-per-node 2``). For each ``ChannelConfig`` below: the time of one
+message of each size one way and both ways (per message; both ranks send and receive at once),
+staged, and one way zero-copy too (the receive tensor in symmetric memory), CUDA-graph replayed
+and timed with events (median, max over ranks), next to NCCL's ``isend``/``irecv`` of the same
+sizes. Every configuration's result is checked byte for byte first.
 
 Usage: ``torchrun --standalone --nproc-per-node 2 scripts/nvlink_config_probe.py``
 """
@@ -17,15 +18,12 @@ import torch.distributed as dist
 from tensorferry.p2p.nvlink import NvlinkChannel, empty
 from tensorferry.p2p.nvlink._layout import ChannelConfig
 
-SIZES = (256 << 20, 1 << 30)
+SIZES = (8 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30)
 CONFIGS = {
-    "default (32 CTAs, 256K slots x2, 16 warps)": ChannelConfig(),
-    "1M slots x2": ChannelConfig(slot_bytes=1 << 20),
-    "4M slots x2": ChannelConfig(slot_bytes=4 << 20),
-    "48 CTAs, 1M slots": ChannelConfig(max_ctas=48, max_blocks=48, slot_bytes=1 << 20),
-    "64 CTAs, 1M slots": ChannelConfig(max_ctas=64, max_blocks=64, slot_bytes=1 << 20),
-    "32 CTAs, 1M slots, 8 warps": ChannelConfig(slot_bytes=1 << 20, num_warps=8),
-    "32 CTAs, 1M slots, 16K words": ChannelConfig(slot_bytes=1 << 20, block_words=16384),
+    "256K slots (default)": ChannelConfig(),
+    "512K slots": ChannelConfig(slot_bytes=512 << 10),
+    "1M slots": ChannelConfig(slot_bytes=1 << 20),
+    "2M slots": ChannelConfig(slot_bytes=2 << 20),
 }
 
 
@@ -71,42 +69,51 @@ def main() -> None:
     zc = empty(big, dtype=torch.uint8, device=device)
     rows = []
     for size in SIZES:
+        for both in (False, True):
 
-        def nccl_op(size=size):
-            if rank == 0:
-                dist.send(src[:size], peer)
-            else:
-                dist.recv(dst[:size], peer)
+            def nccl_op(size=size, both=both):
+                ops = []
+                if both or rank == 0:
+                    ops.append(dist.P2POp(dist.isend, src[:size], peer))
+                if both or rank == 1:
+                    ops.append(dist.P2POp(dist.irecv, dst[:size], peer))
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
 
-        rows.append(("nccl", size, "-", timed(nccl_op)))
+            rows.append(("nccl", size, "both" if both else "one way", timed(nccl_op)))
     for name, config in CONFIGS.items():
         channel = NvlinkChannel(config=config)
         for size in SIZES:
-            for mode, out in (("staged", dst), ("zero-copy", zc)):
+            for mode, out in (("one way", dst), ("both", dst), ("one way zero-copy", zc)):
+                both = mode == "both"
                 out[:size].fill_(0xA5)  # poison
                 torch.cuda.synchronize()
 
-                def op(size=size, out=out, channel=channel):
-                    if rank == 0:
-                        channel.sendrecv(src[:size], peer, None, None)
-                    else:
-                        channel.sendrecv(None, None, out[:size], peer)
+                def op(size=size, out=out, both=both, channel=channel):
+                    sending, receiving = both or rank == 0, both or rank == 1
+                    channel.sendrecv(
+                        src[:size] if sending else None,
+                        peer if sending else None,
+                        out[:size] if receiving else None,
+                        peer if receiving else None,
+                    )
 
                 op()
                 torch.cuda.synchronize()
-                if rank == 1:  # both ranks made `src` from one seed: rank 0's bytes
+                if both or rank == 1:  # both ranks made `src` from one seed: the peer's bytes
                     assert torch.equal(out[:size], src[:size]), f"{name} {mode} {size}: differ"
                 rows.append((name, size, mode, timed(op)))
         channel.close()
         dist.barrier()
     if rank == 0:
-        nccl = {size: t for n, size, _, t in rows if n == "nccl"}
-        print("| config | size | mode | us | GB/s | vs NCCL |")
+        nccl = {(size, mode): t for n, size, mode, t in rows if n == "nccl"}
+        print("| config | size | mode | us | GB/s per direction | vs NCCL |")
         print("|---|---|---|---|---|---|")
         for name, size, mode, t in rows:
+            base = nccl[(size, "both" if mode == "both" else "one way")]
             print(
                 f"| {name} | {size >> 20} MiB | {mode} | {t * 1e6:.0f} | {size / t / 1e9:.0f} "
-                f"| {nccl[size] / t:.3f} |"
+                f"| {base / t:.3f} |"
             )
     dist.destroy_process_group()
 
