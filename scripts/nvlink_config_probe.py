@@ -63,8 +63,12 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=device)
     peer = 1 - rank
     big = max(SIZES)
-    gen = torch.Generator(device=device).manual_seed(11)
-    src = torch.randint(0, 255, (big,), dtype=torch.uint8, device=device, generator=gen)
+
+    def data(seed_rank: int) -> torch.Tensor:  # rank r's bytes, reproducible on any GPU
+        gen = torch.Generator(device=device).manual_seed(11 + seed_rank)
+        return torch.randint(0, 255, (big,), dtype=torch.uint8, device=device, generator=gen)
+
+    src, expected = data(rank), data(peer)
     dst = torch.empty(big, dtype=torch.uint8, device=device)
     zc = empty(big, dtype=torch.uint8, device=device)
     rows = []
@@ -100,8 +104,8 @@ def main() -> None:
 
                 op()
                 torch.cuda.synchronize()
-                if both or rank == 1:  # both ranks made `src` from one seed: the peer's bytes
-                    assert torch.equal(out[:size], src[:size]), f"{name} {mode} {size}: differ"
+                if both or rank == 1:
+                    assert torch.equal(out[:size], expected[:size]), f"{name} {mode} {size}"
                 rows.append((name, size, mode, timed(op)))
         channel.close()
         dist.barrier()
