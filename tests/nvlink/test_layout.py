@@ -128,3 +128,15 @@ def test_agreement_codes_differ_for_size_and_dtype() -> None:
     assert agreement_codes(1000, torch.int32)[1] != a[1]
     assert dtype_code(torch.bfloat16) != dtype_code(torch.float16)
     assert math.prod([1]) == 1
+
+
+def test_ce_words_starting_at_one_are_the_acks_and_free_slots() -> None:
+    lay = CeLayout(3, 2)
+    ones = lay.starting_at_one()
+    assert sorted(ones) == sorted(
+        [lay.ack(r) for r in range(3)] + [lay.free(r, s) for r in range(3) for s in range(2)]
+    )
+    zeros = [lay.ready(r, s) for r in range(3) for s in range(2)]
+    zeros += [lay.post(r) + i for r in range(3) for i in range(2)]
+    zeros += [lay.sent(r) + i for r in range(3) for i in range(2)]
+    assert not set(ones) & set(zeros)

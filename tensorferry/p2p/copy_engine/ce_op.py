@@ -96,6 +96,15 @@ class CeLayout:
     def num_words(self) -> int:
         return 2 * self.world_size * self.num_slots + 5 * self.world_size
 
+    def starting_at_one(self) -> list[int]:
+        """The words that start at 1 (all others at 0): every ``ACK`` (the first ``SENT`` may be
+        written) and every ``FREE`` slot (the first chunks may be staged)."""
+        words = [self.ack(dst) for dst in range(self.world_size)]
+        words += [
+            self.free(dst, slot) for dst in range(self.world_size) for slot in range(self.num_slots)
+        ]
+        return words
+
 
 def agreement_codes(nbytes: int, dtype: torch.dtype) -> tuple[int, int]:
     """Two non-zero 31-bit words both sides must post equal: one for the size, one for dtype."""
@@ -233,10 +242,8 @@ class CopyEngineChannel:
                 self.layout.num_words, dtype=torch.int32, device=self.device
             )
             self._flags.zero_()
-            for dst in range(self.world_size):
-                self._flags[self.layout.ack(dst)] = 1  # the first SENT may be written
-                for slot in range(num_slots):
-                    self._flags[self.layout.free(dst, slot)] = 1
+            for word in self.layout.starting_at_one():
+                self._flags[word] = 1
             self._stage = symm_mem.empty(
                 self.world_size * num_slots * slot_bytes, dtype=torch.uint8, device=self.device
             )
