@@ -7,7 +7,8 @@
 #   allgather symm-pairs stream-probe
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
-# Logs and results are packed into $OUT/gpu-logs.tgz (or ./out); a summary prints last.
+# Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
+# writes gpu-logs-2.tgz, and so on, rather than replace the first); a summary prints last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -83,4 +84,7 @@ for s in $steps; do
 done
 for line in "${summary[@]}"; do echo "$line"; done
 for f in "$R"/*.md "$R"/*/*.md; do [ -f "$f" ] && { echo "--- $f"; sed -n '/^|/p' "$f"; }; done
-tar -czf "$FINAL/gpu-logs.tgz" -C /tmp tensorferry-gpu
+pack="$FINAL/gpu-logs.tgz"
+n=1
+while [ -e "$pack" ]; do n=$((n + 1)); pack="$FINAL/gpu-logs-$n.tgz"; done
+tar -czf "$pack" -C /tmp tensorferry-gpu
