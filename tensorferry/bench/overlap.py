@@ -262,12 +262,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for handle in (*senders, receiver):
             handle.kill()
+    # On the CPU: one process, nothing in flight, so one floor serves every row.
+    floor = None if on_gpu else _handwritten_cpu(size, args.branches, iters, args.warmup)
     for inflight in inflights:
         hand = ("-", "hand", inflight)
-        if on_gpu:
+        if floor is None:
             times[hand] = _handwritten_gpu(size, args.branches, iters, args.warmup, inflight)
-        else:  # one process, nothing in flight: the same floor for every row
-            times[hand] = _handwritten_cpu(size, args.branches, iters, args.warmup)
+        else:
+            times[hand] = floor
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
     def label(key: tuple[str, str, int]) -> str:
