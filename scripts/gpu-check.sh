@@ -2,7 +2,7 @@
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
-#   trace-speculate nvlink-configs trace-graph
+#   trace-speculate trace-no-linger nvlink-configs trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
@@ -61,6 +61,7 @@ for s in $steps; do
     ce-overlap) step ce-overlap 120 tensorferry bench sendrecv --sizes 1G --transports nccl,ce \
       --modes one_way --overlap --max-seconds-per-point 0.3 --out "$R/overlap-ce" ;;
     trace) step trace 60 python3 scripts/trace_pingpong.py ;;
+    trace-no-linger) step trace-no-linger 60 python3 scripts/trace_pingpong.py --no-linger ;;
     nvlink-configs) step nvlink-configs 200 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 2 scripts/nvlink_config_probe.py ;;
     trace-speculate) step trace-speculate 75 python3 scripts/trace_pingpong.py --speculate \

@@ -7,7 +7,8 @@ otherwise.  Usage: ``python scripts/trace_pingpong.py [--speculate] [--dump-afte
 ``--speculate`` turns on the NCCL transport's speculative issue for this run only (agreed static
 messages issued before the peer's header; off in the library, see
 ``NcclTransport.static_speculates``). ``--dump-after S`` prints every thread's Python stack
-every S seconds in each rank (to find where a hang sits).
+every S seconds in each rank (to find where a hang sits). ``--no-linger`` makes the completion
+pool's poller sleep until told after each item, as it did before it lingered (an A/B of that).
 """
 
 import time
@@ -71,6 +72,10 @@ def worker(rank, world, cfg):
         from tensorferry.p2p import _nccl
 
         _nccl.NcclTransport.static_speculates = True
+    if cfg.get("no_linger"):
+        from tensorferry.runtime import _completion
+
+        _completion._LINGER_S = 0.0
     if cfg.get("dump_after"):
         import faulthandler
         import sys
@@ -156,9 +161,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--speculate", action="store_true")
     parser.add_argument("--dump-after", type=float, default=0.0)
+    parser.add_argument("--no-linger", action="store_true")
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    cfg = {"speculate": args.speculate, "dump_after": args.dump_after}
+    cfg = {"speculate": args.speculate, "dump_after": args.dump_after, "no_linger": args.no_linger}
     res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")

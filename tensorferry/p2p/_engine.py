@@ -851,7 +851,10 @@ class Engine(PairFaults):
         )
         future.add_done_callback(lambda f: self._on_completed(unit, f))
         unit.ready, unit.settle = ready, lambda: self._settle_seen(unit, future)
-        unit.transfer._mark_issued(done_event, ready, unit.settle)
+        completions = self.ctx.completions
+        unit.transfer._mark_issued(
+            done_event, ready, unit.settle, expedite=lambda: completions.expedite(future)
+        )
 
     def _settle_seen(self, unit: Unit, future: Future) -> None:
         # On the thread that waited and saw the work finish (Transfer._settled): complete the

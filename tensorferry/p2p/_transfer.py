@@ -98,6 +98,9 @@ class Transfer:
         # the completion pool tells it, which costs a thread wake-up or two.
         self._ready: Callable[[], bool] | None = None
         self._settle: Callable[[], None] | None = None
+        # Hands the transfer to the completion pool without the pool's usual delay: called
+        # before a caller blocks on the future (see CompletionPool.expedite).
+        self._expedite: Callable[[], None] | None = None
         self._seen_ready = False
         # The p2p engine: a waiting caller drives it (reads the peers' headers, issues) rather
         # than sleep until the engine's own thread wakes up to do it.
@@ -146,6 +149,7 @@ class Transfer:
         with self._callbacks_lock:
             self._has_callbacks = True
             self._future.add_done_callback(lambda _f: fn(self))
+        self._hand_over()  # nobody may poll it: the pool must, without its delay
 
     # ------------------------------------------------------------------ streams
     def wait_stream(self, stream: Any = None, *, timeout: float | None = None) -> None:
@@ -173,13 +177,22 @@ class Transfer:
         done_event: Any = None,
         ready: Callable[[], bool] | None = None,
         settle: Callable[[], None] | None = None,
+        expedite: Callable[[], None] | None = None,
     ) -> None:
         """``ready``: see ``_ready``; ``settle``: completes the transfer on the thread that saw
-        ``ready()`` true (called once, there)."""
+        ``ready()`` true (called once, there); ``expedite``: see ``_expedite``."""
         self._done_event = done_event
         self._settle = settle
         self._ready = ready
+        self._expedite = expedite
         self._issued.set()
+        if self._has_callbacks:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        expedite = self._expedite
+        if expedite is not None and not self._future.done():
+            expedite()
 
     def _wait_issued(self, limit: float) -> bool:
         """Waits until issued: first driving the engine for a short window, then sleeping until
@@ -258,6 +271,7 @@ class Transfer:
             return None  # succeeded: seen here before the completion pool got to it
         if self._issued.wait(limit) and spin_until(self._settled) and not self._future.done():
             return None
+        self._hand_over()  # about to block on the future: the pool completes it
         try:
             return self._future.exception(max(0.0, deadline - time.monotonic()))
         except FutureTimeout:

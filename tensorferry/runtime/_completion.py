@@ -10,6 +10,15 @@ has completed and its callbacks have returned, and cancels what is left after th
 stream pool calls it before a stream changes hands, so no callback of the last owner can run
 while the next owner holds the stream.
 
+Delayed items (``watch(delay=...)``): work whose caller usually sees it finish first and
+discards it. The poller must not wake up for each of them: on a busy host that wake-up takes the
+GIL in the middle of the caller's next call (two per transfer, at ``watch`` and at ``due``,
+were most of what other threads did during a ping-pong). So after its last item the poller
+*lingers*: it looks again every ``_LINGER_TICK_S`` for a while instead of sleeping until told,
+and a delayed item that arrives meanwhile wakes nobody; it is polled at the next tick. A caller
+that stops waiting for its item itself hands it over with :meth:`expedite`. Only after
+``_LINGER_S`` without delayed items does the poller sleep until the next item tells it.
+
 Thread-safe: every method may be called from any thread.
 """
 
@@ -34,6 +43,10 @@ log = logging.getLogger(__name__)
 # a long wait costs (almost) no CPU. Numbers are seconds.
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-4
+# While delayed items keep coming, the idle poller looks every tick, for this long after the
+# last one (see the module docstring).
+_LINGER_TICK_S = 2e-3
+_LINGER_S = 0.2
 
 
 @dataclass(slots=True)
@@ -69,6 +82,10 @@ class CompletionPool:
         # When the poller looks at its items next at the latest (inf: only when told); a new
         # item due before then wakes it.
         self._poller_wakes_at = 0.0
+        # Monotonic time of the last delayed item; the poller lingers until _LINGER_S after it.
+        self._last_delayed = float("-inf")
+        # True while the poller sleeps one linger tick with nothing pending.
+        self._lingering = False
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._poller = threading.Thread(target=self._poll_loop, name=f"{name}-poller", daemon=True)
         self._poller.start()
@@ -101,7 +118,10 @@ class CompletionPool:
                 Not with ``then``.
             delay: seconds before the first poll: for work whose caller usually sees it finish
                 first (and :meth:`discard` s it), so the poller thread neither polls it nor
-                wakes up for it, and takes no turn at the GIL meanwhile.
+                wakes up for it, and takes no turn at the GIL meanwhile. A lingering poller
+                (see the module docstring) polls it at its next tick, up to
+                ``_LINGER_TICK_S`` after ``delay``; a caller that gives up waiting for it
+                calls :meth:`expedite`.
 
         Raises:
             CompletionPoolShutdownError: the pool was shut down.
@@ -120,9 +140,27 @@ class CompletionPool:
             self._pending[seq] = item
             if owner is not None:
                 self._running_per_owner[owner] = self._running_per_owner.get(owner, 0) + 1
+            if delay > 0:
+                self._last_delayed = due - delay
+                if self._lingering:
+                    return future  # polled at the poller's next tick
             if due < self._poller_wakes_at:
                 self._lock.notify_all()
         return future
+
+    def expedite(self, future: Future) -> None:
+        """Polls ``future``'s item from now on, as if it had been watched without a delay: for a
+        caller that stops polling it itself and will block on the future."""
+        seq = getattr(future, "_tensorferry_seq", None)
+        with self._lock:
+            item = self._pending.get(seq) if seq is not None else None
+            if item is None or item.future is not future:
+                return
+            now = time.monotonic()
+            if item.due > now:
+                item.due = now
+            if item.due < self._poller_wakes_at:
+                self._lock.notify_all()
 
     def after_event(
         self,
@@ -283,7 +321,14 @@ class CompletionPool:
 
     def _idle_wait_locked(self) -> None:
         while not self._pending and not self._shutdown:
-            self._wait_locked(None)
+            if time.monotonic() < self._last_delayed + _LINGER_S:
+                self._lingering = True
+                try:
+                    self._wait_locked(_LINGER_TICK_S)
+                finally:
+                    self._lingering = False
+            else:
+                self._wait_locked(None)
 
     def _wait_locked(self, timeout: float | None) -> None:
         self._poller_wakes_at = float("inf") if timeout is None else time.monotonic() + timeout

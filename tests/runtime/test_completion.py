@@ -196,3 +196,65 @@ def test_delayed_item_is_not_polled_before_it_is_due(pool):
     time.sleep(0.05)
     late = pool.watch(lambda: True, delay=0.05)
     assert late.result(timeout=5) is None
+
+
+def _count_wake_ups(pool: CompletionPool) -> list[int]:
+    """Counts the poller's wake-up calls from now on."""
+    calls = [0]
+    notify_all = pool._lock.notify_all
+
+    def counting() -> None:
+        calls[0] += 1
+        notify_all()
+
+    pool._lock.notify_all = counting
+    return calls
+
+
+def _wait_until(predicate, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(1e-3)
+    return False
+
+
+def test_a_lingering_poller_takes_delayed_items_without_being_woken(pool):
+    # The first delayed item finds the poller asleep until told: it wakes it.
+    assert pool.watch(lambda: True, delay=1e-3, inline=True).result(timeout=5) is None
+    assert _wait_until(lambda: pool._lingering), "after a delayed item the poller lingers"
+    wake_ups = _count_wake_ups(pool)
+    flag = Flag()
+    future = pool.watch(flag, delay=1e-4, inline=True)
+    assert wake_ups[0] == 0, "a lingering poller is not woken for a delayed item"
+    flag.value = True
+    assert future.result(timeout=5) is None, "it is polled at the next tick"
+
+
+def test_expedite_hands_a_delayed_item_to_the_poller_now(pool, monkeypatch):
+    from tensorferry.runtime import _completion
+
+    monkeypatch.setattr(_completion, "_LINGER_TICK_S", 30.0)  # ticks too slow to matter
+    assert pool.watch(lambda: True, delay=1e-3, inline=True).result(timeout=5) is None
+    assert _wait_until(lambda: pool._lingering)
+    flag = Flag()
+    flag.value = True
+    future = pool.watch(flag, delay=1e-4, inline=True)
+    time.sleep(0.05)
+    assert not future.done(), "without a hand-over the poller would look only at its tick"
+    pool.expedite(future)
+    assert future.result(timeout=5) is None
+    pool.expedite(future)  # done already: nothing happens
+
+
+def test_the_poller_stops_lingering_when_delayed_items_stop(pool, monkeypatch):
+    from tensorferry.runtime import _completion
+
+    monkeypatch.setattr(_completion, "_LINGER_S", 0.05)
+    assert pool.watch(lambda: True, delay=1e-3).result(timeout=5) is None
+    assert _wait_until(lambda: pool._poller_wakes_at == float("inf")), (
+        "once the linger is over the poller sleeps until an item tells it"
+    )
+    assert not pool._lingering
+    assert pool.watch(lambda: True, delay=1e-3).result(timeout=5) is None  # and still wakes
