@@ -4,7 +4,9 @@
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
 #   trace-speculate trace-no-linger nvlink-configs trace-graph
 #   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
-#   allgather symm-pairs stream-probe
+#   allgather symm-pairs stream-probe profile-pingpong profile-graph
+# profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
+# needed) and keep the collapsed stacks in the results: where host time goes.
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -80,6 +82,12 @@ for s in $steps; do
     symm-pairs) step symm-pairs 60 env PROBE_LIMIT=45 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" scripts/symm_pairs_probe.py ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
+    profile-pingpong | profile-graph)
+      pip install -q --no-deps --no-index .whl/py_spy-*.whl >/dev/null 2>&1
+      target=(scripts/trace_pingpong.py)
+      [ "$s" = profile-graph ] && target=(scripts/trace_graph.py --graph echo --iters 3000)
+      step "$s" 120 py-spy record --subprocesses --threads --idle --format raw --rate 2000 \
+        -o "$R/$s.txt" -- python3 "${target[@]}" ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

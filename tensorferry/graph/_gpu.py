@@ -39,12 +39,14 @@ import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorferry.graph._channel import GraphStopped, PeerDied, RemoteError, wait_until
+from tensorferry.graph._channel import Channel, GraphStopped, PeerDied, RemoteError, wait_until
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, TaskSpec
+from tensorferry.runtime._stream_switch import on_stream
 
 if TYPE_CHECKING:
     from tensorferry.graph._runner import ScheduleRunner
@@ -60,6 +62,9 @@ _EVENT_PAUSE_S = 100e-6
 # Results for the driver up to this size are staged in pinned memory (the allocator caches those
 # blocks for good, so huge ones are copied by the plain blocking path instead).
 _PIN_MAX_BYTES = 256 << 20
+# Reused pinned result tensors: per shape and dtype, and how many shapes and dtypes.
+_PINNED_PER_LAYOUT = 4
+_PINNED_LAYOUTS = 16
 
 
 def _fired(event: torch.cuda.Event | None) -> bool:
@@ -113,14 +118,23 @@ class _HostWrites:
         self.pending = 0
         """Values not written yet, over all channels."""
 
-    def submit(self, channel: Any, value: Any, event: torch.cuda.Event | None) -> None:
+    def submit(
+        self,
+        channel: Any,
+        value: Any,
+        event: torch.cuda.Event | None,
+        written: Callable[[Any], None] | None = None,
+    ) -> None:
+        """``written(value)`` is called once the channel holds its own copy of ``value``."""
         held = self._queues.get(channel)
         if not held and _fired(event) and channel.writable():
             channel.write(value, timeout=_FOREVER)  # a free slot: does not wait
+            if written is not None:
+                written(value)
             return
         if held is None:
             held = self._queues[channel] = collections.deque()
-        held.append((value, event))
+        held.append((value, event, written))
         self.pending += 1
 
     def pump(self) -> None:
@@ -129,12 +143,14 @@ class _HostWrites:
             return
         for channel, held in self._queues.items():
             while held:
-                value, event = held[0]
+                value, event, written = held[0]
                 if not (_fired(event) and channel.writable()):
                     break
                 held.popleft()
                 self.pending -= 1
                 channel.write(value, timeout=_FOREVER)
+                if written is not None:
+                    written(value)
 
     def close(self) -> None:
         self._queues.clear()
@@ -182,7 +198,14 @@ class _HostWriter:
         except BaseException as exc:
             self.failure = exc
 
-    def submit(self, channel: Any, value: Any, event: torch.cuda.Event | None) -> None:
+    def submit(
+        self,
+        channel: Any,
+        value: Any,
+        event: torch.cuda.Event | None,
+        written: Callable[[Any], None] | None = None,
+    ) -> None:
+        # ``written`` is ignored: these channels may keep the value after their write returns.
         if self.failure is not None:
             raise self.failure
         self._queue.put((channel, value, event))
@@ -193,6 +216,35 @@ class _HostWriter:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=2.0)
+
+
+class _PinnedResults:
+    """Pinned host tensors for CUDA results going to the driver, reused once written.
+
+    A fresh pinned tensor per result (``torch.empty(pin_memory=True)``) cost the actor's thread
+    more than the copy it serves: torch's pinned allocator looks at the events of its cached
+    blocks on every request. A shared-memory channel copies a value into its slot when written,
+    so the tensor is free again right after; other channels may keep it, so they get fresh ones.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((shape, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        if (
+            len(self._free) >= _PINNED_LAYOUTS
+            and (tuple(tensor.shape), tensor.dtype) not in self._free
+        ):
+            self._free.clear()  # results of ever new shapes: keep only the recent ones
+        free = self._free.setdefault((tuple(tensor.shape), tensor.dtype), [])
+        if len(free) < _PINNED_PER_LAYOUT:
+            free.append(tensor)
 
 
 class GpuOps:
@@ -228,6 +280,7 @@ class GpuOps:
         self._host: _HostWrites | _HostWriter = (
             _HostWrites() if pollable else _HostWriter(self.device, runner.control)
         )
+        self._pinned = _PinnedResults()
         self._profiling = plan.profile_channel is not None
         self._spans: list[tuple[int, Operation, str, Any, Any]] = []
         if self._profiling:
@@ -301,7 +354,7 @@ class GpuOps:
         if not edge.rendezvous:
             # Host data (driver inputs, or a same-GPU actor's staged result): copies it makes to
             # this GPU must be ordered before the compute that uses them.
-            with torch.cuda.stream(self.compute_stream):
+            with on_stream(self.compute_stream):
                 return channel.read(timeout=_FOREVER)
         meta = channel.read(timeout=_FOREVER)
         if isinstance(meta, RemoteError):
@@ -314,7 +367,7 @@ class GpuOps:
         skeleton, specs = meta
         stream = self.recv_stream if self.overlap else self.compute_stream
         peer, link = self._ranks[edge.src_actor], self.links[edge.transport]
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             start = self._span_start(stream)
             buffers = [
                 torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs
@@ -345,7 +398,7 @@ class GpuOps:
         stream = self.compute_stream
         args = [self._arrive(v) for v in args]
         kwargs = {k: self._arrive(v) for k, v in kwargs.items()}
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             start = self._span_start(stream)
             try:
                 result = method(*args, **kwargs)
@@ -380,7 +433,11 @@ class GpuOps:
                 and value.device == self.device
                 and value.numel() * value.element_size() <= _PIN_MAX_BYTES
             ):
-                value, done = self._to_host(value, done)
+                reuse = isinstance(channel, Channel)  # copies what it is given when written
+                value, done = self._to_host(value, done, reuse=reuse)
+                if reuse:
+                    self._host.submit(channel, value, done, self._pinned.give_back)
+                    return
             self._host.submit(channel, value, done)
             return
         if self._host.pending:
@@ -414,7 +471,7 @@ class GpuOps:
             channel.write(meta, timeout=_FOREVER)
         stream = self.send_stream if self.overlap else self.compute_stream
         peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             if self.overlap and done is not None:
                 stream.wait_event(done)
             start = self._span_start(stream)
@@ -425,17 +482,21 @@ class GpuOps:
             self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
 
     def _to_host(
-        self, tensor: torch.Tensor, done: torch.cuda.Event | None
+        self, tensor: torch.Tensor, done: torch.cuda.Event | None, *, reuse: bool
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Starts copying a result for the driver into pinned memory; returns the host tensor
         and the event after which it holds the data. The driver receives host tensors anyway
-        (its channel ends have no device), so nothing changes for it."""
+        (its channel ends have no device), so nothing changes for it. ``reuse``: into one of
+        :class:`_PinnedResults` (given back once written), else a fresh one."""
         stream = self.d2h_stream
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             if done is not None:
                 stream.wait_event(done)
             tensor = tensor.detach()
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            if reuse:
+                host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
+            else:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             # Made on the compute stream, read here: its memory must not be handed out again
             # before the copy is done.

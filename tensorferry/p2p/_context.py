@@ -31,6 +31,7 @@ from tensorferry.p2p._transport import (
     registry_version,
 )
 from tensorferry.runtime._events import recycle
+from tensorferry.runtime._stream_switch import on_stream
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
 
@@ -190,7 +191,7 @@ class P2PContext:
             return None
         has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
         stream = self.send_stream if has_send else self.recv_stream
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             if unit.caller_event is not None:
                 stream.wait_event(unit.caller_event)
                 recycle(unit.caller_event)  # the wait is enqueued: free to record again

@@ -13,7 +13,7 @@ import torch
 
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.graph._channel import Channel, Control, GraphStopped, unlink_prefix, wait_until
-from tensorferry.graph._gpu import GpuOps, _HostWriter, _HostWrites
+from tensorferry.graph._gpu import GpuOps, _HostWriter, _HostWrites, _PinnedResults
 
 
 class FakeEvent:
@@ -146,6 +146,63 @@ def test_a_full_channel_holds_back_only_its_own_results(rings):
     host.submit(writer_a, "dropped", FakeEvent())
     host.close()
     assert host.pending == 0
+
+
+def test_written_is_called_only_once_the_channel_holds_its_copy(rings):
+    _, [(writer, reader), _] = rings
+    host = _HostWrites()
+    written = []
+    value = torch.arange(4.0)
+    host.submit(writer, value, FakeEvent(fired=True), written.append)
+    assert written == [value]  # written at once
+    event = FakeEvent()
+    later = torch.arange(4.0) + 10
+    host.submit(writer, later, event, written.append)
+    host.pump()
+    assert written == [value]  # its event has not fired (and the one slot is full)
+    event.fired = True
+    host.pump()
+    assert written == [value]  # fired, but no room yet: not written, not given back
+    assert torch.equal(reader.read(timeout=1.0), torch.arange(4.0))
+    later.fill_(-1)  # what the channel holds must not change with the tensor given back...
+    host.pump()
+    assert written == [value, later]
+    later.fill_(-2)  # ...nor after it was written
+    assert torch.equal(reader.read(timeout=1.0), torch.full((4,), -1.0))
+
+
+def test_pinned_results_are_reused_per_shape_and_dtype(monkeypatch):
+    made = []
+
+    def fake_empty(shape, *, dtype, pin_memory):  # torch's pinned memory needs a GPU
+        assert pin_memory
+        made.append(torch.zeros(shape, dtype=dtype))
+        return made[-1]
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    pinned = _PinnedResults()
+    first = pinned.take((2, 3), torch.float32)
+    pinned.give_back(first)
+    assert pinned.take((2, 3), torch.float32) is first
+    other = pinned.take((2, 3), torch.float16)  # another dtype: a new one
+    assert other is not first and len(made) == 2
+    assert pinned.take((2, 3), torch.float32) is not first  # first is taken: a new one again
+    assert len(made) == 3
+
+
+def test_pinned_results_forget_old_shapes_past_the_limit(monkeypatch):
+    from tensorferry.graph import _gpu
+
+    pinned = _PinnedResults()
+    tensors = [torch.zeros(n + 1) for n in range(_gpu._PINNED_LAYOUTS + 1)]
+    for t in tensors:
+        pinned.give_back(t)
+    monkeypatch.setattr(torch, "empty", lambda shape, **kw: "fresh")
+    assert pinned.take((1,), torch.float32) == "fresh"  # the oldest shapes were dropped
+    assert pinned.take(tuple(tensors[-1].shape), torch.float32) is tensors[-1]
+    for _ in range(_gpu._PINNED_PER_LAYOUT + 2):
+        pinned.give_back(torch.zeros(3, 3))
+    assert len(pinned._free[((3, 3), torch.float32)]) == _gpu._PINNED_PER_LAYOUT
 
 
 def _ops(control: Control, host) -> GpuOps:
