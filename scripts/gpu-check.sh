@@ -86,7 +86,7 @@ for s in $steps; do
       pip install -q --no-deps --no-index .whl/py_spy-*.whl >/dev/null 2>&1
       target=(scripts/trace_pingpong.py)
       [ "$s" = profile-graph ] && target=(scripts/trace_graph.py --graph echo --iters 3000)
-      step "$s" 120 py-spy record --subprocesses --threads --idle --format raw --rate 2000 \
+      step "$s" 120 py-spy record --subprocesses --threads --idle --nonblocking --format raw --rate 1000 \
         -o "$R/$s.txt" -- python3 "${target[@]}" ;;
     trace-overlap) step trace-overlap 120 python3 scripts/trace_graph.py --graph overlap --png "$R" ;;
     *) echo "unknown step $s"; exit 2 ;;
