@@ -357,6 +357,11 @@ class Channel:
         self.ready_at = 0.0
         """When the last wait ended (monotonic s): profiles show the copy, not the wait."""
 
+    @property
+    def slots(self) -> int:
+        """How many messages the ring holds."""
+        return self._seg.slots
+
     @staticmethod
     def create(name: str, *, slots: int, slot_size: int) -> None:
         """Creates the segment (driver side); the ends attach with ``Channel(name, ...)``."""

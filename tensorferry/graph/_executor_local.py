@@ -97,8 +97,10 @@ class LocalExecutor(ExecutorBase):
         self._control = Control(f"{self.prefix}c", create=True)
         for edge in self.graph.edges:
             size = _META_SLOT if edge.rendezvous else self._buffer
-            Channel.create(self._channel_name(edge.edge_id), slots=self._max_inflight,
-                           slot_size=size + 256)  # fmt: skip
+            # A static GPU edge carries two messages per execution (the sender's announcement,
+            # then its outcome; see tensorferry.graph._gpu).
+            slots = self._max_inflight * (2 if edge.rendezvous and edge.static_shape else 1)
+            Channel.create(self._channel_name(edge.edge_id), slots=slots, slot_size=size + 256)
         nccl = self._nccl_setups()
         for index, name in enumerate(self._names):
             profile_channel = None

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorferry.graph._channel import Channel, GraphStopped, PeerDied, RemoteError, wait_until
-from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, TaskSpec
+from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
 from tensorferry.runtime._stream_switch import on_stream
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ _EVENT_PAUSE_S = 100e-6
 # Results for the driver up to this size are staged in pinned memory (the allocator caches those
 # blocks for good, so huge ones are copied by the plain blocking path instead).
 _PIN_MAX_BYTES = 256 << 20
+# What a sender writes on a static edge's channel when an execution starts (see GpuOps.announce).
+_ANNOUNCED = "announced"
 # Reused pinned result tensors: per shape and dtype, and how many shapes and dtypes.
 _PINNED_PER_LAYOUT = 4
 _PINNED_LAYOUTS = 16
@@ -72,14 +74,26 @@ def _fired(event: torch.cuda.Event | None) -> bool:
 
 
 class _Arrived:
-    """A value received on the ``recv`` stream: usable once ``event`` fired on the device."""
+    """A value received on the ``recv`` stream: usable once ``event`` fired on the device.
 
-    __slots__ = ("buffers", "event", "value")
+    ``outcome_from``: for a receive posted on the sender's announcement, the channel its outcome
+    comes through (read by :meth:`GpuOps.settle`); ``error``: that outcome, if the sender failed.
+    """
 
-    def __init__(self, value: Any, event: torch.cuda.Event, buffers: list[torch.Tensor]) -> None:
+    __slots__ = ("buffers", "error", "event", "outcome_from", "value")
+
+    def __init__(
+        self,
+        value: Any,
+        event: torch.cuda.Event,
+        buffers: list[torch.Tensor],
+        outcome_from: Any = None,
+    ) -> None:
         self.value = value
         self.event = event
         self.buffers = buffers
+        self.outcome_from = outcome_from
+        self.error: RemoteError | None = None
 
 
 class _CudaPickler(pickle.Pickler):
@@ -281,6 +295,11 @@ class GpuOps:
             _HostWrites() if pollable else _HostWriter(self.device, runner.control)
         )
         self._pinned = _PinnedResults()
+        # Outgoing edges that announce sends (see announce), the execution each last announced,
+        # and the zeros sent in place of a failed value after an announcement.
+        self._announcing = self._announcing_edges()
+        self._announced: dict[int, int] = {}
+        self._stand_ins: dict[int, list[torch.Tensor]] = {}
         self._profiling = plan.profile_channel is not None
         self._spans: list[tuple[int, Operation, str, Any, Any]] = []
         if self._profiling:
@@ -359,8 +378,9 @@ class GpuOps:
         meta = channel.read(timeout=_FOREVER)
         if isinstance(meta, RemoteError):
             return meta
+        announced = meta == _ANNOUNCED
         if edge.static_shape:
-            if meta is True:
+            if meta is True or announced:
                 meta = self._static[edge.edge_id]
             else:
                 self._static[edge.edge_id] = meta
@@ -380,8 +400,65 @@ class GpuOps:
         event.record(stream)
         if not self.overlap:
             self._wait_event(event, f"receive on edge {edge.edge_id}")  # no overlap: host waits
+            if announced:
+                outcome = channel.read(timeout=_FOREVER)  # written before the send: here now
+                return value if outcome is None else outcome
             return value
-        return _Arrived(value, event, buffers)
+        return _Arrived(value, event, buffers, channel if announced else None)
+
+    def settle(self, value: Any) -> Any:
+        """``value``, or the sender's error in its place: the outcome of a receive posted on an
+        announcement is read here, before any method sees the value (waits for the sender to
+        have finished its method)."""
+        if not isinstance(value, _Arrived):
+            return value
+        channel = value.outcome_from
+        if channel is not None:
+            value.outcome_from = None  # several tasks may take the value: read it once
+            if self._host.pending:
+                self._pump_until(channel.readable, "outcome of a received value")
+            value.error = channel.read(timeout=_FOREVER)
+        return value if value.error is None else value.error
+
+    # ------------------------------------------------------------------ announcements
+    @property
+    def announces(self) -> bool:
+        """Whether this actor sends on edges whose receivers post their receives early."""
+        return bool(self._announcing)
+
+    def announce(self, execution: int) -> None:
+        """Tells the receivers of this actor's static GPU edges that execution ``execution``'s
+        send will come, so they post their receives now, while this actor computes. Called once
+        per execution, as soon as it is known to run (after its first read). An edge qualifies
+        once its layout is known (after its first send)."""
+        for edge in self._announcing:
+            if edge.edge_id not in self._static:
+                continue
+            channel = self.runner.writers[edge.edge_id]
+            if self._host.pending:
+                self._pump_until(channel.writable, f"announce on edge {edge.edge_id}")
+            channel.write(_ANNOUNCED, timeout=_FOREVER)
+            self._announced[edge.edge_id] = execution
+
+    def _announcing_edges(self) -> list[EdgeSpec]:
+        """This actor's outgoing static NCCL edges, in the order it writes them, whose channel
+        holds two messages per execution in flight (the local executor makes them so)."""
+        plan = self.runner.plan
+        edges = []
+        for op in plan.schedule:
+            if op.kind is not OpKind.WRITE or op.edge_id is None:
+                continue
+            edge = plan.graph.edge(op.edge_id)
+            channel = self.runner.writers.get(edge.edge_id)
+            if (
+                edge.rendezvous
+                and edge.static_shape
+                and edge.transport == "nccl"
+                and isinstance(channel, Channel)
+                and channel.slots >= 2 * plan.max_inflight
+            ):
+                edges.append(edge)
+        return edges
 
     def compute(
         self,
@@ -442,9 +519,10 @@ class GpuOps:
             return
         if self._host.pending:
             self._pump_until(channel.writable, f"write edge {edge.edge_id}")
+        announced = self._announced.pop(edge.edge_id, None) == execution
         problem = value if isinstance(value, RemoteError) else edge_check(edge, value)
         if problem is not None:
-            channel.write(problem, timeout=_FOREVER)
+            self._fail_send(execution, op, edge, problem, announced, done)
             return
         if isinstance(value, torch.Tensor):
             skeleton, tensors = None, [value]
@@ -463,12 +541,47 @@ class GpuOps:
                     f"tensors changed from {self._static[edge.edge_id][1]} to {meta[1]}",
                     "",
                 )
-                channel.write(problem, timeout=_FOREVER)
+                self._fail_send(execution, op, edge, problem, announced, done)
                 return
-            channel.write(True, timeout=_FOREVER)
+            # After an announcement: its outcome (none went wrong); else the layout is as agreed.
+            channel.write(None if announced else True, timeout=_FOREVER)
         else:
             self._static[edge.edge_id] = meta
             channel.write(meta, timeout=_FOREVER)
+        self._send(execution, op, edge, tensors, done)
+
+    def _fail_send(
+        self,
+        execution: int,
+        op: Operation,
+        edge: EdgeSpec,
+        problem: RemoteError,
+        announced: bool,
+        done: torch.cuda.Event | None,
+    ) -> None:
+        """Sends ``problem`` in place of the value. Without an announcement neither end moves
+        tensors; after one, the receiver has posted its receive, so stand-ins of the agreed
+        layout go instead (never read: the outcome tells the receiver to drop them)."""
+        self.runner.writers[edge.edge_id].write(problem, timeout=_FOREVER)
+        if not announced:
+            return
+        stand_ins = self._stand_ins.get(edge.edge_id)
+        if stand_ins is None:
+            specs = self._static[edge.edge_id][1]
+            stand_ins = [
+                torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in specs
+            ]
+            self._stand_ins[edge.edge_id] = stand_ins
+        self._send(execution, op, edge, stand_ins, done)
+
+    def _send(
+        self,
+        execution: int,
+        op: Operation,
+        edge: EdgeSpec,
+        tensors: list[torch.Tensor],
+        done: torch.cuda.Event | None,
+    ) -> None:
         stream = self.send_stream if self.overlap else self.compute_stream
         peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
         with on_stream(stream):

@@ -279,7 +279,13 @@ class ScheduleRunner:
         inbox: dict[int, Any] = {}
         comm = self._comm
         gpu = self.gpu
+        # A GPU actor announces its sends once the execution is known to run: after its first
+        # read, or before its first operation if that is not a read (see GpuOps.announce).
+        announce = gpu is not None and gpu.announces
         for op in self.plan.schedule:
+            if announce and op.kind is not OpKind.READ:
+                gpu.announce(execution)
+                announce = False
             if op.kind is OpKind.READ:
                 assert op.edge_id is not None
                 edge = self.graph.edge(op.edge_id)
@@ -289,6 +295,9 @@ class ScheduleRunner:
                     # From when its data (or metadata) arrived: the wait is not drawn.
                     arrived = getattr(self.readers[op.edge_id], "ready_at", start)
                     self.record(execution, op, "host", max(start, arrived))
+                    if announce:
+                        gpu.announce(execution)
+                        announce = False
                 elif comm is not None:
                     inbox[op.edge_id] = comm.take(execution, op.edge_id)
                 else:
@@ -355,6 +364,10 @@ class ScheduleRunner:
         fetch = self._fetch
         args = [fetch(src, inbox, values) for src in arg_sources]
         kwargs = {k: fetch(src, inbox, values) for k, src in kwarg_sources}
+        if self.gpu is not None:  # received values whose sender may yet have failed
+            settle = self.gpu.settle
+            args = [settle(value) for value in args]
+            kwargs = {k: settle(value) for k, value in kwargs.items()}
         for value in (*args, *kwargs.values()):
             if isinstance(value, RemoteError):
                 return value  # an upstream task failed: skip, pass its error on

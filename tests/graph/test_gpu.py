@@ -80,7 +80,8 @@ def test_nccl_and_copy_engine_edges_in_one_graph(pair):
 
 @pytest.mark.multigpu
 @needs_two
-def test_nccl_structures_static_shapes_and_errors(pair):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nccl_structures_static_shapes_and_errors(pair, overlap):
     a, b = pair
     with InputNode() as inp:
         structured = b.unpair.bind(a.make_pair.bind(inp[0]).with_transport("auto"))
@@ -90,7 +91,7 @@ def test_nccl_structures_static_shapes_and_errors(pair):
         resized = b.scale.bind(a.resize.bind(inp[0], inp[2]).with_transport(
             "nccl", static_shape=True, direct_return=True), 3.0)  # fmt: skip
         dag = MultiOutputNode([structured, failing, resized])
-    graph = dag.compile(overlap_communication=True)
+    graph = dag.compile(overlap_communication=overlap)
     try:
         x = torch.randn(64)
         pair_sum, same, tripled = graph.execute(x, False, 64).get(timeout=60)
@@ -103,6 +104,32 @@ def test_nccl_structures_static_shapes_and_errors(pair):
             graph.execute(x, False, 32).get(timeout=60)
         x = torch.randn(64)
         assert torch.allclose(graph.execute(x, False, 64).get(timeout=60)[2], 3 * x)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
+@pytest.mark.parametrize("overlap, max_inflight", [(False, 1), (True, 1), (True, 3)])
+def test_static_nccl_edge_receives_posted_early_with_failures_in_flight(
+    pair, overlap, max_inflight
+):
+    # From the second execution the sender announces each send and the receiver posts its
+    # receive before the sender's method ran; a failing method then sends stand-ins.
+    a, b = pair
+    with InputNode() as inp:
+        sent = a.fail_if.bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
+        dag = b.scale.bind(sent, 3.0)
+    graph = dag.compile(overlap_communication=overlap, max_inflight=max_inflight)
+    try:
+        inputs = [(torch.randn(4099), k % 4 == 2) for k in range(16)]
+        refs = [graph.execute(x, fail) for x, fail in inputs]
+        for (x, fail), ref in zip(inputs, refs, strict=True):
+            if fail:
+                with pytest.raises(tf.ActorError, match="gpu boom on purpose"):
+                    ref.get(timeout=60)
+            else:
+                assert torch.equal(ref.get(timeout=60), x * 3)
     finally:
         graph.teardown(kill_actors=False)
 
