@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
 #   trace-speculate trace-no-linger nvlink-configs trace-graph
-#   trace-overlap graph graph-bench overlap demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
+#   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe profile-pingpong profile-graph
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
@@ -56,6 +56,10 @@ for s in $steps; do
     graph) step graph 160 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
     overlap) step overlap 240 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;
+    overlap-early | overlap-noearly)  # NCCL edges with and without early receives (an A/B)
+      early=1 && [ "$s" = overlap-noearly ] && early=0
+      step "$s" 150 env TENSORFERRY_GRAPH_EARLY_RECEIVES=$early tensorferry bench overlap \
+        --iters 20 --transports auto --out "$R/$s" ;;
     demo) step demo 45 tensorferry demo --out "$LOGS/demo" ;;
     sendrecv) step sendrecv 70 tensorferry bench sendrecv --sizes "${SENDRECV_SIZES:-1M,64M,1G}" \
       --transports "${SENDRECV_TRANSPORTS:-nccl,nvlink,ce}" --max-seconds-per-point 0.3 \

@@ -17,6 +17,7 @@ __all__ = [
     "auto_transports",
     "spin_us",
     "nccl_calls",
+    "graph_early_receives",
 ]
 
 
@@ -117,3 +118,13 @@ def nccl_calls() -> str:
     if raw not in ("direct", "torch"):
         raise ValueError(f"TENSORFERRY_NCCL_CALLS={raw!r} must be 'direct' or 'torch'")
     return raw
+
+
+def graph_early_receives() -> bool:
+    """Whether a graph's static NCCL edges announce each send so the receiver posts its receive
+    while the sender still computes (``TENSORFERRY_GRAPH_EARLY_RECEIVES``, on; ``0`` turns it
+    off). Read when an actor starts."""
+    raw = os.environ.get("TENSORFERRY_GRAPH_EARLY_RECEIVES", "") or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"TENSORFERRY_GRAPH_EARLY_RECEIVES={raw!r} must be 0 or 1")
+    return raw == "1"

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorferry import envs
 from tensorferry.graph._channel import Channel, GraphStopped, PeerDied, RemoteError, wait_until
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
 from tensorferry.runtime._stream_switch import on_stream
@@ -444,7 +445,9 @@ class GpuOps:
         """This actor's outgoing static NCCL edges, in the order it writes them, whose channel
         holds two messages per execution in flight (the local executor makes them so)."""
         plan = self.runner.plan
-        edges = []
+        edges: list[EdgeSpec] = []
+        if not envs.graph_early_receives():
+            return edges
         for op in plan.schedule:
             if op.kind is not OpKind.WRITE or op.edge_id is None:
                 continue
