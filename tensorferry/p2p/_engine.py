@@ -60,7 +60,7 @@ from tensorferry.errors import (
 from tensorferry.p2p import _link
 from tensorferry.p2p._engine_faults import PairFaults, mirrored
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
-from tensorferry.p2p._spec import Descriptor, compare
+from tensorferry.p2p._spec import Descriptor, compare, descriptor_from_text, descriptor_text
 from tensorferry.runtime._spin import spin_window_s
 from tensorferry.runtime._wakeup import write_wakeup
 
@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "Message", "Unit"]
 
 log = logging.getLogger(__name__)
+
+# A header frame (see _send_header): epoch, "s"/"r", sequence number, descriptor text, static
+# ("true"/"false"), transport.
+_HEADER = '{"k":"h","e":%d,"c":"%s","q":%d,"d":"%s","st":%s,"t":"%s"}'
 
 _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
 
@@ -356,7 +360,7 @@ class Engine(PairFaults):
             peer = self._peers[rank] = PeerState(rank)
         return peer
 
-    def _send_frame(self, peer: PeerState, frame: dict, *, batch: bool = False) -> None:
+    def _send_frame(self, peer: PeerState, frame: dict | bytes, *, batch: bool = False) -> None:
         """Sends ``frame`` now, or with ``batch`` at the next :meth:`_flush_links` (headers:
         those of one engine step leave in one write). Fault and reset notices go at once: the
         peer must see them before anything the caller does after its transfer failed."""
@@ -574,16 +578,18 @@ class Engine(PairFaults):
 
     def _send_header(self, peer: PeerState, message: Message) -> None:
         message.header_sent = True
-        frame = {
-            "k": "h",
-            "e": message.epoch,
-            "c": "s" if message.op.kind == "send" else "r",
-            "q": message.seq,
-            "d": [[dtype, list(shape)] for dtype, shape in message.desc],
-            "st": message.static,
-            "t": message.transport,
-        }
-        self._send_frame(peer, frame, batch=True)
+        # Written out rather than json.dumps of a dict: one header per message, on the
+        # caller's critical path. Every value is a number, a fixed word or a string with
+        # nothing to escape (the descriptor text, a transport name).
+        frame = _HEADER % (
+            message.epoch,
+            "s" if message.op.kind == "send" else "r",
+            message.seq,
+            descriptor_text(message.desc),
+            "true" if message.static else "false",
+            message.transport,
+        )
+        self._send_frame(peer, frame.encode(), batch=True)
 
     def _ensure_prepared(self, peer: PeerState, transport: str, kind: str) -> None:
         key = (transport, kind)
@@ -695,8 +701,10 @@ class Engine(PairFaults):
     def _compare_header(self, peer: PeerState, message: Message, frame: dict) -> None:
         """Raises :class:`MismatchError` naming the first field where ``message`` and the peer's
         header ``frame`` for it differ (both sides compare the same pair, so both raise it)."""
-        theirs: Descriptor = tuple((d, tuple(s)) for d, s in frame["d"])
         ours = message.desc
+        if frame["t"] == message.transport and frame["d"] == descriptor_text(ours):
+            return  # the common case: one string comparison
+        theirs: Descriptor = descriptor_from_text(frame["d"])
         send_desc, recv_desc = (ours, theirs) if message.op.kind == "send" else (theirs, ours)
         src, dst = (self.rank, peer.rank) if message.op.kind == "send" else (peer.rank, self.rank)
         if frame["t"] != message.transport:

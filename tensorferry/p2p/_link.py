@@ -78,14 +78,18 @@ class Link:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, frame: dict[str, Any]) -> None:
+    def send(self, frame: dict[str, Any] | bytes) -> None:
         """Queues ``frame`` and writes what the socket takes now."""
         self.queue(frame)
         self.flush()
 
-    def queue(self, frame: dict[str, Any]) -> None:
-        """Queues ``frame``; :meth:`flush` writes it (with whatever else is queued)."""
-        payload = json.dumps(frame, separators=(",", ":")).encode()
+    def queue(self, frame: dict[str, Any] | bytes) -> None:
+        """Queues ``frame`` (a dict, or one already encoded as JSON); :meth:`flush` writes it
+        (with whatever else is queued)."""
+        if isinstance(frame, bytes):
+            payload = frame
+        else:
+            payload = json.dumps(frame, separators=(",", ":")).encode()
         self._out += _LEN.pack(len(payload))
         self._out += payload
 

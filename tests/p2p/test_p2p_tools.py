@@ -237,3 +237,53 @@ def test_nccl_calls_setting(monkeypatch):
         assert len(lib.unique_id()) == 128
         with pytest.raises(ValueError, match="128 bytes"):
             lib.init_rank(2, b"short", 0)
+
+
+def test_descriptor_text_round_trips_every_layout():
+    from tensorferry.p2p._spec import describe, descriptor_from_text, descriptor_text
+
+    tensors = [
+        torch.zeros(()),  # a scalar
+        torch.zeros(0, dtype=torch.int8),  # empty
+        torch.zeros(3, 1, 5, dtype=torch.bfloat16),
+        torch.zeros(7, dtype=torch.bool),
+        torch.zeros(2, 2, dtype=torch.complex64),
+    ]
+    for items in ([], tensors[:1], tensors):
+        desc = describe(items)
+        text = descriptor_text(desc)
+        assert descriptor_from_text(text) == desc
+        assert not set(text) & set('"\\')  # goes into a JSON string as it is
+    assert descriptor_text(describe(tensors[:1])) != descriptor_text(describe([]))
+
+
+def test_header_frames_are_json_the_peer_reads_back():
+    import json
+    from types import SimpleNamespace
+
+    from tensorferry.p2p._engine import Engine
+    from tensorferry.p2p._spec import describe
+
+    sent = []
+    engine = object.__new__(Engine)
+    engine._send_frame = lambda peer, frame, batch=False: sent.append(frame)
+    desc = describe([torch.zeros(4, 2), torch.zeros((), dtype=torch.float16)])
+    message = SimpleNamespace(
+        epoch=3, seq=17, desc=desc, static=True, transport="nccl", header_sent=False,
+        op=SimpleNamespace(kind="recv"),
+    )  # fmt: skip
+    engine._send_header(None, message)
+    frame = json.loads(sent[0])
+    assert frame == {
+        "k": "h", "e": 3, "c": "r", "q": 17, "d": "float32:4,2|float16:", "st": True, "t": "nccl"
+    }  # fmt: skip
+    # The peer's comparison: equal texts agree; a differing shape names the field.
+    peer = SimpleNamespace(rank=1)
+    engine.rank = 0
+    engine._compare_header(peer, message, frame)
+    from tensorferry.errors import MismatchError
+
+    other = SimpleNamespace(**{**vars(message), "desc": describe([torch.zeros(4, 3)] * 2)})
+    with pytest.raises(MismatchError) as err:
+        engine._compare_header(peer, other, frame)
+    assert err.value.field == "shape"
