@@ -621,10 +621,14 @@ class GpuOps:
             copied.record(stream)
         return host, copied
 
-    def close(self) -> None:
+    def close(self, *, peer_died: bool = False) -> None:
+        """Waits for this actor's GPU work, then closes its links. Not after a peer died: a
+        receive posted for its next send (an announced one) would never finish, and the
+        links' abort is what ends it."""
         self._host.close()
         try:
-            torch.cuda.synchronize(self.device)
+            if not peer_died:
+                torch.cuda.synchronize(self.device)
         finally:
             for owner in reversed(self._link_owners):
                 try:

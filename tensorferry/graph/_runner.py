@@ -256,6 +256,7 @@ class ScheduleRunner:
         """Runs until teardown (returns ``"stopped"``) or a peer's death (``"peer died"``)."""
         if self.plan.overlap and self.gpu is None:
             self._comm = _CpuComm(self)
+        peer_died = False
         try:
             execution = 0
             while True:
@@ -267,12 +268,13 @@ class ScheduleRunner:
         except GraphStopped:
             return "stopped"
         except PeerDied:
+            peer_died = True
             return "peer died"
         finally:
             if self._comm is not None:
                 self._comm.close()
             if self.gpu is not None:
-                self.gpu.close()
+                self.gpu.close(peer_died=peer_died)
 
     def _run_once(self, execution: int) -> None:
         values: dict[int, Any] = {}

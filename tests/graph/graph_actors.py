@@ -73,6 +73,11 @@ class GpuCalc:
             raise ValueError("gpu boom on purpose")
         return x.to(self.device)
 
+    def die_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        if flag:
+            os._exit(7)
+        return x.to(self.device)
+
     def resize(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.to(self.device)[:n]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -188,6 +189,30 @@ def test_killed_gpu_actor_is_reported():
             graph.execute(x).get(timeout=60)
     finally:
         graph.teardown(timeout=10.0)
+    assert not a.is_alive() and not b.is_alive()
+
+
+@pytest.mark.multigpu
+@needs_two
+def test_sender_dying_after_announcing_is_reported_and_torn_down():
+    # The receiver has posted its receive on the announcement when the sender dies in its
+    # method: the receive never completes, yet get() reports the death and teardown finishes.
+    a = Gpu.spawn("cuda:0", device=0)
+    b = Gpu.spawn("cuda:1", device=1)
+    with InputNode() as inp:
+        sent = a.die_if.bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
+        dag = b.scale.bind(sent, 1.0)
+    graph = dag.compile(overlap_communication=True)
+    try:
+        x = torch.randn(1000)
+        for _ in range(2):  # the second execution is announced
+            assert torch.equal(graph.execute(x, False).get(timeout=60), x)
+        with pytest.raises(tf.ActorDiedError):
+            graph.execute(x, True).get(timeout=60)
+    finally:
+        started = time.monotonic()
+        graph.teardown(timeout=10.0)
+        assert time.monotonic() - started < 15.0
     assert not a.is_alive() and not b.is_alive()
 
 
