@@ -9,7 +9,12 @@ rank 1 posts a 1 MiB ``ncclRecv`` and rank 0 never sends. Cases:
 - ``same-thread``: rank 1 aborts on the thread that posted the receive;
 - ``other-thread``: rank 1 aborts on another thread while its main thread polls the receive's
   event;
-- ``peer-first``: rank 0 aborts first, then rank 1.
+- ``peer-first``: rank 0 aborts first, then rank 1;
+- ``two-comms``: rank 1 has a receive pending on each of two communicators (on two streams,
+  as a pair's two directions have) and aborts one while the other's receive still spins. If
+  that abort has not returned after 5 s, a helper aborts the other communicator and the probe
+  reports whether the first abort returned then (it waits for the device, which the other
+  receive keeps busy).
 
 Each rank prints how long its abort took and whether the pending receive's event then fired
 (the kernel ended). An abort that does not return within 20 s is reported and the rank exits.
@@ -26,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 CASES = ("same-thread", "other-thread", "peer-first")
+RESCUE_AFTER_S = 5.0
 ABORT_LIMIT_S = 20.0
 
 
@@ -66,20 +72,7 @@ def worker(rank, ids, barrier):
     lib = library()
     stream = torch.cuda.Stream()
     for case in CASES:
-        if rank == 0:
-            uid = lib.unique_id()
-            ids.put(uid)
-        else:
-            uid = ids.get(timeout=60)
-        comm = lib.init_rank(2, uid, rank)
-        # A first transfer connects the pair (a rendezvous), so the probe sees a live link.
-        probe = torch.ones(1, dtype=torch.uint8, device=rank)
-        with torch.cuda.stream(stream):
-            lib.group_start()
-            move = lib.send if rank == 0 else lib.recv
-            move(probe.data_ptr(), 1, 1 - rank, comm, stream.cuda_stream)
-            lib.group_end()
-        stream.synchronize()
+        comm = connect(lib, rank, ids, stream)
         barrier.wait()
         if rank == 1:
             buffer = torch.empty(1 << 20, dtype=torch.uint8, device=rank)
@@ -114,6 +107,74 @@ def worker(rank, ids, barrier):
             flush=True,
         )
         barrier.wait()
+    two_comms(lib, rank, ids, barrier)
+
+
+def connect(lib, rank, ids, stream):
+    """A fresh two-rank communicator, connected by a first one-byte transfer."""
+    if rank == 0:
+        uid = lib.unique_id()
+        ids.put(uid)
+    else:
+        uid = ids.get(timeout=60)
+    comm = lib.init_rank(2, uid, rank)
+    probe = torch.ones(1, dtype=torch.uint8, device=rank)
+    with torch.cuda.stream(stream):
+        lib.group_start()
+        (lib.send if rank == 0 else lib.recv)(
+            probe.data_ptr(), 1, 1 - rank, comm, stream.cuda_stream
+        )
+        lib.group_end()
+    stream.synchronize()
+    return comm
+
+
+def two_comms(lib, rank, ids, barrier):
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    comms = [connect(lib, rank, ids, stream) for stream in streams]
+    barrier.wait()
+    if rank == 1:
+        events = []
+        buffers = [torch.empty(1 << 20, dtype=torch.uint8, device=rank) for _ in comms]
+        for comm, stream, buffer in zip(comms, streams, buffers, strict=True):
+            with torch.cuda.stream(stream):
+                lib.group_start()
+                lib.recv(buffer.data_ptr(), buffer.numel(), 0, comm, stream.cuda_stream)
+                lib.group_end()
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+        time.sleep(0.2)
+        rescued = threading.Event()
+
+        def rescue():
+            time.sleep(RESCUE_AFTER_S)
+            rescued.set()
+            lib.abort(comms[0])
+
+        helper = threading.Thread(target=rescue, daemon=True)
+        helper.start()
+        start = time.perf_counter()
+        lib.abort(comms[1])  # the other one's receive still spins
+        took = time.perf_counter() - start
+        print(
+            f"rank 1 two-comms    : first abort took {took * 1e3:8.2f} ms; "
+            + (
+                f"it returned only after the other communicator was aborted ({RESCUE_AFTER_S} s)"
+                if rescued.is_set()
+                else "it returned while the other receive still spun"
+            ),
+            flush=True,
+        )
+        if not rescued.is_set():
+            start = time.perf_counter()
+            lib.abort(comms[0])
+            took = time.perf_counter() - start
+            print(f"rank 1 two-comms    : second abort took {took * 1e3:8.2f} ms", flush=True)
+    barrier.wait()
+    if rank == 0:
+        for comm in comms:
+            lib.abort(comm)
+    barrier.wait()
 
 
 def main():
