@@ -46,6 +46,7 @@ from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
+from tensorferry.runtime._communicators import abort_together
 
 __all__ = [
     "GpuLink",
@@ -312,13 +313,25 @@ class DirectNcclLink:
         calling it again does nothing."""
         opened, self._opened = self._opened, []
         self._peer_comms = {}
-        for comm in opened:
-            try:
-                self._lib.abort(comm)
-            except Exception:
-                log.warning(
-                    "rank %d: aborting an NCCL communicator failed", self._rank, exc_info=True
-                )
+        # All at once: one abort waits for the device, which a receive still pending on another
+        # communicator (an announced one whose sender died) keeps busy until that one is
+        # aborted too (see tensorferry.runtime._communicators.abort_together).
+        abort_together([_Aborting(self._lib, comm, self._rank) for comm in opened])
+
+
+class _Aborting:
+    """One communicator of a link, in the shape :func:`abort_together` takes."""
+
+    __slots__ = ("_comm", "_lib", "_rank")
+
+    def __init__(self, lib: NcclLibrary, comm: int, rank: int) -> None:
+        self._lib, self._comm, self._rank = lib, comm, rank
+
+    def abort(self) -> None:
+        try:
+            self._lib.abort(self._comm)
+        except Exception:
+            log.warning("rank %d: aborting an NCCL communicator failed", self._rank, exc_info=True)
 
 
 def make_links(setup: NcclSetup, device: torch.device) -> tuple[dict[str, GpuLink], list[Any]]:

@@ -49,6 +49,7 @@ from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
 from tensorferry.p2p._staging import Staging, StagingCache, layout_plan
 from tensorferry.p2p._transport import P2POp, PendingOps, Transport, TransportContext
 from tensorferry.runtime import communicator_cache
+from tensorferry.runtime._communicators import abort_together
 
 __all__ = ["NcclTransport", "PACK_BELOW"]
 
@@ -157,8 +158,7 @@ class _NcclPending(PendingOps):
             raise TransportError(f"nccl: {exc}") from exc
 
     def abort(self) -> None:
-        for pair, _ in self._started:
-            pair.abort()
+        abort_together([pair for pair, _ in self._started])
 
 
 class NcclTransport(Transport):
@@ -168,7 +168,11 @@ class NcclTransport(Transport):
     device_type = "cuda"
     # Not used: a speculative receive makes a broken promise end in an abort of a communicator
     # with that receive pending, and ncclCommAbort then blocked for good on 2 × H200 (the
-    # receiver's thread sat in it). Every NCCL message waits for the peer's header.
+    # receiver's thread sat in it). NCCL alone returns from such an abort; what blocks is an
+    # abort while *another* communicator's receive still spins (the pair's other direction),
+    # which is why a pair's communicators are now aborted together (abort_together). Not yet
+    # turned back on: that needs a GPU run of the p2p tier with it. Every NCCL message waits
+    # for the peer's header.
     static_speculates = False
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -331,9 +335,8 @@ class NcclTransport(Transport):
         return self._staging.get((src, dst, op.layout), plan, op.layout, self.ctx.device)
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
-        cache = communicator_cache()
-        for kind in ("send", "recv"):
-            cache.evict(self._key(*self._ends(peer, kind)), abort=abort, reason=reason)
+        keys = [self._key(*self._ends(peer, kind)) for kind in ("send", "recv")]
+        communicator_cache().evict_together(keys, abort=abort, reason=reason)
 
     def close(self) -> None:
         self._staging.clear()

@@ -8,6 +8,10 @@ layer asks this cache for its communicators.
   A creation that fails fails every waiter, and the next request tries again.
 - A communicator that errored is evicted with ``abort()`` (it may hold a hung kernel) so the next
   request makes a fresh one; a clean eviction (size bound, ``clear()``) calls ``close()``.
+- Communicators evicted together are aborted together, each on its own thread
+  (:func:`abort_together`): NCCL's abort waits for the device, so aborting one while another
+  still runs a kernel that never ends (a receive whose send never comes) blocks until that one
+  is aborted too: one at a time, forever.
 - Bounded: past ``max_size`` the least recently used communicator is closed.
 
 Thread-safe: one lock guards the maps; creation, abort and close run outside it.
@@ -22,7 +26,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CommunicatorCache"]
+__all__ = ["CommunicatorCache", "abort_together"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,23 @@ class CommunicatorCache:
         _shut(comm, abort=abort)
         return True
 
+    def evict_together(self, keys: list[Hashable], *, abort: bool, reason: str = "") -> int:
+        """Like :meth:`evict` for several keys at once; with ``abort`` their communicators are
+        aborted concurrently (see :func:`abort_together`). Returns how many there were."""
+        with self._lock:
+            comms = [comm for key in keys if (comm := self._live.pop(key, None)) is not None]
+            self._counters["evicted"] += len(comms)
+            if abort:
+                self._counters["aborted"] += len(comms)
+        if comms:
+            log.info("communicator cache: evicting %s (%s)", keys, reason or "requested")
+        if abort:
+            abort_together(comms)
+        else:
+            for comm in comms:
+                _shut(comm, abort=False)
+        return len(comms)
+
     def clear(self) -> int:
         """Closes every cached communicator. Returns how many there were."""
         with self._lock:
@@ -157,3 +178,25 @@ def _shut(comm: Any, *, abort: bool) -> None:
         method()
     except Exception:
         log.exception("communicator cache: %s of %r failed", "abort" if abort else "close", comm)
+
+
+def abort_together(comms: list[Any]) -> None:
+    """Calls every ``comm.abort()`` at once, each on its own thread, and returns when all have
+    returned. One after another would hang: an NCCL abort waits for the device, which another
+    communicator's endless kernel keeps busy until that communicator is aborted as well
+    (``scripts/nccl_abort_probe.py``, case ``two-comms``: the first abort returned only once a
+    helper aborted the other communicator). Failures are logged, as :meth:`evict` does."""
+    if len(comms) <= 1:
+        for comm in comms:
+            _shut(comm, abort=True)
+        return
+    threads = [
+        threading.Thread(
+            target=_shut, args=(comm,), kwargs={"abort": True}, name="tensorferry-abort"
+        )
+        for comm in comms
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

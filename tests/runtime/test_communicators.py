@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tensorferry.runtime import CommunicatorCache
+from tensorferry.runtime._communicators import abort_together
 
 
 class FakeComm:
@@ -117,3 +118,53 @@ def test_prepare_counts_eager_creation_and_clear_closes():
 def test_bad_size():
     with pytest.raises(ValueError, match="max_size"):
         CommunicatorCache(max_size=0)
+
+
+class _WaitsForTheOthers:
+    """An NCCL communicator whose abort returns only once every other one is being aborted too
+    (as NCCL's abort waits for a device that another communicator's endless kernel keeps
+    busy)."""
+
+    def __init__(self, everyone: threading.Barrier) -> None:
+        self._everyone = everyone
+        self.aborted = False
+        self.closed = False
+
+    def abort(self) -> None:
+        self._everyone.wait()  # BrokenBarrierError after its timeout: aborted one at a time
+        self.aborted = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_communicators_evicted_together_are_aborted_together():
+    everyone = threading.Barrier(3, timeout=5.0)
+    comms = [_WaitsForTheOthers(everyone) for _ in range(3)]
+    cache = CommunicatorCache()
+    for i, comm in enumerate(comms):
+        cache.get_or_create(("pair", i), lambda c=comm: c)
+    assert cache.evict_together([("pair", 0), ("pair", 1), ("pair", 2), "absent"], abort=True) == 3
+    assert all(c.aborted for c in comms)
+    assert cache.stats()["aborted"] == 3 and cache.stats()["live"] == 0
+
+
+def test_abort_together_one_by_one_would_not_return():
+    # What the concurrent abort avoids: the same fakes aborted in a loop never get past the
+    # first (its barrier breaks after the timeout instead of hanging the test).
+    everyone = threading.Barrier(2, timeout=0.2)
+    first, second = _WaitsForTheOthers(everyone), _WaitsForTheOthers(everyone)
+    with pytest.raises(threading.BrokenBarrierError):
+        first.abort()
+    everyone.reset()
+    abort_together([first, second])
+    assert first.aborted and second.aborted
+
+
+def test_evict_together_closes_cleanly_without_abort():
+    comms = [_WaitsForTheOthers(threading.Barrier(1)) for _ in range(2)]
+    cache = CommunicatorCache()
+    for i, comm in enumerate(comms):
+        cache.get_or_create(i, lambda c=comm: c)
+    assert cache.evict_together([0, 1], abort=False) == 2
+    assert all(c.closed and not c.aborted for c in comms)
