@@ -8,14 +8,13 @@ The GPU tier runs the same protocol over NCCL (tests/graph/test_gpu.py)."""
 from __future__ import annotations
 
 import contextlib
-import uuid
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tensorferry.graph import _gpu
-from tensorferry.graph._channel import Channel, Control, RemoteError, unlink_prefix
+from tensorferry.graph._channel import RemoteError
 from tensorferry.graph._gpu import _ANNOUNCED, GpuOps, _Arrived, _HostWrites
 from tensorferry.graph._plan import EdgeSpec, Operation, OpKind
 
@@ -51,18 +50,11 @@ class FakeLink:
 
 
 @pytest.fixture
-def channel_pair(monkeypatch):
+def channel_pair(ring, monkeypatch):
+    """The shared ring (two slots: one execution's announcement and outcome), with CUDA faked."""
     monkeypatch.setattr(_gpu, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    prefix = f"tfann{uuid.uuid4().hex[:8]}"
-    control = Control(f"{prefix}c", create=True)
-    Channel.create(f"{prefix}e", slots=2, slot_size=4096)  # two messages per execution
-    writer, reader = Channel(f"{prefix}e", control), Channel(f"{prefix}e", control)
-    yield control, writer, reader
-    writer.close()
-    reader.close()
-    control.close()
-    unlink_prefix(prefix)
+    return ring
 
 
 EDGE = EdgeSpec(0, "a", "b", 0, "nccl", static_shape=True, direct_return=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import uuid
 
 import pytest
@@ -21,20 +20,6 @@ from tensorferry.graph._channel import (
 )
 from tensorferry.graph._lower import lower
 from tensorferry.graph._visualize import schedule_dot, write_schedule, write_timeline
-
-
-@pytest.fixture
-def ring():
-    prefix = f"tftest{uuid.uuid4().hex[:8]}"
-    control = Control(f"{prefix}c", create=True)
-    Channel.create(f"{prefix}e", slots=2, slot_size=4096)
-    writer, reader = Channel(f"{prefix}e", control), Channel(f"{prefix}e", control)
-    yield control, writer, reader
-    writer.close()
-    reader.close()
-    control.close()
-    unlink_prefix(prefix)
-    assert not glob.glob(f"/dev/shm/{prefix}*")
 
 
 def test_values_round_trip_in_order(ring):
