@@ -252,12 +252,10 @@ class _PinnedResults:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def give_back(self, tensor: torch.Tensor) -> None:
-        if (
-            len(self._free) >= _PINNED_LAYOUTS
-            and (tuple(tensor.shape), tensor.dtype) not in self._free
-        ):
+        layout = (tuple(tensor.shape), tensor.dtype)
+        if len(self._free) >= _PINNED_LAYOUTS and layout not in self._free:
             self._free.clear()  # results of ever new shapes: keep only the recent ones
-        free = self._free.setdefault((tuple(tensor.shape), tensor.dtype), [])
+        free = self._free.setdefault(layout, [])
         if len(free) < _PINNED_PER_LAYOUT:
             free.append(tensor)
 
