@@ -2,7 +2,7 @@
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-speculate p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
-#   trace-speculate trace-no-linger nvlink-configs trace-graph
+#   trace-speculate trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe profile-pingpong profile-graph
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
@@ -73,6 +73,8 @@ for s in $steps; do
     trace-no-linger) step trace-no-linger 60 python3 scripts/trace_pingpong.py --no-linger ;;
     nvlink-configs) step nvlink-configs 200 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 2 scripts/nvlink_config_probe.py ;;
+    nvlink-ceiling) step nvlink-ceiling 240 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 2 scripts/nvlink_ceiling_probe.py ;;
     trace-speculate) step trace-speculate 75 python3 scripts/trace_pingpong.py --speculate \
       --dump-after 45 ;;
     stream-probe) step stream-probe 90 python3 scripts/stream_create_probe.py ;;
