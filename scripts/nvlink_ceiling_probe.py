@@ -18,6 +18,7 @@ Every variant's bytes are checked on the receiver once, before timing.
 Usage: ``torchrun --standalone --nproc-per-node 2 scripts/nvlink_ceiling_probe.py``
 """
 
+import faulthandler
 import os
 import statistics
 
@@ -39,7 +40,7 @@ def _store_copy(src, dst, n_tiles, TILE: tl.constexpr):
     step = tl.num_programs(0)
     for t in range(pid, n_tiles, step):
         offs = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        x = tl.load(src + offs, cache_modifier=".cg", eviction_policy="evict_first")
+        x = tl.load(src + offs, cache_modifier=".cg")
         tl.store(dst + offs, x)
 
 
@@ -125,6 +126,7 @@ def timed(op) -> float:
 
 
 def main() -> None:
+    faulthandler.dump_traceback_later(float(os.environ.get("CEILING_LIMIT_S", "200")), exit=True)
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -143,8 +145,8 @@ def main() -> None:
 
     variants = {}
     for ctas, warps, unroll in ((32, 16, 1), (32, 16, 4), (64, 16, 2), (132, 8, 4), (132, 16, 1)):
-        variants[f"st {ctas}x{warps}w u{unroll}"] = lambda s, n, c=ctas, w=warps, u=unroll: st_copy(
-            src[:n].view(torch.int32), peer_recv[:n].view(torch.int32), c, w, u
+        variants[f"st {ctas}x{warps}w u{unroll}"] = lambda n, dst, c=ctas, w=warps, u=unroll: (
+            st_copy(src[:n].view(torch.int32), dst[:n].view(torch.int32), c, w, u)
         )
     try:
         tma_copy = _gluon_copy()
@@ -154,10 +156,25 @@ def main() -> None:
         tma_configs = ((16, 128, 6), (32, 128, 4), (32, 64, 8), (64, 64, 4), (132, 32, 4))
         for ctas, tile_rows, stages in tma_configs:
             variants[f"tma {ctas} ctas {tile_rows * 256 >> 10}K x{stages}"] = (
-                lambda s, n, c=ctas, r=tile_rows, st=stages: tma_copy(
-                    src[:n], peer_recv[:n], c, r, st
-                )
+                lambda n, dst, c=ctas, r=tile_rows, st=stages: tma_copy(src[:n], dst[:n], c, r, st)
             )
+
+    # Build every kernel on every rank first, into a local buffer, so that a variant that does
+    # not compile here is dropped by both ranks alike (one rank alone failing would leave the
+    # other waiting in a barrier).
+    for name in list(variants):
+        ok = 1
+        try:
+            variants[name](1 << 20, plain)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            ok = 0
+            if rank == 0:
+                print(f"{name}: not built: {type(exc).__name__}: {str(exc)[-400:]}", flush=True)
+        flag = torch.tensor([ok], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            del variants[name]
 
     def ce(sending, n):
         if sending:
@@ -174,21 +191,21 @@ def main() -> None:
 
     def measure(name, n, both, op, out=recv):
         sending = both or rank == 0
-        try:
-            if name != "nccl":
-                out[:n].fill_(0xA5)  # poison what the peer will overwrite
-                torch.cuda.synchronize()
-                dist.barrier()
-                op(sending, n)
-                torch.cuda.synchronize()
-                dist.barrier()
-                if both or rank == 1:
-                    assert torch.equal(out[:n], expected[:n]), f"{name} {n} {both}: wrong bytes"
-            rows.append((name, n, both, timed(lambda: op(sending, n))))
-        except Exception as exc:  # a variant that does not build here: say so, go on
-            print(f"[{rank}] {name} {n >> 20} MiB both={both}: {type(exc).__name__}: {exc}"[:600])
+        if name != "nccl":
+            out[:n].fill_(0xA5)  # poison what the peer will overwrite
             torch.cuda.synchronize()
             dist.barrier()
+            op(sending, n)
+            torch.cuda.synchronize()
+            dist.barrier()
+            right = torch.equal(out[:n], expected[:n]) if both or rank == 1 else True
+            flag = torch.tensor([int(right)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if not flag.item():
+                if rank == 0:
+                    print(f"{name} {n >> 20} MiB both={both}: WRONG BYTES", flush=True)
+                return
+        rows.append((name, n, both, timed(lambda: op(sending, n))))
 
     for n in SIZES:
         for both in (False, True):
@@ -219,7 +236,7 @@ def main() -> None:
 
                 def run(sending, n, copy=copy):
                     if sending:
-                        copy(sending, n)
+                        copy(n, peer_recv)
 
                 measure(name, n, both, run)
             if rank == 0:
