@@ -65,6 +65,9 @@ _EVENT_PAUSE_S = 100e-6
 _PIN_MAX_BYTES = 256 << 20
 # What a sender writes on a static edge's channel when an execution starts (see GpuOps.announce).
 _ANNOUNCED = "announced"
+# How long closing waits for the actor's GPU work before it aborts the links (teardown's own
+# limit is 10 s by default; the links' abort takes about half a second).
+_DRAIN_S = 2.0
 # Reused pinned result tensors: per shape and dtype, and how many shapes and dtypes.
 _PINNED_PER_LAYOUT = 4
 _PINNED_LAYOUTS = 16
@@ -619,13 +622,38 @@ class GpuOps:
             copied.record(stream)
         return host, copied
 
+    def _drained(self, timeout_s: float) -> bool:
+        """Whether the work queued on this actor's streams finished within ``timeout_s``."""
+        streams = (self.compute_stream, self.send_stream, self.recv_stream, self.d2h_stream)
+        events = []
+        for stream in streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        deadline = time.monotonic() + timeout_s
+        while not all(event.query() for event in events):
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "actor on %s: its GPU work has not finished %.1f s into closing (a receive "
+                    "whose send never came); aborting its links",
+                    self.device,
+                    timeout_s,
+                )
+                return False
+            time.sleep(_EVENT_PAUSE_S * 10)
+        return True
+
     def close(self, *, peer_died: bool = False) -> None:
-        """Waits for this actor's GPU work, then closes its links. Not after a peer died: a
-        receive posted for its next send (an announced one) would never finish, and the
-        links' abort is what ends it."""
+        """Waits for this actor's GPU work, then closes its links.
+
+        A receive posted for an announced send that never comes (the sender died, or stopped at
+        teardown before sending) would keep the device busy forever, and aborting the links is
+        what ends it. So: no wait at all after a peer died, and at most :data:`_DRAIN_S`
+        otherwise, before the links are closed either way.
+        """
         self._host.close()
         try:
-            if not peer_died:
+            if not peer_died and self._drained(_DRAIN_S):
                 torch.cuda.synchronize(self.device)
         finally:
             for owner in reversed(self._link_owners):

@@ -78,6 +78,12 @@ class GpuCalc:
             os._exit(7)
         return x.to(self.device)
 
+    def stall_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        """Never returns when ``flag``: the method of an actor that has to be killed."""
+        while flag:
+            time.sleep(1.0)
+        return x.to(self.device)
+
     def resize(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.to(self.device)[:n]
 

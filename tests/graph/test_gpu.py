@@ -218,6 +218,39 @@ def test_sender_dying_after_announcing_is_reported_and_torn_down():
 
 @pytest.mark.multigpu
 @needs_two
+def test_teardown_with_an_announced_send_that_never_comes():
+    # The receiver posted its receive on the announcement; the sender's method never returns,
+    # so teardown has to kill the sender. The receiver must still stop cleanly: its close
+    # gives up waiting on the receive and aborts its links, and the actor stays usable.
+    a = Gpu.spawn("cuda:0", device=0)
+    b = Gpu.spawn("cuda:1", device=1)
+    with InputNode() as inp:
+        sent = a.stall_if.bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
+        dag = b.scale.bind(sent, 1.0)
+    graph = dag.compile(overlap_communication=True)
+    x = torch.randn(1000)
+    try:
+        for _ in range(2):  # the second execution is announced
+            assert torch.equal(graph.execute(x, False).get(timeout=60), x)
+        graph.execute(x, True)
+        time.sleep(1.0)  # the sender is in its method; the receiver has posted its receive
+    finally:
+        started = time.monotonic()
+        graph.teardown(timeout=20.0, kill_actors=False)
+        assert time.monotonic() - started < 25.0
+    try:
+        assert not a.is_alive(), "the stalled sender is killed"
+        assert b.is_alive(), "the receiver stopped by itself"
+        with InputNode() as inp:
+            again = b.scale.bind(b.make.bind(inp), 0.5).compile()
+        with again:
+            assert torch.equal(again.execute(x).get(timeout=60), x)
+    finally:
+        b.kill()
+
+
+@pytest.mark.multigpu
+@needs_two
 def test_demo_on_two_gpus(tmp_path):
     from tensorferry.graph.demo import run_graph_demo
 
