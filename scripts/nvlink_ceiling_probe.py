@@ -150,7 +150,7 @@ def main() -> None:
         by_kernel = int(n * kernel_share) // (1 << 20) << 20
         cuts = [by_kernel + (n - by_kernel) * i // parts // 256 * 256 for i in range(parts)]
         cuts.append(n)
-        for stream, lo, hi in zip(sides[:parts], cuts, cuts[1:], strict=True):
+        for stream, lo, hi in zip(sides[:parts], cuts[:-1], cuts[1:], strict=True):
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
                 dst[lo:hi].copy_(src[lo:hi], non_blocking=True)

@@ -21,6 +21,18 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
 Gpu = actor(GpuCalc)
 
 
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """``allclose``, and on a difference the elements that differ (a misrouted or half-written
+    buffer shows as a run of them)."""
+    if torch.allclose(got, want):
+        return
+    bad = (~torch.isclose(got, want)).nonzero().flatten()
+    raise AssertionError(
+        f"{what}: {bad.numel()} of {want.numel()} elements differ, at {bad[:16].tolist()}; "
+        f"got {got.flatten()[bad[:8]].tolist()}, want {want.flatten()[bad[:8]].tolist()}"
+    )
+
+
 @pytest.fixture(scope="module")
 def pair():
     if GPUS < 2:
@@ -96,9 +108,9 @@ def test_nccl_structures_static_shapes_and_errors(pair, overlap):
     try:
         x = torch.randn(64)
         pair_sum, same, tripled = graph.execute(x, False, 64).get(timeout=60)
-        assert torch.allclose(pair_sum, 2 * x + 1)
-        assert torch.allclose(same, x)
-        assert torch.allclose(tripled, 3 * x)
+        assert_close(pair_sum, 2 * x + 1, "structured value")
+        assert_close(same, x, "static edge")
+        assert_close(tripled, 3 * x, "direct return")
         with pytest.raises(tf.ActorError, match="gpu boom on purpose"):
             graph.execute(x, True, 64).get(timeout=60)
         with pytest.raises(tf.ActorError, match="static_shape"):
