@@ -204,21 +204,33 @@ def test_killed_gpu_actor_is_reported():
     assert not a.is_alive() and not b.is_alive()
 
 
+def announced_graph(method: str) -> tuple:
+    """Two fresh actors, ``a.<method>(x, flag)`` → ``b.scale`` over a static NCCL edge, run
+    twice with ``flag`` false: the next execution's send is announced (the receiver posts its
+    receive when the sender's execution starts). Returns ``(a, b, graph, x)``."""
+    a = Gpu.spawn("cuda:0", device=0)
+    b = Gpu.spawn("cuda:1", device=1)
+    with InputNode() as inp:
+        sent = getattr(a, method).bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
+        dag = b.scale.bind(sent, 1.0)
+    graph = dag.compile(overlap_communication=True)
+    x = torch.randn(1000)
+    try:
+        for _ in range(2):
+            assert torch.equal(graph.execute(x, False).get(timeout=60), x)
+    except BaseException:
+        graph.teardown(timeout=10.0)
+        raise
+    return a, b, graph, x
+
+
 @pytest.mark.multigpu
 @needs_two
 def test_sender_dying_after_announcing_is_reported_and_torn_down():
     # The receiver has posted its receive on the announcement when the sender dies in its
     # method: the receive never completes, yet get() reports the death and teardown finishes.
-    a = Gpu.spawn("cuda:0", device=0)
-    b = Gpu.spawn("cuda:1", device=1)
-    with InputNode() as inp:
-        sent = a.die_if.bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
-        dag = b.scale.bind(sent, 1.0)
-    graph = dag.compile(overlap_communication=True)
+    a, b, graph, x = announced_graph("die_if")
     try:
-        x = torch.randn(1000)
-        for _ in range(2):  # the second execution is announced
-            assert torch.equal(graph.execute(x, False).get(timeout=60), x)
         with pytest.raises(tf.ActorDiedError):
             graph.execute(x, True).get(timeout=60)
     finally:
@@ -234,16 +246,8 @@ def test_teardown_with_an_announced_send_that_never_comes():
     # The receiver posted its receive on the announcement; the sender's method never returns,
     # so teardown has to kill the sender. The receiver must still stop cleanly: its close
     # gives up waiting on the receive and aborts its links, and the actor stays usable.
-    a = Gpu.spawn("cuda:0", device=0)
-    b = Gpu.spawn("cuda:1", device=1)
-    with InputNode() as inp:
-        sent = a.stall_if.bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
-        dag = b.scale.bind(sent, 1.0)
-    graph = dag.compile(overlap_communication=True)
-    x = torch.randn(1000)
+    a, b, graph, x = announced_graph("stall_if")
     try:
-        for _ in range(2):  # the second execution is announced
-            assert torch.equal(graph.execute(x, False).get(timeout=60), x)
         graph.execute(x, True)
         time.sleep(1.0)  # the sender is in its method; the receiver has posted its receive
     finally:
