@@ -178,11 +178,15 @@ class PairFaults:
 
     @staticmethod
     def _agreed_count(channel: ChannelState) -> int:
-        # On a static channel every message is matched one to one without negotiation, so
-        # all numbered ones count (the peer will post them: it promised static shapes).
-        if channel.static_desc is not None or not channel.waiting:
-            return channel.next_seq
-        return channel.waiting[0].seq  # everything before the oldest unresolved message
+        """How many of the channel's messages the peer may count as matched: every numbered
+        one before the oldest that still waits for the peer's header. On a static channel a
+        message is matched one to one without negotiation (the peer promised to post it),
+        except one that is not static where the transport keeps headers: it waits for the
+        peer's header like any other, and a peer that never posted it owes nothing."""
+        for message in channel.waiting:
+            if channel.static_desc is None or (message.header and not message.static):
+                return message.seq
+        return channel.next_seq
 
     def _settle_finished(
         self, peer: PeerState, *, finished_there: dict[str, int] | None = None

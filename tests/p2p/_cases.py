@@ -514,13 +514,13 @@ def bad_arguments(rank: int, world: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------- faults
-def timeout_unmatched(rank: int, world: int) -> float:
+def timeout_unmatched(rank: int, world: int, transport: str = "auto") -> float:
     """Rank 0 sends to rank 1, which never receives: TransferTimeoutError within the timeout."""
     if rank != 0:
         time.sleep(0.2)
         return 0.0
     t0 = time.monotonic()
-    h = tf.send(torch.ones(8, device=D()), 1, timeout=1.0)
+    h = tf.send(torch.ones(8, device=D()), 1, timeout=1.0, transport=transport)
     try:
         h.wait()
     except TransferTimeoutError:

@@ -224,6 +224,19 @@ def test_timeout_unmatched_send_then_pair_works(pool):
     assert pool.run("send_recv_all_dtypes", 60)[:2] == ["ok", "ok"]
 
 
+def test_unmatched_send_on_a_speculating_static_channel_then_pair_works(pool):
+    # The channel is static over a transport that issues static messages ahead of the peer's
+    # header; a message that is not static still waits for that header. When it times out
+    # unmatched, the receiver, which never posted it, must not be told it owes one: its next
+    # receive takes the sender's next message.
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
+    assert pool.run("static_channel", 2, "gloo-spec")[:2] == ["ok", "ok"]
+    seconds = pool.run("timeout_unmatched", "gloo-spec")[0]
+    assert 0.9 <= seconds < 4.0
+    assert pool.run("send_recv_all_dtypes", 60)[:2] == ["ok", "ok"]
+
+
 def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
