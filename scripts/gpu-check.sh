@@ -45,7 +45,7 @@ for s in $steps; do
     lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
     p2p) step p2p 75 env TF_TEST_DUMP_AFTER=40 python3 -m pytest -q --tb=short -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;
-    p2p-speculate) step p2p-speculate 75 env TF_TEST_NCCL_SPECULATE=1 TF_TEST_DUMP_AFTER=40 \
+    p2p-speculate) step p2p-speculate 75 env TENSORFERRY_NCCL_SPECULATE=1 TF_TEST_DUMP_AFTER=40 \
       python3 -m pytest -x -q --tb=short -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
     p2p-socket) step p2p-socket 90 "${SOCKET[@]}" env TF_TEST_DUMP_AFTER=40 python3 -m pytest -x -q \
       --tb=short -p no:cacheprovider \

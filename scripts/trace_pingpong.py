@@ -4,13 +4,14 @@ Wraps the p2p layer's stages (call, accept, header out/in, issue, wait) with tim
 ranks (one clock: same host) and prints three iterations merged. NCCL on a 2-GPU machine, gloo
 otherwise.  Usage: ``python scripts/trace_pingpong.py [--speculate] [--dump-after S]``
 
-``--speculate`` turns on the NCCL transport's speculative issue for this run only (agreed static
-messages issued before the peer's header; off in the library, see
-``NcclTransport.static_speculates``). ``--dump-after S`` prints every thread's Python stack
-every S seconds in each rank (to find where a hang sits). ``--no-linger`` makes the completion
-pool's poller sleep until told after each item, as it did before it lingered (an A/B of that).
+``--speculate`` runs the ranks with ``TENSORFERRY_NCCL_SPECULATE=1``: the NCCL transport's
+speculative issue (agreed static messages issued before the peer's header; off by default).
+``--dump-after S`` prints every thread's Python stack every S seconds in each rank (to find
+where a hang sits). ``--no-linger`` makes the completion pool's poller sleep until told after
+each item, as it did before it lingered (an A/B of that).
 """
 
+import os
 import time
 
 import torch
@@ -68,10 +69,6 @@ def worker(rank, world, cfg):
     patch()
     import tensorferry.p2p as tf
 
-    if cfg.get("speculate"):
-        from tensorferry.p2p import _nccl
-
-        _nccl.NcclTransport.static_speculates = True
     if cfg.get("no_linger"):
         from tensorferry.runtime import _completion
 
@@ -164,7 +161,9 @@ if __name__ == "__main__":
     parser.add_argument("--no-linger", action="store_true")
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    cfg = {"speculate": args.speculate, "dump_after": args.dump_after, "no_linger": args.no_linger}
+    if args.speculate:  # read when tf.init makes the transport, in the ranks this starts
+        os.environ["TENSORFERRY_NCCL_SPECULATE"] = "1"
+    cfg = {"dump_after": args.dump_after, "no_linger": args.no_linger}
     res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")

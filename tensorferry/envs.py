@@ -120,6 +120,16 @@ def nccl_calls() -> str:
     return raw
 
 
+def nccl_speculate() -> bool:
+    """Whether the NCCL transport issues the messages of an agreed static channel before the
+    peer's header (``TENSORFERRY_NCCL_SPECULATE``: ``0``, the default, or ``1``). Read when the
+    transport is made (``tf.init``)."""
+    raw = os.environ.get("TENSORFERRY_NCCL_SPECULATE", "") or "0"
+    if raw not in ("0", "1"):
+        raise ValueError(f"TENSORFERRY_NCCL_SPECULATE={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
 def graph_early_receives() -> bool:
     """Whether a graph's static NCCL edges announce each send so the receiver posts its receive
     while the sender still computes (``TENSORFERRY_GRAPH_EARLY_RECEIVES``, on; ``0`` turns it

@@ -212,12 +212,13 @@ class Transport(abc.ABC):
     safe where a receive that the sender abandoned can never complete as if data arrived: over
     NCCL a peer's abort can let a posted receive finish, so there every message keeps its
     header (see :attr:`static_speculates`)."""
-    static_speculates: ClassVar[bool] = False
+    static_speculates: bool = False
     """Whether a ``static=True`` channel, once agreed, issues each message that matches the
     agreement without waiting for the peer's header, and completes it only once that header
     arrived and agreed. A side that breaks the promise notices before it issues and faults the
     pair (aborting the communicator, which ends the peer's side); a receive that completes
-    after such an abort never counts, since its confirming header never came."""
+    after such an abort never counts, since its confirming header never came. A class default
+    that a transport may set per instance, from its settings."""
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

@@ -39,10 +39,6 @@ def _worker(rank: int, world: int, port: int, timeout: float, optional: bool, co
 
         if not optional:  # only the built-in transports: these tests are about the p2p layer
             p2p._context.OPTIONAL_TRANSPORT_MODULES.clear()
-        if os.environ.get("TF_TEST_NCCL_SPECULATE") == "1":  # the tier with speculation on
-            from tensorferry.p2p._nccl import NcclTransport
-
-            NcclTransport.static_speculates = True
         p2p.init(
             rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
         )
