@@ -528,6 +528,21 @@ def timeout_unmatched(rank: int, world: int, transport: str = "auto") -> float:
     raise AssertionError("no TransferTimeoutError")
 
 
+def timeout_unmatched_recv(rank: int, world: int, transport: str = "auto") -> float:
+    """Rank 1 receives from rank 0, which never sends: TransferTimeoutError within the
+    timeout."""
+    if rank != 1:
+        time.sleep(0.2)
+        return 0.0
+    t0 = time.monotonic()
+    h = tf.recv(tf.TensorSpec((8,)), 0, timeout=1.0, transport=transport)
+    try:
+        h.wait()
+    except TransferTimeoutError:
+        return time.monotonic() - t0
+    raise AssertionError("no TransferTimeoutError")
+
+
 def wait_timeout_then_complete(rank: int, world: int) -> str:
     """wait(timeout) on a transfer whose peer is late raises, and the transfer goes on."""
     if rank > 1:
