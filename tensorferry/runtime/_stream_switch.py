@@ -24,7 +24,7 @@ __all__ = ["on_stream"]
 class on_stream:  # lower case: used like torch.cuda.stream
     """Context manager: ``stream`` (a ``torch.cuda.Stream``) is current inside the block."""
 
-    __slots__ = ("_device", "_id", "_index", "_previous", "_previous_device", "_type")
+    __slots__ = ("_id", "_index", "_previous", "_previous_device", "_type")
 
     def __init__(self, stream: Any) -> None:
         self._id = stream.stream_id

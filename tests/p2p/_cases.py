@@ -514,28 +514,19 @@ def bad_arguments(rank: int, world: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------- faults
-def timeout_unmatched(rank: int, world: int, transport: str = "auto") -> float:
-    """Rank 0 sends to rank 1, which never receives: TransferTimeoutError within the timeout."""
-    if rank != 0:
+def timeout_unmatched(rank: int, world: int, transport: str = "auto", side: str = "send") -> float:
+    """One rank calls, its peer never does: TransferTimeoutError within the timeout. ``side``:
+    ``"send"`` (rank 0 sends to rank 1) or ``"recv"`` (rank 1 receives from rank 0). Returns
+    the caller's seconds to the error, 0.0 on the idle ranks."""
+    caller = 0 if side == "send" else 1
+    if rank != caller:
         time.sleep(0.2)
         return 0.0
     t0 = time.monotonic()
-    h = tf.send(torch.ones(8, device=D()), 1, timeout=1.0, transport=transport)
-    try:
-        h.wait()
-    except TransferTimeoutError:
-        return time.monotonic() - t0
-    raise AssertionError("no TransferTimeoutError")
-
-
-def timeout_unmatched_recv(rank: int, world: int, transport: str = "auto") -> float:
-    """Rank 1 receives from rank 0, which never sends: TransferTimeoutError within the
-    timeout."""
-    if rank != 1:
-        time.sleep(0.2)
-        return 0.0
-    t0 = time.monotonic()
-    h = tf.recv(tf.TensorSpec((8,)), 0, timeout=1.0, transport=transport)
+    if side == "send":
+        h = tf.send(torch.ones(8, device=D()), 1, timeout=1.0, transport=transport)
+    else:
+        h = tf.recv(tf.TensorSpec((8,)), 0, timeout=1.0, transport=transport)
     try:
         h.wait()
     except TransferTimeoutError:

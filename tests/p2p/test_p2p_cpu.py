@@ -237,7 +237,7 @@ def test_unmatched_send_on_a_speculating_static_channel_then_pair_works(pool):
     assert pool.run("send_recv_all_dtypes", 60)[:2] == ["ok", "ok"]
     # The same with the receive left unmatched: the sender owes nothing either.
     assert pool.run("static_channel", 2, "gloo-spec")[:2] == ["ok", "ok"]
-    seconds = pool.run("timeout_unmatched_recv", "gloo-spec")[1]
+    seconds = pool.run("timeout_unmatched", "gloo-spec", "recv")[1]
     assert 0.9 <= seconds < 4.0
     assert pool.run("send_recv_all_dtypes", 70)[:2] == ["ok", "ok"]
 
