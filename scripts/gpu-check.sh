@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-speculate p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
-#   trace-speculate trace-no-linger nvlink-configs nvlink-ceiling trace-graph
+#   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
+#   trace-nospeculate trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe profile-pingpong profile-graph
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
-# p2p-speculate runs the p2p GPU tier with the NCCL transport's speculative issue turned on.
+# p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off.
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -45,7 +45,7 @@ for s in $steps; do
     lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
     p2p) step p2p 75 env TF_TEST_DUMP_AFTER=40 python3 -m pytest -q --tb=short -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;
-    p2p-speculate) step p2p-speculate 75 env TENSORFERRY_NCCL_SPECULATE=1 TF_TEST_DUMP_AFTER=40 \
+    p2p-nospeculate) step p2p-nospeculate 75 env TENSORFERRY_NCCL_SPECULATE=0 TF_TEST_DUMP_AFTER=40 \
       python3 -m pytest -x -q --tb=short -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
     p2p-socket) step p2p-socket 90 "${SOCKET[@]}" env TF_TEST_DUMP_AFTER=40 python3 -m pytest -x -q \
       --tb=short -p no:cacheprovider \
@@ -75,7 +75,7 @@ for s in $steps; do
       --nproc-per-node 2 scripts/nvlink_config_probe.py ;;
     nvlink-ceiling) step nvlink-ceiling 240 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 2 scripts/nvlink_ceiling_probe.py ;;
-    trace-speculate) step trace-speculate 75 python3 scripts/trace_pingpong.py --speculate \
+    trace-nospeculate) step trace-nospeculate 75 python3 scripts/trace_pingpong.py --no-speculate \
       --dump-after 45 ;;
     stream-probe) step stream-probe 90 python3 scripts/stream_create_probe.py ;;
     ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;

@@ -2,10 +2,11 @@
 
 Wraps the p2p layer's stages (call, accept, header out/in, issue, wait) with timestamps in both
 ranks (one clock: same host) and prints three iterations merged. NCCL on a 2-GPU machine, gloo
-otherwise.  Usage: ``python scripts/trace_pingpong.py [--speculate] [--dump-after S]``
+otherwise.  Usage: ``python scripts/trace_pingpong.py [--no-speculate] [--dump-after S]``
 
-``--speculate`` runs the ranks with ``TENSORFERRY_NCCL_SPECULATE=1``: the NCCL transport's
-speculative issue (agreed static messages issued before the peer's header; off by default).
+``--no-speculate`` runs the ranks with ``TENSORFERRY_NCCL_SPECULATE=0``: without the NCCL
+transport's speculative issue (agreed static messages issued before the peer's header; on by
+default).
 ``--dump-after S`` prints every thread's Python stack every S seconds in each rank (to find
 where a hang sits). ``--no-linger`` makes the completion pool's poller sleep until told after
 each item, as it did before it lingered (an A/B of that).
@@ -156,13 +157,13 @@ if __name__ == "__main__":
     from tensorferry.p2p._launch import run_world
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--speculate", action="store_true")
+    parser.add_argument("--no-speculate", action="store_true")
     parser.add_argument("--dump-after", type=float, default=0.0)
     parser.add_argument("--no-linger", action="store_true")
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    if args.speculate:  # read when tf.init makes the transport, in the ranks this starts
-        os.environ["TENSORFERRY_NCCL_SPECULATE"] = "1"
+    if args.no_speculate:  # read when tf.init makes the transport, in the ranks this starts
+        os.environ["TENSORFERRY_NCCL_SPECULATE"] = "0"
     cfg = {"dump_after": args.dump_after, "no_linger": args.no_linger}
     res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):

@@ -122,9 +122,9 @@ def nccl_calls() -> str:
 
 def nccl_speculate() -> bool:
     """Whether the NCCL transport issues the messages of an agreed static channel before the
-    peer's header (``TENSORFERRY_NCCL_SPECULATE``: ``0``, the default, or ``1``). Read when the
+    peer's header (``TENSORFERRY_NCCL_SPECULATE``: ``1``, the default, or ``0``). Read when the
     transport is made (``tf.init``)."""
-    raw = os.environ.get("TENSORFERRY_NCCL_SPECULATE", "") or "0"
+    raw = os.environ.get("TENSORFERRY_NCCL_SPECULATE", "") or "1"
     if raw not in ("0", "1"):
         raise ValueError(f"TENSORFERRY_NCCL_SPECULATE={raw!r} must be 0 or 1")
     return raw == "1"

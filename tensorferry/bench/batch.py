@@ -6,7 +6,7 @@ way). Variants:
 
 - ``tf send(list)``: one ``tf.send`` of the whole list (one message: small tensors packed into
   one buffer, one group call), ``static=True`` (over gloo headers are skipped after the first;
-  NCCL keeps every header);
+  NCCL keeps every header but does not wait for the peer's);
 - ``tf batch``: one ``tf.batch()`` with one ``b.send`` per tensor (one group call of
   ``count`` messages), ``static=True``;
 - ``tf separate``: ``count`` separate ``tf.send``/``tf.recv`` calls, ``static=True``;

@@ -125,8 +125,9 @@ def send(
         dst: the receiving rank (not this one).
         static: promise that every message on this channel (this rank → ``dst``) keeps these
             shapes and dtypes. Once both sides passed ``static=True`` and agreed, later
-            messages skip the header exchange on transports where that is safe (gloo; NCCL
-            keeps every header, see ``Transport.static_skips_headers``). A later change raises
+            messages skip the header exchange on transports where that is safe (gloo); NCCL
+            keeps every header but issues without waiting for the peer's (see
+            ``Transport.static_skips_headers`` and ``static_speculates``). A later change raises
             ``MismatchError`` on both sides (and resets the pair).
         transport: ``"auto"`` (chosen by device and size), ``"nccl"``, ``"gloo"`` or any
             registered transport.

@@ -289,16 +289,17 @@ def test_header_frames_are_json_the_peer_reads_back():
     assert err.value.field == "shape"
 
 
-def test_nccl_speculation_is_off_unless_asked(monkeypatch):
+def test_nccl_speculation_is_on_unless_turned_off(monkeypatch):
     from tensorferry import envs
     from tensorferry.p2p._nccl import NcclTransport
 
     monkeypatch.delenv("TENSORFERRY_NCCL_SPECULATE", raising=False)
-    assert not envs.nccl_speculate()
+    assert envs.nccl_speculate()
+    assert NcclTransport(ctx=None).static_speculates
+    monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "0")
     assert not NcclTransport(ctx=None).static_speculates
     monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "1")
     assert NcclTransport(ctx=None).static_speculates
-    assert not NcclTransport.static_speculates, "per instance: the class default stays off"
     monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "yes")
     with pytest.raises(ValueError, match="TENSORFERRY_NCCL_SPECULATE"):
         NcclTransport(ctx=None)
