@@ -235,6 +235,11 @@ class Control:
         """In an actor: also stop when the driver process is gone."""
         self._check_parent = True
 
+    @property
+    def driver_gone(self) -> bool:
+        """Whether the driver this actor watches is gone (it never tore the graph down)."""
+        return self._check_parent and os.getppid() != self._parent
+
     def stop(self) -> None:
         _I64.pack_into(self._map, self._STOP, 1)
 
@@ -257,7 +262,7 @@ class Control:
             raise PeerDied(dead - 1)
         if stop:
             raise GraphStopped()
-        if self._check_parent and os.getppid() != self._parent:
+        if self.driver_gone:
             raise GraphStopped()
 
     def close(self) -> None:

@@ -120,6 +120,7 @@ class LocalExecutor(ExecutorBase):
                 max_inflight=self._max_inflight,
                 profile_channel=profile_channel,
                 nccl=nccl.get(name),
+                segments=self.prefix,
             )
             handle = self.handles[name]
             handle.graph = self

@@ -60,6 +60,9 @@ class ActorRunPlan:
     """Where profile records go; ``None``: the actor does not record them."""
     nccl: Any = None
     """:class:`tensorferry.graph._nccl.NcclSetup` when this actor has NCCL edges."""
+    segments: str | None = None
+    """Name prefix of the graph's shared-memory segments (local executor): an actor whose
+    driver died without tearing the graph down removes them, or they would outlive everyone."""
 
 
 ProfileRecord = tuple[str, int, int, str, str, str, float, float]

@@ -8,7 +8,9 @@ Commands arrive over a pipe from the driver:
   run the schedule until the graph is torn down; reply ``("stopped", why)``.
 - ``("exit",)``: leave.
 
-The process also leaves when the driver's end of the pipe closes.
+The process also leaves when the driver's end of the pipe closes. A driver killed while a graph
+ran never tears it down: its actors stop by themselves (their waits watch the driver) and
+remove the graph's shared-memory segments, which nothing else would.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def actor_main(
 
 
 def _run_graph(conn: Any, instance: Any, plan: Any) -> None:
+    from tensorferry.graph._channel import unlink_prefix
     from tensorferry.graph._runner import ScheduleRunner
 
     try:
@@ -92,6 +95,9 @@ def _run_graph(conn: Any, instance: Any, plan: Any) -> None:
     except BaseException:
         why = "failed:\n" + traceback.format_exc()
     finally:
+        orphaned = runner.control.driver_gone
         runner.close()
+    if orphaned and plan.segments:
+        unlink_prefix(plan.segments)  # every actor of the graph may: it ignores what is gone
     with contextlib.suppress(BrokenPipeError, OSError):
         conn.send(("stopped", why))
