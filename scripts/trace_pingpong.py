@@ -9,7 +9,9 @@ transport's speculative issue (agreed static messages issued before the peer's h
 default).
 ``--dump-after S`` prints every thread's Python stack every S seconds in each rank (to find
 where a hang sits). ``--no-linger`` makes the completion pool's poller sleep until told after
-each item, as it did before it lingered (an A/B of that).
+each item, as it did before it lingered (an A/B of that). ``--watch-delay-ms D`` makes the
+completion pool first poll each transfer D ms after its issue (default: the spin window), so
+that transfers nobody waits for are completed later, off the measured iterations.
 """
 
 import os
@@ -74,6 +76,10 @@ def worker(rank, world, cfg):
         from tensorferry.runtime import _completion
 
         _completion._LINGER_S = 0.0
+    if cfg.get("watch_delay_ms") is not None:  # when the completion pool first polls a transfer
+        from tensorferry.p2p import _engine
+
+        _engine.spin_window_s = lambda: cfg["watch_delay_ms"] / 1e3
     if cfg.get("dump_after"):
         import faulthandler
         import sys
@@ -160,11 +166,16 @@ if __name__ == "__main__":
     parser.add_argument("--no-speculate", action="store_true")
     parser.add_argument("--dump-after", type=float, default=0.0)
     parser.add_argument("--no-linger", action="store_true")
+    parser.add_argument("--watch-delay-ms", type=float, default=None)
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     if args.no_speculate:  # read when tf.init makes the transport, in the ranks this starts
         os.environ["TENSORFERRY_NCCL_SPECULATE"] = "0"
-    cfg = {"dump_after": args.dump_after, "no_linger": args.no_linger}
+    cfg = {
+        "dump_after": args.dump_after,
+        "no_linger": args.no_linger,
+        "watch_delay_ms": args.watch_delay_ms,
+    }
     res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")
