@@ -572,9 +572,10 @@ class GpuOps:
         stand_ins = self._stand_ins.get(edge.edge_id)
         if stand_ins is None:
             specs = self._static[edge.edge_id][1]
-            stand_ins = [
-                torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in specs
-            ]
+            with on_stream(self._sending_stream):  # filled before the send reads them
+                stand_ins = [
+                    torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in specs
+                ]
             self._stand_ins[edge.edge_id] = stand_ins
         self._send(execution, op, edge, stand_ins, done)
 
@@ -586,7 +587,7 @@ class GpuOps:
         tensors: list[torch.Tensor],
         done: torch.cuda.Event | None,
     ) -> None:
-        stream = self.send_stream if self.overlap else self.compute_stream
+        stream = self._sending_stream
         peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
         with on_stream(stream):
             if self.overlap and done is not None:
@@ -597,6 +598,10 @@ class GpuOps:
                 tensor.record_stream(stream)
                 link.send(tensor, peer).wait()
             self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
+
+    @property
+    def _sending_stream(self) -> torch.cuda.Stream:
+        return self.send_stream if self.overlap else self.compute_stream
 
     def _to_host(
         self, tensor: torch.Tensor, done: torch.cuda.Event | None, *, reuse: bool

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from graph_actors import GpuCalc
+from killed_driver import kill_a_driver
 
 import tensorferry as tf
 from tensorferry.graph import InputNode, MultiOutputNode, actor
@@ -277,3 +278,11 @@ def test_demo_on_two_gpus(tmp_path):
     result = run_graph_demo(tmp_path, size=4096, iterations=4, quiet=True)
     assert result["device"] == "2 GPUs"
     assert all((tmp_path / p).exists() for p in result["pictures"])
+
+
+@pytest.mark.multigpu
+@needs_two
+def test_a_killed_driver_leaves_no_actor_and_no_segment_with_nccl_edges(tmp_path):
+    # The receiver waits on a receive posted early when the driver dies: it must still stop
+    # (GpuOps.close aborts its links after a short wait) and remove the segments.
+    kill_a_driver(tmp_path, gpu=True, within_s=30.0)

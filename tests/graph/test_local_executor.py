@@ -7,14 +7,12 @@ import glob
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from graph_actors import Broken, Calc
+from killed_driver import kill_a_driver
 
 import tensorferry as tf
 from tensorferry.graph import InputNode, MultiOutputNode, actor
@@ -246,50 +244,8 @@ def test_teardown_finishes_in_time_with_a_stuck_method_and_leaves_nothing():
         graph.execute(torch.ones(1))
 
 
-# A driver that runs a graph, prints its actors' pids and segment prefix, then is killed: it
-# never tears the graph down.
-_KILLED_DRIVER = """
-import os, signal
-import torch
-from graph_actors import Calc
-from tensorferry.graph import InputNode, actor
-
-if __name__ == "__main__":
-    a, b = actor(Calc).spawn(1.0), actor(Calc).spawn(10.0)
-    with InputNode() as inp:
-        graph = b.add.bind(a.add.bind(inp)).compile(overlap_communication=True)
-    assert torch.equal(graph.execute(torch.ones(3)).get(timeout=30), torch.full((3,), 12.0))
-    print(a.pid, b.pid, graph._executor.prefix, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie no one reaped does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
 def test_a_killed_driver_leaves_no_actor_and_no_segment(tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(_KILLED_DRIVER)
-    path = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=90
-    )
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    a_pid, b_pid, prefix = done.stdout.split()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if not running(int(a_pid)) and not running(int(b_pid)) and no_segments(prefix):
-            break
-        time.sleep(0.1)
-    assert not running(int(a_pid)) and not running(int(b_pid)), "an actor outlived its driver"
-    assert no_segments(prefix), glob.glob(f"/dev/shm/{prefix}*")
+    kill_a_driver(tmp_path, gpu=False)
 
 
 def test_context_manager_tears_down(tmp_path, monkeypatch):
