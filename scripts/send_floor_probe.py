@@ -1,0 +1,125 @@
+"""Host time of one small NCCL send, from the bare library call up to ``tf.send``.
+
+Rank 0 sends a 1 KiB tensor to rank 1 over and over; each row is the median host time of the
+sending call only (the receiver posts the matching receives), 500 calls after a warm-up, on
+one process per GPU:
+
+- ``ncclSend`` in a group: ``ncclGroupStart``/``ncclSend``/``ncclGroupEnd`` through ``ctypes``
+  on a communicator of the probe's own (the floor for any Python caller of NCCL);
+- the same plus an event recorded after it (what a completion needs);
+- ``torch.distributed.isend`` (``ProcessGroupNCCL``);
+- ``tf.send(x, 1, static=True)`` (validation, message numbering, header, issue, completion).
+
+Usage (2 GPUs): ``python scripts/send_floor_probe.py [--profile]`` (``--profile``: the
+``tf.send`` calls under ``cProfile``, its 25 most costly functions).
+"""
+
+import cProfile
+import statistics
+import time
+
+import torch
+
+CALLS = 500
+
+
+def worker(rank, world, cfg):
+    import torch.distributed as dist
+
+    import tensorferry.p2p as tf
+    from tensorferry.p2p._launch import torch_group
+    from tensorferry.p2p._nccl_lib import library
+
+    peer = 1 - rank
+    prof = cProfile.Profile() if cfg["profile"] and rank == 0 else None
+    device = tf._context.current().device
+    x = torch.ones(256, device=device)
+    out = {}
+    with torch_group("probe/send_floor", timeout_s=120):
+        lib = library()
+        ids = [lib.unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(ids, src=0)
+        comm = lib.init_rank(2, ids[0], rank)
+        stream = torch.cuda.Stream(device)
+
+        def raw(record):
+            event = torch.cuda.Event()
+            samples = []
+            for i in range(CALLS + 50):
+                t0 = time.perf_counter()
+                lib.group_start()
+                if rank == 0:
+                    lib.send(x.data_ptr(), x.numel() * 4, peer, comm, stream.cuda_stream)
+                else:
+                    lib.recv(x.data_ptr(), x.numel() * 4, peer, comm, stream.cuda_stream)
+                lib.group_end()
+                if record:
+                    event.record(stream)
+                if i >= 50:
+                    samples.append(time.perf_counter() - t0)
+                if i % 50 == 49:
+                    stream.synchronize()
+            stream.synchronize()
+            return statistics.median(samples) * 1e6
+
+        def torch_isend():
+            samples = []
+            for i in range(CALLS + 50):
+                t0 = time.perf_counter()
+                work = dist.isend(x, peer) if rank == 0 else dist.irecv(x, peer)
+                if i >= 50:
+                    samples.append(time.perf_counter() - t0)
+                work.wait()
+            torch.cuda.synchronize()
+            return statistics.median(samples) * 1e6
+
+        def tf_send():
+            samples = []
+            for i in range(CALLS + 50):
+                t0 = time.perf_counter()
+                if prof is not None and i >= 50:
+                    prof.enable()
+                handle = tf.send(x, peer, static=True) if rank == 0 else None
+                if prof is not None:
+                    prof.disable()
+                if i >= 50 and rank == 0:
+                    samples.append(time.perf_counter() - t0)
+                if rank == 0:
+                    handle.wait()
+                else:
+                    tf.recv(x, peer, static=True).wait()
+            torch.cuda.synchronize()
+            return statistics.median(samples) * 1e6 if samples else 0.0
+
+        for _ in range(2):  # twice, interleaved: this machine's host times drift
+            for name, fn in (
+                ("ncclSend in a group (ctypes)", lambda: raw(False)),
+                ("  + an event recorded", lambda: raw(True)),
+                ("torch.distributed.isend", torch_isend),
+                ("tf.send(static=True)", tf_send),
+            ):
+                dist.barrier()
+                out.setdefault(name, []).append(fn())
+        lib.destroy(comm)
+    if prof is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        out["profile"] = text.getvalue()
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tensorferry.p2p._launch import run_world
+
+    profile = "--profile" in sys.argv  # tf.send under cProfile (its times inflate)
+    res = run_world(worker, {"profile": profile}, backend="nccl", timeout=300)
+    print("median host µs of the sending call (rank 0), two interleaved rounds:")
+    for name, values in res[0].items():
+        if name != "profile":
+            print(f"  {name:32s} " + "  ".join(f"{v:7.1f}" for v in values))
+    print(res[0].get("profile", ""))
