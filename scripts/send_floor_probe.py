@@ -7,6 +7,10 @@ one process per GPU:
 - ``ncclSend`` in a group: ``ncclGroupStart``/``ncclSend``/``ncclGroupEnd`` through ``ctypes``
   on a communicator of the probe's own (the floor for any Python caller of NCCL);
 - the same plus an event recorded after it (what a completion needs);
+- a lean path in Python: what an agreed static message cannot skip, done with the layer's own
+  pieces and nothing else (validation and description, the caller's event, the transfer
+  stream's wait for it, the group call, the done event, a header written to the peer's socket,
+  a future for the result): the floor of a shortcut through the engine;
 - ``torch.distributed.isend`` (``ProcessGroupNCCL``);
 - ``tf.send(x, 1, static=True)`` (validation, message numbering, header, issue, completion).
 
@@ -14,9 +18,12 @@ Usage (2 GPUs): ``python scripts/send_floor_probe.py [--profile]`` (``--profile`
 ``tf.send`` calls under ``cProfile``, its 25 most costly functions).
 """
 
+import contextlib
 import cProfile
+import socket
 import statistics
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -29,6 +36,9 @@ def worker(rank, world, cfg):
     import tensorferry.p2p as tf
     from tensorferry.p2p._launch import torch_group
     from tensorferry.p2p._nccl_lib import library
+    from tensorferry.p2p._spec import _check_tensors, describe, descriptor_text
+    from tensorferry.runtime._events import record_on_current_stream, recycle
+    from tensorferry.runtime._stream_switch import on_stream
 
     peer = 1 - rank
     prof = cProfile.Profile() if cfg["profile"] and rank == 0 else None
@@ -61,6 +71,49 @@ def worker(rank, world, cfg):
                     stream.synchronize()
             stream.synchronize()
             return statistics.median(samples) * 1e6
+
+        # The lean path's header channel: a TCP connection from rank 0 to rank 1.
+        listener = socket.create_server(("127.0.0.1", 0)) if rank == 1 else None
+        ports = [listener.getsockname()[1] if listener else None]
+        dist.broadcast_object_list(ports, src=1)
+        if rank == 0:
+            link = socket.create_connection(("127.0.0.1", ports[0]))
+        else:
+            link, _ = listener.accept()
+        link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link.setblocking(rank == 0)
+
+        def lean():
+            samples = []
+            header = b'{"k":"h","e":0,"c":"s","q":%d,"d":"%s","st":true,"t":"nccl"}\n'
+            for i in range(CALLS + 50):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    items = _check_tensors([x], device, "tensors")
+                    text = descriptor_text(describe(items))
+                    caller = record_on_current_stream()
+                    with on_stream(stream):
+                        stream.wait_event(caller)
+                        lib.group_start()
+                        lib.send(x.data_ptr(), x.numel() * 4, peer, comm, stream.cuda_stream)
+                        lib.group_end()
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                    recycle(caller)
+                    link.send(header % (i, text.encode()))
+                    future = Future()
+                    if i >= 50:
+                        samples.append(time.perf_counter() - t0)
+                    done.synchronize()
+                    future.set_result(None)
+                else:
+                    lib.group_start()
+                    lib.recv(x.data_ptr(), x.numel() * 4, peer, comm, stream.cuda_stream)
+                    lib.group_end()
+                    with contextlib.suppress(BlockingIOError):
+                        link.recv(65536)  # the headers that came (never waits for one)
+                    stream.synchronize()
+            return statistics.median(samples) * 1e6 if samples else 0.0
 
         def torch_isend():
             samples = []
@@ -95,11 +148,13 @@ def worker(rank, world, cfg):
             for name, fn in (
                 ("ncclSend in a group (ctypes)", lambda: raw(False)),
                 ("  + an event recorded", lambda: raw(True)),
+                ("lean path (Python)", lean),
                 ("torch.distributed.isend", torch_isend),
                 ("tf.send(static=True)", tf_send),
             ):
                 dist.barrier()
                 out.setdefault(name, []).append(fn())
+        link.close()
         lib.destroy(comm)
     if prof is not None:
         import io
