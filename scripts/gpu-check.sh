@@ -92,6 +92,11 @@ for s in $steps; do
       --nproc-per-node "$GPUS" scripts/symm_pairs_probe.py ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
     profile-pingpong | profile-graph)
+      if ! ls .whl/py_spy-*.whl >/dev/null 2>&1; then
+        echo "=== $s: no .whl/py_spy-*.whl here (git-ignored: carry .whl to the GPU machine)"
+        summary+=("$(printf '%-14s rc=%-3s %4ss' "$s" "skip" 0)")
+        continue
+      fi
       pip install -q --no-deps --no-index .whl/py_spy-*.whl >/dev/null 2>&1
       target=(scripts/trace_pingpong.py)
       [ "$s" = profile-graph ] && target=(scripts/trace_graph.py --graph echo --iters 3000)
