@@ -321,6 +321,25 @@ class _TensorPickler(pickle.Pickler):
         return (index, code, tuple(obj.shape), obj.is_cuda)
 
 
+class _ProbePickler(pickle.Pickler):
+    """Pickles a value with its tensors left out (as the channels take them out): whether the
+    rest pickles, without copying any tensor to find out."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return id(obj) if isinstance(obj, torch.Tensor) else None
+
+
+def check_sendable(value: Any, what: str) -> None:
+    """Raises ``TypeError`` naming ``what`` when ``value`` cannot travel over a graph channel
+    (shared-memory or network: both pickle what is not a bare tensor)."""
+    if type(value) is torch.Tensor:
+        return
+    try:
+        _ProbePickler(io.BytesIO(), protocol=5).dump(value)
+    except Exception as exc:
+        raise TypeError(f"{what} cannot be sent to the graph's actors: {exc}") from exc
+
+
 class _TensorUnpickler(pickle.Unpickler):
     """Rebuilds the tensors a :class:`_TensorPickler` took out, copying them from the slot."""
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorferry import envs
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError, TransferTimeoutError
-from tensorferry.graph._channel import RemoteError
+from tensorferry.graph._channel import RemoteError, check_sendable
 from tensorferry.graph._dag import ClassMethodNode, DAGNode, MultiOutputNode
 from tensorferry.graph._lower import lower
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
@@ -264,7 +264,17 @@ class CompiledGraph:
 
     # ------------------------------------------------------------------ executions
     def _payloads(self, args: tuple, kwargs: dict) -> dict[int, Any]:
+        """Each input edge's value; raises ``TypeError`` before anything is written when the
+        arguments do not match what the graph reads or one cannot be sent (a half-written
+        execution would end the graph)."""
+        used: dict[Any, Any] = {}
+
         def value(key: Any) -> Any:
+            if key not in used:
+                used[key] = argument(key)
+            return used[key]
+
+        def argument(key: Any) -> Any:
             if key is None:
                 if len(args) != 1 or kwargs:
                     raise TypeError(
@@ -284,12 +294,15 @@ class CompiledGraph:
             return kwargs[key]
 
         # One key: the bare value, so a tensor input takes the channel's no-pickle path.
-        return {
+        payloads = {
             e.edge_id: value(e.input_keys[0])
             if len(e.input_keys) == 1
             else tuple(value(k) for k in e.input_keys)
             for e in self._input_edges
         }
+        for key, arg in used.items():
+            check_sendable(arg, _input_name(key))
+        return payloads
 
     def execute(self, *args: Any, **kwargs: Any) -> CompiledGraphRef:
         """Submits one execution and returns at once with its ref.
@@ -298,7 +311,8 @@ class CompiledGraph:
         ``submit_timeout``) for the oldest to finish; its result is kept for its ref.
 
         Raises:
-            TypeError: the arguments do not match what the graph reads.
+            TypeError: the arguments do not match what the graph reads, or one cannot be sent
+                to the actors (it does not pickle). Nothing was submitted; the graph goes on.
             ActorDiedError: an actor of the graph died.
             RuntimeError: the graph was torn down.
         """
@@ -428,3 +442,10 @@ class CompiledGraph:
     def __repr__(self) -> str:
         state = "torn down" if self._closed else "running"
         return f"CompiledGraph({len(self._handles)} actors, {state})"
+
+
+def _input_name(key: Any) -> str:
+    """How an input is named in errors: the InputNode itself, ``inp[i]`` or ``inp.key``."""
+    if key is None:
+        return "the input"
+    return f"inp[{key}]" if isinstance(key, int) else f"inp.{key}"

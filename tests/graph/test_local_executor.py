@@ -7,6 +7,7 @@ import glob
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -242,6 +243,24 @@ def test_teardown_finishes_in_time_with_a_stuck_method_and_leaves_nothing():
     graph.teardown()  # idempotent
     with pytest.raises(RuntimeError, match="torn down"):
         graph.execute(torch.ones(1))
+
+
+def test_an_input_that_cannot_be_sent_fails_alone_and_the_graph_goes_on(trio):
+    a, b, c = trio
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.add.bind(inp[0]), c.combine.bind(inp[0], b.add.bind(inp[1]))])
+    graph = dag.compile()
+    try:
+        x, y = torch.randn(5), torch.randn(5)
+        with pytest.raises(TypeError, match=r"inp\[1\] cannot be sent .*pickle"):
+            graph.execute(x, threading.Lock())
+        with pytest.raises(TypeError, match=r"inp\[1\] cannot be sent"):
+            graph.execute(x, (y, lambda: None))  # a tensor beside it does not help
+        added, combined = graph.execute(x, y).get(timeout=10)
+        assert torch.equal(added, x + 1.0)
+        assert torch.equal(combined, Calc(100.0).combine(x, y + 10.0))
+    finally:
+        graph.teardown(kill_actors=False)
 
 
 def test_a_killed_driver_leaves_no_actor_and_no_segment(tmp_path):
