@@ -329,10 +329,13 @@ class _ProbePickler(pickle.Pickler):
         return id(obj) if isinstance(obj, torch.Tensor) else None
 
 
+_PLAIN = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
+
+
 def check_sendable(value: Any, what: str) -> None:
     """Raises ``TypeError`` naming ``what`` when ``value`` cannot travel over a graph channel
     (shared-memory or network: both pickle what is not a bare tensor)."""
-    if type(value) is torch.Tensor:
+    if type(value) in _PLAIN:  # on the per-execution path: skip the probe where it cannot fail
         return
     try:
         _ProbePickler(io.BytesIO(), protocol=5).dump(value)
