@@ -7,6 +7,7 @@ compare the two with :func:`compare` — so both raise the same :class:`Mismatch
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,9 +112,18 @@ def descriptor_from_text(text: str) -> Descriptor:
 
 
 def check_peer(peer: Any, *, rank: int, world_size: int, what: str) -> int:
-    """Validates a peer rank. Raises TypeError/ValueError naming ``what`` (e.g. ``"dst"``)."""
-    if isinstance(peer, bool) or not isinstance(peer, int):
-        raise TypeError(f"{what} must be an int rank, got {type(peer).__name__} {peer!r}")
+    """Validates a peer rank; returns it as an ``int``. Integers of other types (numpy's, say)
+    are taken; bools and floats are not. Raises TypeError/ValueError naming ``what``
+    (e.g. ``"dst"``)."""
+    if type(peer) is not int:
+        try:
+            if isinstance(peer, bool):
+                raise TypeError("a bool")
+            peer = operator.index(peer)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be an int rank, got {type(peer).__name__} {peer!r}"
+            ) from None
     if not 0 <= peer < world_size:
         raise ValueError(f"{what}={peer} is out of range: world size is {world_size}")
     if peer == rank:

@@ -303,3 +303,20 @@ def test_nccl_speculation_is_on_unless_turned_off(monkeypatch):
     monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "yes")
     with pytest.raises(ValueError, match="TENSORFERRY_NCCL_SPECULATE"):
         NcclTransport(ctx=None)
+
+
+def test_peer_ranks_take_any_integer_but_bools_and_floats():
+    import numpy as np
+
+    from tensorferry.p2p._spec import check_peer
+
+    for peer in (1, np.int64(1), np.int32(1), torch.tensor(1)):
+        got = check_peer(peer, rank=0, world_size=2, what="dst")
+        assert got == 1 and type(got) is int
+    for peer in (True, np.bool_(True), 1.0, "1", torch.tensor(1.0), None):
+        with pytest.raises(TypeError, match="dst must be an int rank"):
+            check_peer(peer, rank=0, world_size=2, what="dst")
+    with pytest.raises(ValueError, match="own rank"):
+        check_peer(np.int64(0), rank=0, world_size=2, what="dst")
+    with pytest.raises(ValueError, match="out of range"):
+        check_peer(np.int64(2), rank=0, world_size=2, what="dst")
