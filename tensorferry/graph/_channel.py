@@ -340,7 +340,9 @@ def check_sendable(value: Any, what: str) -> None:
     try:
         _ProbePickler(io.BytesIO(), protocol=5).dump(value)
     except Exception as exc:
-        raise TypeError(f"{what} cannot be sent to the graph's actors: {exc}") from exc
+        raise TypeError(
+            f"{what} cannot be pickled, so it cannot travel between the graph's processes: {exc}"
+        ) from exc
 
 
 class _TensorUnpickler(pickle.Unpickler):

@@ -31,7 +31,14 @@ from typing import Any, Protocol
 
 import torch
 
-from tensorferry.graph._channel import Channel, Control, GraphStopped, PeerDied, RemoteError
+from tensorferry.graph._channel import (
+    Channel,
+    Control,
+    GraphStopped,
+    PeerDied,
+    RemoteError,
+    check_sendable,
+)
 from tensorferry.graph._plan import DRIVER, ArgRef, EdgeSpec, GraphSpec, Operation, OpKind
 
 __all__ = ["ActorRunPlan", "Endpoints", "ScheduleRunner", "ShmEndpoints", "ProfileRecord"]
@@ -220,6 +227,9 @@ class ScheduleRunner:
         mine = [t for t in self.graph.tasks if t.actor == plan.actor]
         self._methods = {t.task_id: getattr(instance, t.method) for t in mine}
         self._sources = {t.task_id: self._arg_sources(t.task_id) for t in mine}
+        # Tasks whose results leave this process (to another actor or the driver): they must
+        # pickle, or their error goes in their place (see _sendable; CPU actors for now).
+        self._sent = {e.src_task for e in self.graph.edges if e.src_actor == plan.actor}
         self._profile: list[ProfileRecord] = []
         self._profile_channel = endpoints.profile_sink() if plan.profile_channel else None
         self.gpu: Any = None
@@ -381,6 +391,8 @@ class ScheduleRunner:
             method = self._methods[task.task_id]
             result = self.gpu.compute(execution, op, task, method, args, kwargs)
             self.record(execution, op, "host", start)  # the host's part; the device's has a lane
+            # Not checked with _sendable yet: a GPU actor's result that does not pickle still
+            # ends its loop.
             return result
         start = time.perf_counter()
         try:
@@ -388,6 +400,17 @@ class ScheduleRunner:
         except Exception as exc:
             result = remote_error(task.actor, task.label, exc)
         self.record(execution, op, "main", start)
+        return self._sendable(task, result)
+
+    def _sendable(self, task: Any, result: Any) -> Any:
+        """``result``, or the error that replaces it when it must leave this process but does
+        not pickle: a write that failed part-way would end the actor's loop, and the reader
+        would wait for a value that never comes."""
+        if task.task_id in self._sent and not isinstance(result, RemoteError):
+            try:
+                check_sendable(result, f"the result of {task.label}")
+            except TypeError as exc:
+                return remote_error(task.actor, task.label, exc)
         return result
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -36,6 +37,10 @@ class Calc:
     def slow(self, x: torch.Tensor, seconds: float) -> torch.Tensor:
         time.sleep(seconds)
         return x
+
+    def lock_if(self, x: torch.Tensor, flag: bool) -> object:
+        """A result that cannot be pickled (so cannot leave the process) when ``flag``."""
+        return {"lock": threading.Lock(), "x": x} if flag else x
 
     def structure(self, x: torch.Tensor) -> dict:
         return {"double": x * 2, "items": [x.sum(), "label", 3]}

@@ -252,13 +252,34 @@ def test_an_input_that_cannot_be_sent_fails_alone_and_the_graph_goes_on(trio):
     graph = dag.compile()
     try:
         x, y = torch.randn(5), torch.randn(5)
-        with pytest.raises(TypeError, match=r"inp\[1\] cannot be sent .*pickle"):
+        with pytest.raises(TypeError, match=r"inp\[1\] cannot be pickled"):
             graph.execute(x, threading.Lock())
-        with pytest.raises(TypeError, match=r"inp\[1\] cannot be sent"):
+        with pytest.raises(TypeError, match=r"inp\[1\] cannot be pickled"):
             graph.execute(x, (y, lambda: None))  # a tensor beside it does not help
         added, combined = graph.execute(x, y).get(timeout=10)
         assert torch.equal(added, x + 1.0)
         assert torch.equal(combined, Calc(100.0).combine(x, y + 10.0))
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_result_that_cannot_be_sent_fails_its_execution_only(trio, overlap):
+    a, b, _ = trio
+    with InputNode() as inp:
+        sent = a.lock_if.bind(inp[0], inp[1])
+        dag = MultiOutputNode([sent, b.add.bind(sent)])  # to the driver and to another actor
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for flag in (False, True, False, True, False):
+            x = torch.randn(4)
+            ref = graph.execute(x, flag)
+            if flag:
+                with pytest.raises(tf.ActorError, match=r"lock_if.* cannot be pickled"):
+                    ref.get(timeout=10)
+            else:
+                direct, added = ref.get(timeout=10)
+                assert torch.equal(direct, x) and torch.equal(added, x + 10.0)
     finally:
         graph.teardown(kill_actors=False)
 
