@@ -371,8 +371,14 @@ class CompiledGraph:
                     raise self._broken
                 if self._closed:
                     raise RuntimeError("this compiled graph was torn down")
-                while self._read <= index:
-                    self._read_one(max(0.0, deadline - time.monotonic()))
+                try:
+                    while self._read <= index:
+                        self._read_one(max(0.0, deadline - time.monotonic()))
+                except TransferTimeoutError:
+                    raise TransferTimeoutError(
+                        f"execution {index}'s result did not come within {timeout:.3g} s; the "
+                        "graph goes on, and get() may be called again"
+                    ) from None
             outputs = self._results.pop(index)
         finally:
             self._lock.release()

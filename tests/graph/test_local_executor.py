@@ -154,7 +154,7 @@ def test_get_timeout_then_result(trio):
     try:
         x = torch.randn(2)
         ref = graph.execute(x)
-        with pytest.raises(tf.TransferTimeoutError):
+        with pytest.raises(tf.TransferTimeoutError, match="execution 0's result did not come"):
             ref.get(timeout=0.05)
         assert torch.equal(ref.get(timeout=10), x)
     finally:
