@@ -43,6 +43,11 @@ if __name__ == "__main__":
 """
 
 
+def no_segments(prefix: str) -> bool:
+    """Whether no shared-memory segment of the graph named ``prefix`` is left."""
+    return not glob.glob(f"/dev/shm/{prefix}*")
+
+
 def running(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie no one reaped does not)."""
     try:
@@ -69,8 +74,8 @@ def kill_a_driver(tmp_path: Path, *, gpu: bool, within_s: float = 20.0) -> None:
     pids = (int(a_pid), int(b_pid))
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if not any(map(running, pids)) and not glob.glob(f"/dev/shm/{prefix}*"):
+        if not any(map(running, pids)) and no_segments(prefix):
             break
         time.sleep(0.1)
     assert not any(map(running, pids)), "an actor outlived its driver"
-    assert not glob.glob(f"/dev/shm/{prefix}*"), "the graph's segments outlived it"
+    assert no_segments(prefix), "the graph's segments outlived it"

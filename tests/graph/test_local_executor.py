@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import random
 import signal
@@ -13,7 +12,7 @@ import time
 import pytest
 import torch
 from graph_actors import Broken, Calc
-from killed_driver import kill_a_driver
+from killed_driver import kill_a_driver, no_segments
 
 import tensorferry as tf
 from tensorferry.graph import InputNode, MultiOutputNode, actor
@@ -31,10 +30,6 @@ def trio():
     yield handles
     for handle in handles:
         handle.kill()
-
-
-def no_segments(prefix: str) -> bool:
-    return not glob.glob(f"/dev/shm/{prefix}*")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
