@@ -228,7 +228,7 @@ class ScheduleRunner:
         self._methods = {t.task_id: getattr(instance, t.method) for t in mine}
         self._sources = {t.task_id: self._arg_sources(t.task_id) for t in mine}
         # Tasks whose results leave this process (to another actor or the driver): they must
-        # pickle, or their error goes in their place (see _sendable; CPU actors for now).
+        # pickle, or their error goes in their place (see _sendable).
         self._sent = {e.src_task for e in self.graph.edges if e.src_actor == plan.actor}
         self._profile: list[ProfileRecord] = []
         self._profile_channel = endpoints.profile_sink() if plan.profile_channel else None
@@ -391,9 +391,7 @@ class ScheduleRunner:
             method = self._methods[task.task_id]
             result = self.gpu.compute(execution, op, task, method, args, kwargs)
             self.record(execution, op, "host", start)  # the host's part; the device's has a lane
-            # Not checked with _sendable yet: a GPU actor's result that does not pickle still
-            # ends its loop.
-            return result
+            return self._sendable(task, result)
         start = time.perf_counter()
         try:
             result = self._methods[task.task_id](*args, **kwargs)

@@ -92,6 +92,11 @@ class GpuCalc:
     def resize(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.to(self.device)[:n]
 
+    def lock_if(self, x: torch.Tensor, flag: bool) -> object:
+        """A result that cannot be pickled (so cannot leave the process) when ``flag``."""
+        x = x.to(self.device)
+        return {"lock": threading.Lock(), "x": x} if flag else x
+
     def scale(self, t: torch.Tensor, k: float) -> torch.Tensor:
         assert t.device == self.device, (t.device, self.device)
         return (t * k).cpu()

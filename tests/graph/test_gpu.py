@@ -155,6 +155,30 @@ def test_static_nccl_edge_receives_posted_early_with_failures_in_flight(
 @pytest.mark.multigpu
 @needs_two
 @pytest.mark.parametrize("overlap", [False, True])
+def test_a_gpu_result_that_cannot_be_sent_fails_its_execution_only(pair, overlap):
+    a, b = pair
+    with InputNode() as inp:
+        sent = a.lock_if.bind(inp[0], inp[1]).with_transport("nccl")
+        dag = MultiOutputNode([sent, b.scale.bind(sent, 10.0)])  # to the driver and to b
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for flag in (False, True, False, True, False):
+            x = torch.randn(300)
+            ref = graph.execute(x, flag)
+            if flag:
+                with pytest.raises(tf.ActorError, match=r"lock_if.* cannot be pickled"):
+                    ref.get(timeout=60)
+            else:
+                direct, scaled = ref.get(timeout=60)
+                assert_same(direct.cpu(), x, "result to the driver")
+                assert_same(scaled, x * 10.0, "result through b")
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("max_inflight", [1, 3])
 def test_cuda_results_reach_the_driver_once_computed(pair, overlap, max_inflight):
     # The result is still being computed when the method returns (about a millisecond of GPU
