@@ -12,7 +12,9 @@ one process per GPU:
   stream's wait for it, the group call, the done event, a header written to the peer's socket,
   a future for the result): the floor of a shortcut through the engine;
 - ``torch.distributed.isend`` (``ProcessGroupNCCL``);
-- ``tf.send(x, 1, static=True)`` (validation, message numbering, header, issue, completion).
+- ``tf.send(x, 1, static=True)`` (validation, message numbering, header, issue, completion),
+  by the engine's short way for agreed static messages and, for comparison, by its full step
+  (the short way switched off on the running engine, as ``TENSORFERRY_P2P_SHORT_PATH=0`` does).
 
 Usage (2 GPUs): ``python scripts/send_floor_probe.py [--profile]`` (``--profile``: the
 ``tf.send`` calls under ``cProfile``, its 25 most costly functions).
@@ -126,11 +128,12 @@ def worker(rank, world, cfg):
             torch.cuda.synchronize()
             return statistics.median(samples) * 1e6
 
-        def tf_send():
+        def tf_send(short=True):
+            tf._context.current().engine._short_path = short
             samples = []
             for i in range(CALLS + 50):
                 t0 = time.perf_counter()
-                if prof is not None and i >= 50:
+                if prof is not None and i >= 50 and short:
                     prof.enable()
                 handle = tf.send(x, peer, static=True) if rank == 0 else None
                 if prof is not None:
@@ -151,6 +154,7 @@ def worker(rank, world, cfg):
                 ("lean path (Python)", lean),
                 ("torch.distributed.isend", torch_isend),
                 ("tf.send(static=True)", tf_send),
+                ("  the same, full engine step", lambda: tf_send(short=False)),
             ):
                 dist.barrier()
                 out.setdefault(name, []).append(fn())

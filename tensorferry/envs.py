@@ -17,6 +17,8 @@ __all__ = [
     "auto_transports",
     "spin_us",
     "nccl_calls",
+    "nccl_speculate",
+    "p2p_short_path",
     "graph_early_receives",
 ]
 
@@ -120,21 +122,30 @@ def nccl_calls() -> str:
     return raw
 
 
+def _switch(name: str, default: bool) -> bool:
+    """A ``0``/``1`` switch (empty or unset: ``default``)."""
+    raw = os.environ.get(name, "") or ("1" if default else "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
 def nccl_speculate() -> bool:
     """Whether the NCCL transport issues the messages of an agreed static channel before the
     peer's header (``TENSORFERRY_NCCL_SPECULATE``: ``1``, the default, or ``0``). Read when the
     transport is made (``tf.init``)."""
-    raw = os.environ.get("TENSORFERRY_NCCL_SPECULATE", "") or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"TENSORFERRY_NCCL_SPECULATE={raw!r} must be 0 or 1")
-    return raw == "1"
+    return _switch("TENSORFERRY_NCCL_SPECULATE", True)
+
+
+def p2p_short_path() -> bool:
+    """Whether a lone message that keeps its static channel's agreement is issued the short
+    way, without a full step of the p2p engine (``TENSORFERRY_P2P_SHORT_PATH``: ``1``, the
+    default, or ``0``). Read at ``tf.init``."""
+    return _switch("TENSORFERRY_P2P_SHORT_PATH", True)
 
 
 def graph_early_receives() -> bool:
     """Whether a graph's static NCCL edges announce each send so the receiver posts its receive
     while the sender still computes (``TENSORFERRY_GRAPH_EARLY_RECEIVES``, on; ``0`` turns it
     off). Read when an actor starts."""
-    raw = os.environ.get("TENSORFERRY_GRAPH_EARLY_RECEIVES", "") or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"TENSORFERRY_GRAPH_EARLY_RECEIVES={raw!r} must be 0 or 1")
-    return raw == "1"
+    return _switch("TENSORFERRY_GRAPH_EARLY_RECEIVES", True)

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from tensorferry import envs
 from tensorferry.errors import (
     MismatchError,
     PeerLostError,
@@ -118,6 +119,7 @@ class Engine(PairFaults):
         self._listener = _link.open_listener(ctx.host)
         self._selector.register(self._listener, selectors.EVENT_READ, "listen")
         self._stopping = False
+        self._short_path = envs.p2p_short_path()  # see _issue_agreed
         # Guards all the state below. The engine thread holds it while it handles what woke it;
         # callers hold it to queue and drive their own units (see submit and drive).
         self._lock = threading.RLock()
@@ -176,6 +178,8 @@ class Engine(PairFaults):
         some virtual machines), and the GIL hand-over that comes with it.
         """
         with self._lock:
+            if self._short_path and self._issue_agreed(unit):
+                return
             # What already arrived first (a fault notice moves the pair to its next epoch
             # before this unit is numbered), then the unit.
             self._handle(self._selector.select(0), accept=unit)
@@ -813,12 +817,75 @@ class Engine(PairFaults):
         )
 
     def _issue(self, unit: Unit) -> None:
-        log.debug("p2p: issuing %s", unit.transfer.description)
         self._units.remove(unit)
-        unit.state = "issued"
-        self._issued.add(unit)
         for message in unit.messages:
             self._retire(self._peers[message.op.peer].channels[message.op.kind], message.seq)
+        self._start(unit)
+
+    def _issue_agreed(self, unit: Unit) -> bool:
+        """The short way for the common case of a static channel: a lone message that keeps its
+        channel's agreement, with nothing of the channel still waiting, is numbered, announced
+        and issued at once, without a full engine step (reading every link, scanning every
+        channel and unit). Returns false, having changed nothing, when anything is unusual;
+        the full step then handles it (a broken promise, a fault, a peer still being set up).
+
+        What it skips is what that step would find empty or settled: the peer's frames that
+        arrived since the last step are read by whoever next polls (a caller waiting, the
+        completion pool, the engine thread), as for frames that arrive a moment later."""
+        if len(unit.messages) != 1 or unit.after is not None or self._stopping:
+            return False
+        message = unit.messages[0]
+        if not message.static:
+            return False
+        peer = self._peers.get(message.op.peer)
+        if peer is None or peer.lost is not None or peer.link is None or peer.debts:
+            return False
+        kind = message.op.kind
+        channel: ChannelState = peer.channels[kind]
+        seq = channel.next_seq
+        if (
+            channel.static_desc is None
+            or channel.waiting
+            or channel.held
+            or channel.issue_next != seq
+            or message.transport != channel.static_transport
+            or message.desc != channel.static_desc
+            or peer.numbered_debts.get(kind, (0, None))[0]
+            or peer.prepared.get((message.transport, kind)) != "done"
+        ):
+            return False
+        transport = self.ctx.transport(message.transport)
+        speculates = transport.static_speculates
+        if not (speculates or transport.static_skips_headers):
+            return False
+        frame = channel.peer_headers.get(seq)
+        if frame is not None:
+            try:
+                self._compare_header(peer, message, frame)
+            except MismatchError:
+                return False  # the full step reports it (and faults the pair)
+            del channel.peer_headers[seq]
+        message.seq, message.epoch = seq, peer.epoch
+        message.resolved = True
+        channel.next_seq = channel.issue_next = seq + 1
+        if speculates:  # the peer checks every message against its own (see _confirm)
+            message.header = True
+            self._send_header(peer, message)
+            if frame is None:
+                message.confirmed = False
+                channel.unconfirmed[seq] = message
+            self._flush_links()
+        else:
+            message.header = False
+        self._start(unit)
+        return True
+
+    def _start(self, unit: Unit) -> None:
+        """Issues ``unit`` (its messages numbered, agreed and retired) and hands its completion
+        to the completion pool."""
+        log.debug("p2p: issuing %s", unit.transfer.description)
+        unit.state = "issued"
+        self._issued.add(unit)
         try:
             done_event = self.ctx.issue(unit)  # transports' start(), on the p2p streams
         except BaseException as exc:
