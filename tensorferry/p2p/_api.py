@@ -93,7 +93,7 @@ def _submit(
 ) -> Unit:
     deadline = _deadline(ctx, timeout)
     if transfer is None:
-        transfer = Transfer(_describe(messages), deadline=deadline, value=value)
+        transfer = Transfer(lambda: _describe(messages), deadline=deadline, value=value)
     else:
         transfer._deadline = deadline
         transfer._value = value

@@ -883,7 +883,8 @@ class Engine(PairFaults):
     def _start(self, unit: Unit) -> None:
         """Issues ``unit`` (its messages numbered, agreed and retired) and hands its completion
         to the completion pool."""
-        log.debug("p2p: issuing %s", unit.transfer.description)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("p2p: issuing %s", unit.transfer.description)
         unit.state = "issued"
         self._issued.add(unit)
         try:
@@ -917,8 +918,7 @@ class Engine(PairFaults):
 
         future = self.ctx.completions.watch(
             ready,
-            timeout=max(0.0, unit.deadline - time.monotonic()),
-            description=unit.transfer.description,
+            timeout=max(0.0, unit.deadline - time.monotonic()),  # _on_completed names the unit
             inline=True,  # _on_completed is quick and hands user callbacks to a worker
             # A caller waiting on the transfer usually sees it finish within its polling window
             # and completes it itself: the pool's thread stays out of its way until then.

@@ -81,8 +81,11 @@ class Transfer:
         description: what is transferred, for messages (``"send 2 tensor(s) to rank 1"``).
     """
 
-    def __init__(self, description: str, *, deadline: float, value: Any = None) -> None:
-        self.description = description
+    def __init__(
+        self, description: str | Callable[[], str], *, deadline: float, value: Any = None
+    ) -> None:
+        # A function is called when the text is first needed: most transfers never show it.
+        self._description = description
         self._deadline = deadline
         self._value = value
         self._future: Future = Future()
@@ -105,6 +108,17 @@ class Transfer:
         # The p2p engine: a waiting caller drives it (reads the peers' headers, issues) rather
         # than sleep until the engine's own thread wakes up to do it.
         self._driver: Any = None
+
+    @property
+    def description(self) -> str:
+        text = self._description
+        if not isinstance(text, str):
+            text = self._description = text()
+        return text
+
+    @description.setter
+    def description(self, text: str) -> None:
+        self._description = text
 
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:

@@ -1,0 +1,247 @@
+"""The p2p layer's own host time per message, with the wire taken out.
+
+Two processes share one device (a GPU, or the CPU with ``--cpu``) and move 1 KiB messages over
+a registered transport that moves nothing: its ``start`` enqueues no work and is ready at once.
+What is left is everything tensorferry does around a transport: validation, the message's
+numbering and header, the stream ordering with the caller (CUDA events), the completion
+handling. So it needs no second GPU and no NCCL, and shows how the layer's cost changes with
+the engine's settings. Rank 0 sends with ``static=True``; rank 1 receives. Median host µs:
+
+- ``lone``: one ``tf.send`` at a time, waited for before the next (``call`` is the time until
+  it returns, ``round`` until its ``wait()`` returned);
+- ``burst``: 64 ``tf.send`` calls back to back, then one wait for all (``call`` per send,
+  ``round`` for all 64).
+
+Each row is measured with the engine's short way for agreed static messages on and off
+(``TENSORFERRY_P2P_SHORT_PATH``), twice, interleaved.
+
+``lone cpu`` is the sending thread's own CPU time per call: where it is well below ``lone
+call``, the thread waited (for the GIL, most likely, held by another of the process's threads).
+
+Usage: ``python scripts/send_overhead_probe.py [--cpu] [--profile | --phases]``
+(``--profile``: the short-way ``tf.send`` calls of the lone rows under ``cProfile``, its 25
+costliest functions; ``--phases``: median µs per call spent in the main steps of a short-way
+send, timed by wrappers, which add a little each).
+"""
+
+import cProfile
+import io
+import pstats
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+ROUNDS = 400
+BURST = 64
+
+
+def _null_transport(device_type):
+    from tensorferry.p2p._transport import PendingOps, Transport
+
+    class Finished(PendingOps):
+        def ready(self):
+            return True
+
+        def abort(self):
+            pass
+
+    class Null(Transport):
+        """Moves nothing; agreed static channels issue ahead of the peer's header, as NCCL."""
+
+        name = "null"
+        static_speculates = True
+
+        def prepare(self, peers):
+            pass
+
+        def start(self, ops, *, stream=None):
+            return Finished()
+
+    Null.device_type = device_type
+    return Null
+
+
+def _measure(rank, x, short, prof):
+    import tensorferry.p2p as tf
+
+    tf._context.current().engine._short_path = short
+    peer = 1 - rank
+    lone_call, lone_cpu, lone_round, burst_call, burst_round = [], [], [], [], []
+    for i in range(ROUNDS + 20):
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        if rank == 0:
+            if prof is not None and short and i >= 20:
+                prof.enable()
+            handle = tf.send(x, peer, static=True, transport="null")
+            if prof is not None:
+                prof.disable()
+        else:
+            handle = tf.recv(x, peer, static=True, transport="null")
+        t1 = time.perf_counter()
+        c1 = time.thread_time()
+        handle.wait()
+        if i >= 20:
+            lone_call.append(t1 - t0)
+            lone_cpu.append(c1 - c0)
+            lone_round.append(time.perf_counter() - t0)
+    for i in range(ROUNDS // 8 + 2):
+        handles = []
+        t0 = time.perf_counter()
+        for _ in range(BURST):
+            t1 = time.perf_counter()
+            if rank == 0:
+                handles.append(tf.send(x, peer, static=True, transport="null"))
+            else:
+                handles.append(tf.recv(x, peer, static=True, transport="null"))
+            if i >= 2:
+                burst_call.append(time.perf_counter() - t1)
+        for handle in handles:
+            handle.wait()
+        if i >= 2:
+            burst_round.append(time.perf_counter() - t0)
+
+    def med(values):
+        return statistics.median(values) * 1e6
+
+    return {
+        "lone call": med(lone_call),
+        "lone cpu": med(lone_cpu),
+        "lone round": med(lone_round),
+        "burst call": med(burst_call),
+        "burst round (64)": med(burst_round),
+    }
+
+
+# What --phases times: (label, owner, attribute); the owner is resolved on the running layer.
+_PHASES = (
+    ("validate (_api._message)", "api", "_message"),
+    ("caller's event (_api._caller_event)", "api", "_caller_event"),
+    ("Transfer()", "transfer", "__init__"),
+    ("engine: short way, all", "engine", "_issue_agreed"),
+    ("  header written", "engine", "_send_header"),
+    ("  links flushed", "engine", "_flush_links"),
+    ("    socket written", "link", "flush"),
+    ("  started (issue and completion)", "engine", "_start"),
+    ("    issued (ctx.issue)", "ctx", "issue"),
+    ("    completion watched", "pool", "watch"),
+    ("    marked issued", "transfer", "_mark_issued"),
+)
+
+
+def _wrap_phases():
+    """Wraps each step of ``_PHASES`` in a timer; returns ``{label: [seconds, ...]}``."""
+    import tensorferry.p2p as tf
+    from tensorferry.p2p import _api, _link, _transfer
+
+    ctx = tf._context.current()
+    owners = {
+        "api": _api,
+        "transfer": _transfer.Transfer,
+        "engine": ctx.engine,
+        "ctx": ctx,
+        "pool": ctx.completions,
+        "link": _link.Link,
+    }
+    spent = {}
+    for label, owner_name, attr in _PHASES:
+        owner = owners[owner_name]
+        inner = getattr(owner, attr)
+        spent[label] = []
+
+        def timed(*args, _inner=inner, _times=spent[label], **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _times.append(time.perf_counter() - t0)
+
+        setattr(owner, attr, timed)
+    return spent
+
+
+def _worker(rank, port, device, profile, queue):
+    import tensorferry.p2p as tf
+    from tensorferry.p2p._transport import register_transport
+
+    tf.init(
+        "gloo" if device == "cpu" else "nccl",
+        rank=rank,
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        device=device,
+        timeout=120,
+    )
+    try:
+        register_transport("null", _null_transport(torch.device(device).type), replace=True)
+        x = torch.ones(256, device=device)
+        prof = cProfile.Profile() if profile == "profile" and rank == 0 else None
+        if profile == "phases" and rank == 0:
+            spent = _wrap_phases()
+            _measure(rank, x, True, None)
+            medians = {k: statistics.median(v or [0]) * 1e6 for k, v in spent.items()}
+            queue.put((rank, {"phases": medians}))
+            return
+        if profile == "phases":
+            _measure(rank, x, True, None)
+            queue.put((rank, {}))
+            return
+        rows = {}
+        for _ in range(2):  # interleaved: this machine's host times drift
+            for short in (True, False):
+                for name, value in _measure(rank, x, short, prof).items():
+                    key = f"{name}, short way {'on' if short else 'off'}"
+                    rows.setdefault(key, []).append(value)
+        out = {"rows": rows}
+        if prof is not None:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            out["profile"] = text.getvalue()
+        queue.put((rank, out))
+    finally:
+        tf.shutdown()
+
+
+def main():
+    device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mode = next((a[2:] for a in sys.argv if a in ("--profile", "--phases")), None)
+    args = (port, device, mode, queue)
+    procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    deadline = time.monotonic() + 300
+    while len(results) < len(procs):
+        try:
+            rank, out = queue.get(timeout=1)
+            results[rank] = out
+        except Exception:  # queue.Empty: a rank that died will never answer
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    for proc in procs:
+        proc.join(30)
+    if "phases" in results[0]:
+        print(f"median µs per call in each step of a short-way send on {device} (rank 0):")
+        for label, value in results[0]["phases"].items():
+            print(f"  {label:34s} {value:8.1f}")
+        return
+    print(f"host µs per message on {device} (rank 0 sends), two interleaved runs:")
+    for name, values in sorted(results[0]["rows"].items()):
+        print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
+    print(results[0].get("profile", ""))
+
+
+if __name__ == "__main__":
+    main()
