@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin ce-overlap ce-probe ce-tests trace
+#   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
 #   trace-nospeculate trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe profile-pingpong profile-graph
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
-# p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off.
+# p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off;
+# batch-noshort runs the batch benchmark without the engine's short way (an A/B with batch).
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -56,6 +57,8 @@ for s in $steps; do
       --device cuda --large-mib 0 ;;
     batch-nospin) step batch-nospin 45 env TENSORFERRY_SPIN_US=0 tensorferry bench batch \
       --device cuda ;;
+    batch-noshort) step batch-noshort 45 env TENSORFERRY_P2P_SHORT_PATH=0 tensorferry bench batch \
+      --device cuda --out "$R/noshort" ;;
     graph) step graph 160 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
     overlap) step overlap 240 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;

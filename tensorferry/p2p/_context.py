@@ -30,7 +30,7 @@ from tensorferry.p2p._transport import (
     registered_transports,
     registry_version,
 )
-from tensorferry.runtime._events import recycle
+from tensorferry.runtime._events import record_on_stream, recycle, stream_wait
 from tensorferry.runtime._stream_switch import on_stream
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
@@ -115,6 +115,9 @@ class P2PContext:
         Raises:
             ValueError: ``name`` is not registered.
         """
+        transport = self._transports.get(name)  # made already: no lock (several per call)
+        if transport is not None:
+            return transport
         with self._transports_lock:
             transport = self._transports.get(name)
             if transport is not None:
@@ -193,14 +196,12 @@ class P2PContext:
         stream = self.send_stream if has_send else self.recv_stream
         with on_stream(stream):
             if unit.caller_event is not None:
-                stream.wait_event(unit.caller_event)
+                stream_wait(stream, unit.caller_event)
                 recycle(unit.caller_event)  # the wait is enqueued: free to record again
                 unit.caller_event = None
             for name, ops in cuda_groups.items():
                 unit.pending.append(self.transport(name).start(ops, stream=stream))
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
+            return record_on_stream(stream)  # the Transfer recycles it (Transfer.__del__)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

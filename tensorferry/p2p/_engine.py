@@ -62,6 +62,7 @@ from tensorferry.p2p import _link
 from tensorferry.p2p._engine_faults import PairFaults, mirrored
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare, descriptor_from_text, descriptor_text
+from tensorferry.runtime._events import is_done
 from tensorferry.runtime._spin import spin_window_s
 from tensorferry.runtime._wakeup import write_wakeup
 
@@ -85,6 +86,11 @@ def _error_of(frame: dict, what: str) -> BaseException:
     text = f"{what}: {frame.get('msg', '')}"
     return MismatchError(text, field=frame.get("field")) if cls is MismatchError else cls(text)
 
+
+# A transfer issued ahead of the peer's header, polled for completion, runs an engine step to
+# read the peer's frames unless one ended this recently (seconds): polling many transfers in
+# a row would otherwise run a step for each, and with them every frame read once is enough.
+_RESTEP_S = 20e-6
 
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
@@ -126,6 +132,8 @@ class Engine(PairFaults):
         # Set on a thread while it runs an engine step: a transfer's ready() called from
         # inside one (fault handling) must not start another (see _issue).
         self._stepping = threading.local()
+        # When the last engine step ended (on any thread): see _RESTEP_S.
+        self._stepped_at = 0.0
         # When the engine thread's select returns at the latest: a unit due earlier wakes it.
         self._wakes_at = 0.0
         # Callers polling drive() now, and whether the engine thread watches the peers' links
@@ -279,6 +287,7 @@ class Engine(PairFaults):
             self._step(events, accept)
         finally:
             self._stepping.on = False
+            self._stepped_at = time.monotonic()
 
     def _step(self, events: list, accept: Unit | None) -> None:
         for key, mask in events:
@@ -902,8 +911,10 @@ class Engine(PairFaults):
                 return True
             # Issued ahead of the peer's header (see _speculate): whoever polls reads the
             # peer's frames (a caller waiting, the completion pool), so the engine thread need
-            # not be woken for them.
-            self.drive()
+            # not be woken for them. One step reads them for every transfer in flight: those
+            # polled right after it (a sweep of many) do not take another.
+            if time.monotonic() - self._stepped_at > _RESTEP_S:
+                self.drive()
             return all(m.confirmed for m in messages)
 
         def ready() -> bool:
@@ -913,7 +924,7 @@ class Engine(PairFaults):
             return (
                 confirmed()
                 and all(p.ready() for p in pending)
-                and (done_event is None or done_event.query())
+                and (done_event is None or is_done(done_event))
             )
 
         future = self.ctx.completions.watch(

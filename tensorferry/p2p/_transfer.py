@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from tensorferry.errors import TransferTimeoutError
+from tensorferry.runtime._events import recycle, stream_wait
 from tensorferry.runtime._spin import spin_until
 
 __all__ = ["Transfer"]
@@ -183,7 +184,7 @@ class Transfer:
         import torch
 
         target = stream if stream is not None else torch.cuda.current_stream()
-        target.wait_event(self._done_event)
+        stream_wait(target, self._done_event)
 
     # ------------------------------------------------------------------ internals (p2p layer)
     def _mark_issued(
@@ -296,6 +297,14 @@ class Transfer:
             ) from None
         except CancelledError:
             return TransferTimeoutError(f"{self.description}: cancelled")
+
+    def __del__(self) -> None:
+        # Nothing can wait on or poll the completion event any more (whatever polls it holds
+        # this transfer): it goes back to the pool, to be recorded again.
+        event = self._done_event
+        if event is not None and self._future.done():
+            with contextlib.suppress(Exception):  # at interpreter exit, say
+                recycle(event)
 
     def __repr__(self) -> str:
         if not self._future.done():

@@ -1,15 +1,16 @@
-"""Recording a CUDA event on the caller's stream without letting go of the GIL.
+"""CUDA events on the p2p critical path, without letting go of the GIL.
 
 Every p2p call records an event on the caller's current stream (the transfer is ordered after
-the work queued there). ``torch.cuda.Event.record`` releases the GIL around the CUDA call; any
-other thread of the process that wants the GIL (the issuing thread, handling a peer's header)
-then takes it and the caller waits for that thread's whole turn — on the GPU machine that made
-the record cost 40–60 µs of a ``tf.send`` call. Here events come from a pool (made once, reused
-once their consumer has been enqueued) and are recorded through the CUDA runtime's
-``cudaEventRecord`` called with the GIL held (``ctypes.PyDLL``), a few microseconds.
+the work queued there), makes the transfer's stream wait for it, and records a completion event
+after the transfer, which waiting threads then poll. torch's ``Event.record``, ``Event.wait``
+and ``Event.query`` release the GIL around the CUDA call; any other thread of the process that
+wants the GIL (the issuing thread, handling a peer's header) then takes it and the caller waits
+for that thread's whole turn — on the GPU machine that made one record cost 40–60 µs of a
+``tf.send`` call. Here events come from a pool (made once, reused once nothing can wait on them
+any more) and the CUDA runtime's ``cudaEventRecord``, ``cudaStreamWaitEvent`` and
+``cudaEventQuery`` are called with the GIL held (``ctypes.PyDLL``): each a microsecond or less.
 
-Falls back to ``torch.cuda.Event.record`` when the runtime library cannot be loaded or the call
-fails.
+Falls back to torch's calls when the runtime library cannot be loaded or a call fails.
 """
 
 from __future__ import annotations
@@ -18,82 +19,106 @@ import collections
 import ctypes
 import logging
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["record_on_current_stream", "recycle"]
+__all__ = ["is_done", "record_on_current_stream", "record_on_stream", "recycle", "stream_wait"]
 
 log = logging.getLogger(__name__)
 
 # Created events free to record again, per device index.
 _free: dict[int, collections.deque] = {}
-_record: Any = None
-_record_checked = False
+_calls: Any = None
+_calls_checked = False
 _lock = threading.Lock()
 _MAX_FREE = 1024
+_NOT_READY = 600  # cudaErrorNotReady
 
 
-def _load_record() -> Any:
+class _Runtime(NamedTuple):
+    """The CUDA runtime calls made with the GIL held."""
+
+    record: Any  # cudaEventRecord(event, stream)
+    wait: Any  # cudaStreamWaitEvent(stream, event, flags)
+    query: Any  # cudaEventQuery(event)
+
+
+def _load_calls() -> _Runtime | None:
     from tensorferry.runtime._cuda_streams import _load_cudart
 
     try:
         lib = ctypes.PyDLL(_load_cudart()._name)  # same library, called with the GIL held
-        fn = lib.cudaEventRecord
+        calls = _Runtime(lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaEventQuery)
     except (OSError, RuntimeError, AttributeError) as exc:
-        log.debug("events: no GIL-holding cudaEventRecord (%s); using torch's", exc)
+        log.debug("events: no GIL-holding CUDA event calls (%s); using torch's", exc)
         return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
+    calls.record.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+    calls.wait.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+    calls.query.argtypes = (ctypes.c_void_p,)
+    for fn in calls:
+        fn.restype = ctypes.c_int
+    return calls
 
 
-def _recorder() -> Any:
-    global _record, _record_checked
-    if not _record_checked:
+def _runtime() -> _Runtime | None:
+    global _calls, _calls_checked
+    if not _calls_checked:
         with _lock:
-            if not _record_checked:
-                _record = _checked(_load_record())
-                _record_checked = True
-    return _record
+            if not _calls_checked:
+                _calls = _checked(_load_calls())
+                _calls_checked = True
+    return _calls
 
 
-def _checked(record: Any) -> Any:
-    """``record`` if it demonstrably records on torch's current stream, else ``None``: an
-    event recorded behind a long kernel must be pending, then fire."""
-    if record is None:
+def _checked(calls: _Runtime | None) -> _Runtime | None:
+    """``calls`` if they demonstrably work on torch's events and streams, else ``None``: an
+    event recorded behind a long kernel must be pending, a stream made to wait for it must
+    wait, and it must fire."""
+    if calls is None:
         return None
-    stream = torch.cuda.Stream()  # a private one: the caller's stream is not synchronised
-    event = torch.cuda.Event()
-    event.record(stream)
+    stream, waiter = torch.cuda.Stream(), torch.cuda.Stream()  # private: nobody else waits
+    event, after = torch.cuda.Event(), torch.cuda.Event()
+    event.record(stream)  # creates the CUDA events
+    after.record(waiter)
     stream.synchronize()
+    waiter.synchronize()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(20_000_000)  # tens of milliseconds of spinning on the device
-    code = record(event.cuda_event, stream.cuda_stream)
-    pending = not event.query()
+    codes = [calls.record(event.cuda_event, stream.cuda_stream)]
+    codes.append(calls.wait(waiter.cuda_stream, event.cuda_event, 0))
+    codes.append(calls.record(after.cuda_event, waiter.cuda_stream))
+    pending = calls.query(event.cuda_event) == _NOT_READY and not after.query()
     stream.synchronize()
-    if code != 0 or not pending or not event.query():
-        log.warning("events: cudaEventRecord through ctypes did not behave (%s); using torch", code)
+    waiter.synchronize()
+    fired = calls.query(event.cuda_event) == 0 and event.query() and after.query()
+    if any(codes) or not pending or not fired:
+        log.warning("events: CUDA event calls through ctypes misbehaved (%s); using torch", codes)
         return None
     recycle(event)
-    return record
+    recycle(after)
+    return calls
+
+
+def _pooled(index: int) -> Any:
+    free = _free.get(index)
+    if free:
+        try:
+            return free.popleft()
+        except IndexError:  # another thread took the last one
+            pass
+    return None
 
 
 def record_on_current_stream() -> torch.cuda.Event:
     """An event recorded on the current CUDA stream (see the module docstring)."""
-    record = _recorder()
-    if record is not None:
+    calls = _runtime()
+    if calls is not None:
         index = torch.cuda.current_device()
-        free = _free.get(index)
-        event = None
-        if free:
-            try:
-                event = free.popleft()
-            except IndexError:  # another thread took the last one
-                event = None
+        event = _pooled(index)
         if event is not None:
             # The raw handle of the current stream: torch's Stream object costs microseconds.
-            if record(event.cuda_event, torch._C._cuda_getCurrentRawStream(index)) == 0:
+            if calls.record(event.cuda_event, torch._C._cuda_getCurrentRawStream(index)) == 0:
                 return event
             _disable("cudaEventRecord failed")
     event = torch.cuda.Event()
@@ -101,9 +126,43 @@ def record_on_current_stream() -> torch.cuda.Event:
     return event
 
 
+def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded on ``stream``."""
+    calls = _runtime()
+    if calls is not None:
+        event = _pooled(stream.device_index)
+        if event is not None:
+            if calls.record(event.cuda_event, stream.cuda_stream) == 0:
+                return event
+            _disable("cudaEventRecord failed")
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def stream_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    """Makes ``stream`` wait on the device for ``event`` (``stream.wait_event(event)``)."""
+    calls = _runtime()
+    if calls is not None and calls.wait(stream.cuda_stream, event.cuda_event, 0) == 0:
+        return
+    stream.wait_event(event)
+
+
+def is_done(event: torch.cuda.Event) -> bool:
+    """``event.query()``: whether the work before the event's record finished."""
+    calls = _runtime()
+    if calls is not None:
+        code = calls.query(event.cuda_event)
+        if code == 0:
+            return True
+        if code == _NOT_READY:
+            return False
+    return event.query()  # torch raises the CUDA error, if any
+
+
 def recycle(event: Any) -> None:
     """Returns ``event`` to the pool: only once every wait on it has been enqueued (a later
-    record does not change what an enqueued wait waits for)."""
+    record does not change what an enqueued wait waits for) and nothing polls it any more."""
     if event is None:
         return
     free = _free.setdefault(event.device.index, collections.deque())
@@ -112,6 +171,6 @@ def recycle(event: Any) -> None:
 
 
 def _disable(why: str) -> None:
-    global _record
-    log.warning("events: %s; recording with torch from now on", why)
-    _record = None
+    global _calls
+    log.warning("events: %s; using torch's event calls from now on", why)
+    _calls = None

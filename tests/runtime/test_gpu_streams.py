@@ -125,7 +125,7 @@ def test_default_process_pool_with_real_devices():
 def test_caller_events_follow_the_current_stream_and_are_reused(device):
     from tensorferry.runtime import _events
 
-    _events._recorder()  # its one-time check takes device time: not inside the timed part
+    _events._runtime()  # its one-time check takes device time: not inside the timed part
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
         seen = set()
@@ -139,5 +139,25 @@ def test_caller_events_follow_the_current_stream_and_are_reused(device):
             assert event.query()
             seen.add(id(event))
             _events.recycle(event)
-        if _events._recorder() is not None:
+        if _events._runtime() is not None:
             assert len(seen) == 1, "a recycled event is recorded again, not remade"
+
+
+def test_stream_waits_and_queries_through_the_event_calls():
+    from tensorferry.runtime import _events
+
+    _events._runtime()
+    stream, waiter = torch.cuda.Stream(), torch.cuda.Stream()
+    for _ in range(3):  # pooled events come back and are recorded again
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+        done = _events.record_on_stream(stream)
+        _events.stream_wait(waiter, done)
+        after = _events.record_on_stream(waiter)
+        assert not _events.is_done(done), "recorded behind a running kernel: still pending"
+        assert not _events.is_done(after), "the waiting stream must wait for it"
+        waiter.synchronize()
+        assert _events.is_done(done) and _events.is_done(after)
+        assert done.query() and after.query()
+        _events.recycle(done)
+        _events.recycle(after)
