@@ -353,12 +353,18 @@ class Engine(PairFaults):
                     return
                 self._update_interest(link)
             if mask & selectors.EVENT_READ:
-                frames = link.receive()
-                if frames is None:
-                    self._on_link_lost(link)
-                    return
-                for frame in frames:
-                    self._on_frame(link, frame)
+                self._read_link(link)
+
+    def _read_link(self, link: _link.Link) -> int:
+        """Handles the frames that came on ``link``; returns their count, or -1 when the link
+        was lost."""
+        frames = link.receive()
+        if frames is None:
+            self._on_link_lost(link)
+            return -1
+        for frame in frames:
+            self._on_frame(link, frame)
+        return len(frames)
 
     def _update_interest(self, link: _link.Link) -> None:
         if link.closed:
@@ -835,19 +841,25 @@ class Engine(PairFaults):
         """The short way for the common case of a static channel: a lone message that keeps its
         channel's agreement, with nothing of the channel still waiting, is numbered, announced
         and issued at once, without a full engine step (reading every link, scanning every
-        channel and unit). Returns false, having changed nothing, when anything is unusual;
-        the full step then handles it (a broken promise, a fault, a peer still being set up).
+        channel and unit). Returns false when anything is unusual, having changed nothing but
+        handled the frames it read; the full step then handles it (a broken promise, a fault,
+        a peer still being set up).
 
-        What it skips is what that step would find empty or settled: the peer's frames that
-        arrived since the last step are read by whoever next polls (a caller waiting, the
-        completion pool, the engine thread), as for frames that arrive a moment later."""
+        Like that step it first reads what the peer sent (on the caller's thread: otherwise
+        the engine thread wakes for it and takes turns at the GIL with the caller); a fault
+        among it is handled before the checks. Other peers' frames wait for the next step."""
         if len(unit.messages) != 1 or unit.after is not None or self._stopping:
             return False
         message = unit.messages[0]
         if not message.static:
             return False
         peer = self._peers.get(message.op.peer)
-        if peer is None or peer.lost is not None or peer.link is None or peer.debts:
+        if peer is None or peer.link is None:
+            return False
+        read = self._read_link(peer.link)
+        if read and not self._on_frames_read(peer):
+            return False
+        if peer.lost is not None or peer.link is None or peer.debts:
             return False
         kind = message.op.kind
         channel: ChannelState = peer.channels[kind]
@@ -887,6 +899,16 @@ class Engine(PairFaults):
         else:
             message.header = False
         self._start(unit)
+        return True
+
+    def _on_frames_read(self, peer: PeerState) -> bool:
+        """After the short way read ``peer``'s frames: confirms the messages they confirm, and
+        returns false when other units wait (what the frames let go is for a full step)."""
+        if self._units:
+            return False
+        for kind in ("send", "recv"):
+            if peer.channels[kind].unconfirmed:
+                self._confirm(peer, kind)
         return True
 
     def _start(self, unit: Unit) -> None:
