@@ -18,7 +18,10 @@ Each row is measured with the engine's short way for agreed static messages on a
 ``lone cpu`` is the sending thread's own CPU time per call: where it is well below ``lone
 call``, the thread waited (for the GIL, most likely, held by another of the process's threads).
 
-Usage: ``python scripts/send_overhead_probe.py [--cpu] [--profile | --phases]``
+``--nccl`` (two GPUs) runs the same over the real NCCL transport, one GPU per rank: the wire
+back in, for comparison.
+
+Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases]``
 (``--profile``: the short-way ``tf.send`` calls of the lone rows under ``cProfile``, its 25
 costliest functions; ``--phases``: median µs per call spent in the main steps of a short-way
 send, timed by wrappers, which add a little each).
@@ -65,6 +68,9 @@ def _null_transport(device_type):
     return Null
 
 
+TRANSPORT = "null"
+
+
 def _measure(rank, x, short, prof):
     import tensorferry.p2p as tf
 
@@ -77,11 +83,11 @@ def _measure(rank, x, short, prof):
         if rank == 0:
             if prof is not None and short and i >= 20:
                 prof.enable()
-            handle = tf.send(x, peer, static=True, transport="null")
+            handle = tf.send(x, peer, static=True, transport=TRANSPORT)
             if prof is not None:
                 prof.disable()
         else:
-            handle = tf.recv(x, peer, static=True, transport="null")
+            handle = tf.recv(x, peer, static=True, transport=TRANSPORT)
         t1 = time.perf_counter()
         c1 = time.thread_time()
         handle.wait()
@@ -95,9 +101,9 @@ def _measure(rank, x, short, prof):
         for _ in range(BURST):
             t1 = time.perf_counter()
             if rank == 0:
-                handles.append(tf.send(x, peer, static=True, transport="null"))
+                handles.append(tf.send(x, peer, static=True, transport=TRANSPORT))
             else:
-                handles.append(tf.recv(x, peer, static=True, transport="null"))
+                handles.append(tf.recv(x, peer, static=True, transport=TRANSPORT))
             if i >= 2:
                 burst_call.append(time.perf_counter() - t1)
         for handle in handles:
@@ -130,6 +136,8 @@ _PHASES = (
     ("    issued (ctx.issue)", "ctx", "issue"),
     ("    completion watched", "pool", "watch"),
     ("    marked issued", "transfer", "_mark_issued"),
+    ("      transport's start", "transport", "start"),
+    ("        ncclGroupEnd", "nccl_lib", "group_end"),
 )
 
 
@@ -137,6 +145,7 @@ def _wrap_phases():
     """Wraps each step of ``_PHASES`` in a timer; returns ``{label: [seconds, ...]}``."""
     import tensorferry.p2p as tf
     from tensorferry.p2p import _api, _link, _transfer
+    from tensorferry.p2p._nccl_lib import library as nccl_library
 
     ctx = tf._context.current()
     owners = {
@@ -146,10 +155,14 @@ def _wrap_phases():
         "ctx": ctx,
         "pool": ctx.completions,
         "link": _link.Link,
+        "transport": ctx.transport(TRANSPORT),
+        "nccl_lib": nccl_library() if TRANSPORT == "nccl" else None,
     }
     spent = {}
     for label, owner_name, attr in _PHASES:
         owner = owners[owner_name]
+        if owner is None:
+            continue
         inner = getattr(owner, attr)
         spent[label] = []
 
@@ -164,7 +177,9 @@ def _wrap_phases():
     return spent
 
 
-def _worker(rank, port, device, profile, queue):
+def _worker(rank, port, device, profile, queue, transport):
+    global TRANSPORT
+    TRANSPORT = transport
     import tensorferry.p2p as tf
     from tensorferry.p2p._transport import register_transport
 
@@ -207,6 +222,7 @@ def _worker(rank, port, device, profile, queue):
 
 
 def main():
+    nccl = "--nccl" in sys.argv
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,8 +230,14 @@ def main():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     mode = next((a[2:] for a in sys.argv if a in ("--profile", "--phases")), None)
-    args = (port, device, mode, queue)
-    procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, port, f"cuda:{rank}" if nccl else device, mode, queue),
+            kwargs={"transport": "nccl" if nccl else "null"},
+        )
+        for rank in range(2)
+    ]
     for proc in procs:
         proc.start()
     results = {}
@@ -233,11 +255,14 @@ def main():
     for proc in procs:
         proc.join(30)
     if "phases" in results[0]:
-        print(f"median µs per call in each step of a short-way send on {device} (rank 0):")
+        print(
+            f"median µs per call in each step of a short-way send{' over NCCL' if nccl else ''} on {device} (rank 0):"
+        )
         for label, value in results[0]["phases"].items():
             print(f"  {label:34s} {value:8.1f}")
         return
-    print(f"host µs per message on {device} (rank 0 sends), two interleaved runs:")
+    where = "over NCCL, one GPU per rank" if nccl else f"with no wire, on {device}"
+    print(f"host µs per message {where} (rank 0 sends), two interleaved runs:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
     print(results[0].get("profile", ""))
