@@ -255,9 +255,8 @@ def main():
     for proc in procs:
         proc.join(30)
     if "phases" in results[0]:
-        print(
-            f"median µs per call in each step of a short-way send{' over NCCL' if nccl else ''} on {device} (rank 0):"
-        )
+        over = " over NCCL" if nccl else ""
+        print(f"median µs per call in each step of a short-way send{over} on {device} (rank 0):")
         for label, value in results[0]["phases"].items():
             print(f"  {label:34s} {value:8.1f}")
         return
