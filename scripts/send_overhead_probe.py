@@ -23,8 +23,8 @@ back in, for comparison.
 
 Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases]``
 (``--profile``: the short-way ``tf.send`` calls of the lone rows under ``cProfile``, its 25
-costliest functions; ``--phases``: median µs per call spent in the main steps of a short-way
-send, timed by wrappers, which add a little each).
+costliest functions; ``--phases``: median µs per lone call spent in the main steps of a
+short-way send, timed by wrappers, which add a little each).
 """
 
 import cProfile
@@ -71,7 +71,7 @@ def _null_transport(device_type):
 TRANSPORT = "null"
 
 
-def _measure(rank, x, short, prof):
+def _measure(rank, x, short, prof, bursts=True):
     import tensorferry.p2p as tf
 
     tf._context.current().engine._short_path = short
@@ -95,7 +95,7 @@ def _measure(rank, x, short, prof):
             lone_call.append(t1 - t0)
             lone_cpu.append(c1 - c0)
             lone_round.append(time.perf_counter() - t0)
-    for i in range(ROUNDS // 8 + 2):
+    for i in range(ROUNDS // 8 + 2 if bursts else 0):
         handles = []
         t0 = time.perf_counter()
         for _ in range(BURST):
@@ -112,7 +112,7 @@ def _measure(rank, x, short, prof):
             burst_round.append(time.perf_counter() - t0)
 
     def med(values):
-        return statistics.median(values) * 1e6
+        return statistics.median(values) * 1e6 if values else float("nan")
 
     return {
         "lone call": med(lone_call),
@@ -129,6 +129,7 @@ _PHASES = (
     ("caller's event (_api._caller_event)", "api", "_caller_event"),
     ("Transfer()", "transfer", "__init__"),
     ("engine: short way, all", "engine", "_issue_agreed"),
+    ("  peer's frames read", "engine", "_read_link"),
     ("  header written", "engine", "_send_header"),
     ("  links flushed", "engine", "_flush_links"),
     ("    socket written", "link", "flush"),
@@ -197,12 +198,12 @@ def _worker(rank, port, device, profile, queue, transport):
         prof = cProfile.Profile() if profile == "profile" and rank == 0 else None
         if profile == "phases" and rank == 0:
             spent = _wrap_phases()
-            _measure(rank, x, True, None)
+            _measure(rank, x, True, None, bursts=False)
             medians = {k: statistics.median(v or [0]) * 1e6 for k, v in spent.items()}
             queue.put((rank, {"phases": medians}))
             return
         if profile == "phases":
-            _measure(rank, x, True, None)
+            _measure(rank, x, True, None, bursts=False)
             queue.put((rank, {}))
             return
         rows = {}
