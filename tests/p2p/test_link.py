@@ -1,0 +1,92 @@
+"""The p2p side channel's framing (``tensorferry.p2p._link``), on a loopback connection."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tensorferry.p2p._link import _LEN, Link
+
+
+@pytest.fixture
+def pair():
+    server = socket.create_server(("127.0.0.1", 0))
+    writer = socket.create_connection(server.getsockname())
+    reader, _ = server.accept()
+    server.close()
+    link = Link(reader, peer=1)
+    yield link, writer
+    link.close()
+    writer.close()
+
+
+def read_until(link: Link, count: int) -> list:
+    frames: list = []
+    deadline = time.monotonic() + 5
+    while len(frames) < count and time.monotonic() < deadline:
+        got = link.receive()
+        assert got is not None, "the link reported a lost peer"
+        frames.extend(got)
+    return frames
+
+
+def encoded(frame: dict) -> bytes:
+    payload = json.dumps(frame, separators=(",", ":")).encode()
+    return _LEN.pack(len(payload)) + payload
+
+
+def test_frames_that_come_together_or_in_pieces_are_read_whole(pair):
+    link, writer = pair
+    frames = [
+        {"k": "h", "e": 0, "c": "s", "q": i, "d": "float32:256", "st": True} for i in range(500)
+    ]
+    wire = b"".join(encoded(f) for f in frames)
+    writer.sendall(wire[:7])  # not even a whole length prefix
+    assert link.receive() == []
+    writer.sendall(wire[7:1000])  # a frame cut in the middle
+    writer.sendall(wire[1000:])
+    assert read_until(link, 500) == frames
+    assert link.receive() == []  # nothing left over
+
+
+def test_the_frames_queue_writes_are_read_back(pair):
+    link, writer = pair
+    sender = Link(writer, peer=0)
+    sender.queue({"k": "f", "e": 3, "msg": 'a "quoted" reason, é'})
+    sender.queue(b'{"k":"h","e":0,"c":"r","q":7,"d":"","st":false,"t":"nccl"}')
+    sender.flush()
+    assert read_until(link, 2) == [
+        {"k": "f", "e": 3, "msg": 'a "quoted" reason, é'},
+        {"k": "h", "e": 0, "c": "r", "q": 7, "d": "", "st": False, "t": "nccl"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        _LEN.pack(1 << 30) + b"x",  # a length no frame has
+        _LEN.pack(4) + b"[1] ",  # JSON, but not a frame of ours
+        _LEN.pack(5) + b"{} {}",  # trailing bytes after the value
+    ],
+)
+def test_garbage_on_the_wire_counts_as_a_lost_peer(pair, garbage):
+    link, writer = pair
+    writer.sendall(encoded({"k": "bye"}) + garbage)
+    deadline = time.monotonic() + 5
+    got: list | None = []
+    while got is not None and time.monotonic() < deadline:
+        got = link.receive()
+    assert got is None
+
+
+def test_a_closed_connection_counts_as_a_lost_peer(pair):
+    link, writer = pair
+    writer.close()
+    deadline = time.monotonic() + 5
+    got: list | None = []
+    while got is not None and time.monotonic() < deadline:
+        got = link.receive()
+    assert got is None
