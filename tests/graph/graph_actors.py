@@ -110,3 +110,23 @@ class GpuCalc:
         x = x.to(self.device)
         torch.cuda._sleep(cycles)
         return x * 3
+
+
+def check_unsendable_results(graph, through, *, numel: int, timeout: float) -> None:
+    """Runs a graph of ``lock_if`` whose result goes to the driver and through another actor
+    (``through(x)`` is what that one returns): an execution whose result cannot be pickled
+    fails alone with ``ActorError``, and the ones around it return whole."""
+    import pytest
+
+    import tensorferry as tf
+
+    for flag in (False, True, False, True, False):
+        x = torch.randn(numel)
+        ref = graph.execute(x, flag)
+        if flag:
+            with pytest.raises(tf.ActorError, match=r"lock_if.* cannot be pickled"):
+                ref.get(timeout=timeout)
+        else:
+            direct, passed_on = ref.get(timeout=timeout)
+            assert torch.equal(direct.cpu(), x), "the result that went to the driver"
+            assert torch.equal(passed_on, through(x)), "the result that went through an actor"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from graph_actors import Broken, Calc
+from graph_actors import Broken, Calc, check_unsendable_results
 from killed_driver import kill_a_driver, no_segments
 
 import tensorferry as tf
@@ -266,15 +266,7 @@ def test_a_result_that_cannot_be_sent_fails_its_execution_only(trio, overlap):
         dag = MultiOutputNode([sent, b.add.bind(sent)])  # to the driver and to another actor
     graph = dag.compile(overlap_communication=overlap)
     try:
-        for flag in (False, True, False, True, False):
-            x = torch.randn(4)
-            ref = graph.execute(x, flag)
-            if flag:
-                with pytest.raises(tf.ActorError, match=r"lock_if.* cannot be pickled"):
-                    ref.get(timeout=10)
-            else:
-                direct, added = ref.get(timeout=10)
-                assert torch.equal(direct, x) and torch.equal(added, x + 10.0)
+        check_unsendable_results(graph, lambda x: x + 10.0, numel=4, timeout=10)
     finally:
         graph.teardown(kill_actors=False)
 
