@@ -298,6 +298,31 @@ def static_channel(rank: int, world: int, steps: int, transport: str = "auto") -
     return "ok"
 
 
+def short_way_count(rank: int, world: int, steps: int, transport: str, short: bool) -> int:
+    """How many of ``steps`` lone static messages took the engine's short way (see
+    ``Engine._issue_agreed``) on this rank, with it switched ``short``; every one arrives."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return -1
+    engine = _context.current().engine
+    taken = []
+    plain = engine._issue_agreed
+
+    def counted(unit):
+        went = plain(unit)
+        taken.append(went)
+        return went
+
+    engine._issue_agreed, engine._short_path = counted, short
+    try:
+        static_channel(rank, world, steps, transport)
+    finally:
+        del engine._issue_agreed
+        engine._short_path = True
+    return sum(taken)
+
+
 def static_broken(rank: int, world: int, transport: str = "auto", breaker: int = 0) -> str | None:
     """After the static agreement, rank ``breaker`` (0 sends, 1 receives) changes the shape:
     both sides must raise."""

@@ -204,6 +204,17 @@ def test_static_messages_issue_ahead_of_the_peers_header(pool):
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD
 
 
+def test_lone_static_messages_take_the_short_way_once_agreed(pool):
+    register = pool.run("register_speculating_gloo")
+    assert all(register)
+    for transport in ("gloo", "gloo-spec"):  # headers skipped; headers kept, issued ahead
+        assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
+        # The first message sets the agreement; every later one goes the short way.
+        assert pool.run("short_way_count", 20, transport, True)[:2] == [19, 19], transport
+        assert pool.run("short_way_count", 20, transport, False)[:2] == [0, 0]
+    assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]  # no agreement left behind
+
+
 @pytest.mark.parametrize("kind", ["count", "dtype", "shape"])
 def test_mismatch_raises_on_both_sides_and_pair_keeps_working(pool, kind):
     assert pool.run("mismatch", kind)[:2] == [kind, kind]
