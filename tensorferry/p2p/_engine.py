@@ -92,6 +92,16 @@ def _error_of(frame: dict, what: str) -> BaseException:
 # a row would otherwise run a step for each, and with them every frame read once is enough.
 _RESTEP_S = 20e-6
 
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether a preparation failed on the network: the peer, or the store between us, gone
+    (a rank that exits takes the store with it when it hosts it)."""
+    import torch.distributed as dist
+
+    network = getattr(dist, "DistNetworkError", ())
+    return isinstance(error, (ConnectionError, network)) and not isinstance(error, TensorFerryError)
+
+
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
 _DRIVEN_RECHECK_S = 0.005
@@ -638,7 +648,12 @@ class Engine(PairFaults):
             return
         peer.prepared.pop(key, None)
         transport = key[0]
-        if not isinstance(error, TensorFerryError):
+        if _unreachable(error):
+            error = PeerLostError(
+                f"{transport}: rank {rank} could not be reached while preparing the pair "
+                f"(has it exited?): {error}"
+            )
+        elif not isinstance(error, TensorFerryError):
             error = TransportError(
                 f"{transport}: preparing the pair with rank {rank} failed: {error}"
             )

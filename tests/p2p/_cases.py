@@ -711,6 +711,18 @@ def ring_among(rank: int, ranks: list[int]) -> str:
     return "ok"
 
 
+def leave_or_receive(rank: int, world: int) -> tuple:
+    """Rank 0, which hosts the world's store, leaves at once; rank 1 receives from it."""
+    if rank == 0:
+        return ("left",)
+    start = time.monotonic()
+    try:
+        tf.recv(torch.empty(4), 0, timeout=20).wait()
+    except Exception as exc:
+        return (type(exc).__name__, time.monotonic() - start, str(exc))
+    return ("received", time.monotonic() - start)
+
+
 def die(rank: int, world: int) -> None:
     os._exit(3)
 

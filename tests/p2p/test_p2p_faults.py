@@ -34,3 +34,14 @@ def test_peer_killed_mid_transfer(pool):
     # Rank 1 learns of the loss too (its side channel to rank 2 closed); 0 and 1 still talk.
     time.sleep(0.3)
     assert pool.run("after_loss", DOOMED, ranks=[0, 1]) == ["ok", "ok"]
+
+
+def test_a_peer_that_leaves_before_the_pair_is_made_is_reported_lost():
+    import _cases
+
+    from tensorferry.p2p._launch import run_world
+
+    left, (kind, seconds, message) = run_world(_cases.leave_or_receive, backend="gloo", timeout=20)
+    assert left == ("left",)
+    assert kind == "PeerLostError", message
+    assert "rank 0" in message and seconds < 15.0, (seconds, message)
