@@ -668,12 +668,29 @@ def init_twice(rank: int, world: int) -> str:
     raise AssertionError("second init with other settings did not raise")
 
 
-def recv_from_doomed(rank: int, world: int, doomed: int) -> dict:
-    """Rank 0 waits for a message from ``doomed`` (killed by the test meanwhile)."""
+def static_with(rank: int, world: int, other: int, transport: str) -> str:
+    """Ranks 0 and ``other`` agree on a static channel ``other`` → 0 (three messages)."""
+    if rank not in (0, other):
+        return "idle"
+    for step in range(3):
+        data = payload(other, 0, 700 + step, (1 << 16,), torch.float32)
+        if rank == other:
+            tf.send(data, 0, static=True, transport=transport).wait(T)
+        else:
+            got = tf.recv(tf.TensorSpec((1 << 16,)), other, static=True, transport=transport)
+            assert same_bytes(got.result(T), data), step
+    return "ok"
+
+
+def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto") -> dict:
+    """Rank 0 waits for a message from ``doomed`` (killed by the test meanwhile); over an
+    agreed static channel (see :func:`static_with`) when ``transport`` is given."""
     if rank != 0:
         return {}
     t0 = time.monotonic()
-    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, timeout=8.0)
+    static = transport != "auto"
+    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, timeout=8.0, static=static, transport=transport)
+    issued_ahead = h._issued.is_set()  # before the sender's header could come
     try:
         h.wait()
     except PeerLostError as exc:
@@ -683,6 +700,7 @@ def recv_from_doomed(rank: int, world: int, doomed: int) -> dict:
             "seconds": time.monotonic() - t0,
             "message": str(exc),
             "cache_keys": [list(k) for k in communicator_cache().keys()],  # noqa: SIM118
+            "issued_ahead": issued_ahead,
         }
     raise AssertionError("no PeerLostError")
 

@@ -36,6 +36,28 @@ def test_peer_killed_mid_transfer(pool):
     assert pool.run("after_loss", DOOMED, ranks=[0, 1]) == ["ok", "ok"]
 
 
+def test_peer_killed_with_a_static_receive_issued_ahead():
+    # The receive goes the engine's short way, issued before the doomed sender's header
+    # (speculating gloo): only the side channel's end tells rank 0 the sender is gone.
+    pool = WorkerPool(WORLD, transfer_timeout=10.0)
+    try:
+        assert all(pool.run("register_speculating_gloo"))
+        assert pool.run("static_with", DOOMED, "gloo-spec") == ["ok", "idle", "ok"]
+        pool._conns[0].send(("recv_from_doomed", (DOOMED, "gloo-spec")))
+        time.sleep(0.5)
+        pool.kill(DOOMED)
+        status, result = pool._receive(0, 15)
+        assert status == "ok", result
+        assert result["issued_ahead"], "the receive was not issued ahead of the header"
+        assert result["seconds"] < 8.0, "PeerLostError must come before the transfer timeout"
+        assert f"rank {DOOMED}" in result["message"]
+        assert ["gloo-spec", 0, DOOMED] not in result["cache_keys"], "the dead pair stays"
+        time.sleep(0.3)
+        assert pool.run("after_loss", DOOMED, ranks=[0, 1]) == ["ok", "ok"]
+    finally:
+        pool.close()
+
+
 def test_a_peer_that_leaves_before_the_pair_is_made_is_reported_lost():
     import _cases
 
