@@ -2,13 +2,13 @@
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
-#   trace-nospeculate trace-no-linger nvlink-configs nvlink-ceiling trace-graph
+#   trace-nospeculate trace-noshort trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   allgather symm-pairs stream-probe profile-pingpong profile-graph
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
 # p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off;
-# batch-noshort runs the batch benchmark without the engine's short way (an A/B with batch).
+# batch-noshort and trace-noshort run those without the engine's short way (A/Bs of it).
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -79,6 +79,8 @@ for s in $steps; do
     nvlink-ceiling) step nvlink-ceiling 240 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 2 scripts/nvlink_ceiling_probe.py ;;
     trace-nospeculate) step trace-nospeculate 75 python3 scripts/trace_pingpong.py --no-speculate \
+      --dump-after 45 ;;
+    trace-noshort) step trace-noshort 75 python3 scripts/trace_pingpong.py --no-short \
       --dump-after 45 ;;
     stream-probe) step stream-probe 90 python3 scripts/stream_create_probe.py ;;
     ce-probe) step ce-probe 60 python3 scripts/ce_overlap_probe.py ;;

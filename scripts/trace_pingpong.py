@@ -2,8 +2,11 @@
 
 Wraps the p2p layer's stages (call, accept, header out/in, issue, wait) with timestamps in both
 ranks (one clock: same host) and prints three iterations merged. NCCL on a 2-GPU machine, gloo
-otherwise.  Usage: ``python scripts/trace_pingpong.py [--no-speculate] [--dump-after S]``
+otherwise.  Usage: ``python scripts/trace_pingpong.py [--no-speculate] [--no-short]
+[--dump-after S]``
 
+``--no-short`` runs the ranks with ``TENSORFERRY_P2P_SHORT_PATH=0``: every message through a
+full step of the p2p engine, without the short way for agreed static messages (an A/B of it).
 ``--no-speculate`` runs the ranks with ``TENSORFERRY_NCCL_SPECULATE=0``: without the NCCL
 transport's speculative issue (agreed static messages issued before the peer's header; on by
 default).
@@ -164,6 +167,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-speculate", action="store_true")
+    parser.add_argument("--no-short", action="store_true")
     parser.add_argument("--dump-after", type=float, default=0.0)
     parser.add_argument("--no-linger", action="store_true")
     parser.add_argument("--watch-delay-ms", type=float, default=None)
@@ -171,6 +175,8 @@ if __name__ == "__main__":
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     if args.no_speculate:  # read when tf.init makes the transport, in the ranks this starts
         os.environ["TENSORFERRY_NCCL_SPECULATE"] = "0"
+    if args.no_short:  # read by the engine at tf.init
+        os.environ["TENSORFERRY_P2P_SHORT_PATH"] = "0"
     cfg = {
         "dump_after": args.dump_after,
         "no_linger": args.no_linger,
