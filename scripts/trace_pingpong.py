@@ -51,6 +51,8 @@ def patch():
         (_engine.Engine, "_accept", "accept"),
         (_engine.Engine, "_send_header", "hdr_out"),
         (_engine.Engine, "_issue", "issue"),
+        (_engine.Engine, "_issue_agreed", "short_way"),  # true when it issued the message
+        (_engine.Engine, "_read_link", "read_link"),
         (_transfer.Transfer, "wait_stream", "wait_stream"),
         (_context.P2PContext, "issue", "ctx.issue"),
         (_nccl.NcclTransport, "start", "nccl.start"),
