@@ -12,6 +12,9 @@ stream and hands a *unit* (one call, or one batch) to the engine, which then
    on helper threads, because preparing is a rendezvous) and every earlier message on its
    channels was issued — then hands the transport's pending ops to the completion pool.
 
+A lone message that keeps its static channel's agreement takes all three steps at once, on
+the caller's thread, without the generic step around them (:mod:`._engine_short`).
+
 Faults. A *pair fault* (deadline passed, transport error, static agreement broken, a unit
 failed half-way) fails every unfinished unit with that peer, aborts and evicts the pair's
 transport resources and moves the pair to its next *epoch*; a ``fault`` frame tells the peer,
@@ -60,6 +63,7 @@ from tensorferry.errors import (
 )
 from tensorferry.p2p import _link
 from tensorferry.p2p._engine_faults import PairFaults, mirrored
+from tensorferry.p2p._engine_short import ShortWay
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare, descriptor_from_text, descriptor_text
 from tensorferry.runtime._events import is_done
@@ -107,7 +111,7 @@ def _unreachable(error: BaseException) -> bool:
 _DRIVEN_RECHECK_S = 0.005
 
 
-class Engine(PairFaults):
+class Engine(PairFaults, ShortWay):
     """The p2p issuing thread of one process. Made by ``tf.init``, stopped by ``tf.shutdown``."""
 
     def __init__(self, ctx: P2PContext) -> None:
@@ -851,80 +855,6 @@ class Engine(PairFaults):
         for message in unit.messages:
             self._retire(self._peers[message.op.peer].channels[message.op.kind], message.seq)
         self._start(unit)
-
-    def _issue_agreed(self, unit: Unit) -> bool:
-        """The short way for the common case of a static channel: a lone message that keeps its
-        channel's agreement, with nothing of the channel still waiting, is numbered, announced
-        and issued at once, without a full engine step (reading every link, scanning every
-        channel and unit). Returns false when anything is unusual, having changed nothing but
-        handled the frames it read; the full step then handles it (a broken promise, a fault,
-        a peer still being set up).
-
-        Like that step it first reads what the peer sent (on the caller's thread: otherwise
-        the engine thread wakes for it and takes turns at the GIL with the caller); a fault
-        among it is handled before the checks. Other peers' frames wait for the next step."""
-        if len(unit.messages) != 1 or unit.after is not None or self._stopping:
-            return False
-        message = unit.messages[0]
-        if not message.static:
-            return False
-        peer = self._peers.get(message.op.peer)
-        if peer is None or peer.link is None:
-            return False
-        read = self._read_link(peer.link)
-        if read and not self._on_frames_read(peer):
-            return False
-        if peer.lost is not None or peer.link is None or peer.debts:
-            return False
-        kind = message.op.kind
-        channel: ChannelState = peer.channels[kind]
-        seq = channel.next_seq
-        if (
-            channel.static_desc is None
-            or channel.waiting
-            or channel.held
-            or channel.issue_next != seq
-            or message.transport != channel.static_transport
-            or message.desc != channel.static_desc
-            or peer.numbered_debts.get(kind, (0, None))[0]
-            or peer.prepared.get((message.transport, kind)) != "done"
-        ):
-            return False
-        transport = self.ctx.transport(message.transport)
-        speculates = transport.static_speculates
-        if not (speculates or transport.static_skips_headers):
-            return False
-        frame = channel.peer_headers.get(seq)
-        if frame is not None:
-            try:
-                self._compare_header(peer, message, frame)
-            except MismatchError:
-                return False  # the full step reports it (and faults the pair)
-            del channel.peer_headers[seq]
-        message.seq, message.epoch = seq, peer.epoch
-        message.resolved = True
-        channel.next_seq = channel.issue_next = seq + 1
-        if speculates:  # the peer checks every message against its own (see _confirm)
-            message.header = True
-            self._send_header(peer, message)
-            if frame is None:
-                message.confirmed = False
-                channel.unconfirmed[seq] = message
-            self._flush_links()
-        else:
-            message.header = False
-        self._start(unit)
-        return True
-
-    def _on_frames_read(self, peer: PeerState) -> bool:
-        """After the short way read ``peer``'s frames: confirms the messages they confirm, and
-        returns false when other units wait (what the frames let go is for a full step)."""
-        if self._units:
-            return False
-        for kind in ("send", "recv"):
-            if peer.channels[kind].unconfirmed:
-                self._confirm(peer, kind)
-        return True
 
     def _start(self, unit: Unit) -> None:
         """Issues ``unit`` (its messages numbered, agreed and retired) and hands its completion
