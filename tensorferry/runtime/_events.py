@@ -110,33 +110,38 @@ def _pooled(index: int) -> Any:
     return None
 
 
+def _record_pooled(index: int, raw_stream: Any) -> Any:
+    """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
+    through the GIL-holding call, or ``None`` (no such call, or no free event)."""
+    calls = _runtime()
+    if calls is None:
+        return None
+    event = _pooled(index)
+    if event is None:
+        return None
+    if calls.record(event.cuda_event, raw_stream) == 0:
+        return event
+    _disable("cudaEventRecord failed")
+    return None
+
+
 def record_on_current_stream() -> torch.cuda.Event:
     """An event recorded on the current CUDA stream (see the module docstring)."""
-    calls = _runtime()
-    if calls is not None:
-        index = torch.cuda.current_device()
-        event = _pooled(index)
-        if event is not None:
-            # The raw handle of the current stream: torch's Stream object costs microseconds.
-            if calls.record(event.cuda_event, torch._C._cuda_getCurrentRawStream(index)) == 0:
-                return event
-            _disable("cudaEventRecord failed")
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())  # also creates the CUDA event, for recycling
+    index = torch.cuda.current_device()
+    # The raw handle of the current stream: torch's Stream object costs microseconds.
+    event = _record_pooled(index, torch._C._cuda_getCurrentRawStream(index))
+    if event is None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())  # also creates the CUDA event, for recycling
     return event
 
 
 def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """An event recorded on ``stream``."""
-    calls = _runtime()
-    if calls is not None:
-        event = _pooled(stream.device_index)
-        if event is not None:
-            if calls.record(event.cuda_event, stream.cuda_stream) == 0:
-                return event
-            _disable("cudaEventRecord failed")
-    event = torch.cuda.Event()
-    event.record(stream)
+    event = _record_pooled(stream.device_index, stream.cuda_stream)
+    if event is None:
+        event = torch.cuda.Event()
+        event.record(stream)
     return event
 
 
