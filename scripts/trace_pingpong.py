@@ -45,7 +45,7 @@ def timed(fn, label):
 
 def patch():
     import tensorferry.p2p as tfp
-    from tensorferry.p2p import _api, _context, _engine, _nccl, _transfer
+    from tensorferry.p2p import _api, _context, _engine, _nccl, _staging, _transfer
 
     stages = [
         (_engine.Engine, "_accept", "accept"),
@@ -53,10 +53,12 @@ def patch():
         (_engine.Engine, "_issue", "issue"),
         (_engine.Engine, "_issue_agreed", "short_way"),  # true when it issued the message
         (_engine.Engine, "_read_link", "read_link"),
+        (_engine.Engine, "_flush_links", "flush"),
         (_transfer.Transfer, "wait_stream", "wait_stream"),
         (_context.P2PContext, "issue", "ctx.issue"),
         (_nccl.NcclTransport, "start", "nccl.start"),
         *((_nccl, name, name) for name in ("pack", "unpack", "wire_plan")),
+        *((_staging.Staging, name, f"staging.{name}") for name in ("pack", "unpack")),
         *((_api, name, name) for name in ("_message", "_submit", "_caller_event")),
     ]
     for owner, name, label in stages:
@@ -133,6 +135,7 @@ def worker(rank, world, cfg):
     return {
         "events": events,
         "median_iter_us": statistics.median(times) * 1e6,
+        "packed": _spans(events),
         "single": _spans(EVENTS[len(EVENTS) // 3 :]),
     }
 
@@ -187,9 +190,13 @@ if __name__ == "__main__":
     res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")
-        print(f"rank {r}: one small tensor per call, median us per stage:")
-        for label, (us, n) in sorted(out["single"].items(), key=lambda kv: -kv[1][0]):
-            print(f"    {label:14s} {us:8.1f}  ({n} calls)")
+        for phase, title in (
+            ("packed", "64 x 4 KiB per call"),
+            ("single", "one small tensor per call"),
+        ):
+            print(f"rank {r}: {title}, median us per stage:")
+            for label, (us, n) in sorted(out[phase].items(), key=lambda kv: -kv[1][0]):
+                print(f"    {label:14s} {us:8.1f}  ({n} calls)")
     merged = sorted(
         [(t, r, w) for r, out in enumerate(res) for (w, t) in out["events"]], key=lambda x: x[0]
     )

@@ -21,7 +21,7 @@ import torch
 
 from tensorferry.p2p import _context
 from tensorferry.p2p._engine import Message, Unit
-from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer, describe
+from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
 from tensorferry.runtime._events import record_on_current_stream
@@ -51,11 +51,10 @@ def _message(
     peer_name = "dst" if kind == "send" else "src"
     peer = check_peer(peer, rank=ctx.rank, world_size=ctx.world_size, what=peer_name)
     if kind == "send":
-        items, single = as_tensor_list(tensors, ctx.device, what)
+        items, desc, single = as_tensor_list(tensors, ctx.device, what)
     else:
-        items, single = as_recv_list(tensors, ctx.device, what)
-    name = ctx.choose(transport, peer, items)
-    desc = describe(items)
+        items, desc, single = as_recv_list(tensors, ctx.device, what)
+    name = ctx.choose(transport, peer, items, desc)
     message = Message(P2POp(kind, peer, items, desc), name, desc, static)  # type: ignore[arg-type]
     return message, single
 
@@ -402,8 +401,8 @@ def ring_all_gather(
     """
     ctx = _context.current()
     _check_options(False, timeout)
-    (inp,), _ = as_tensor_list(inp, ctx.device, "inp")
-    (out,), _ = as_tensor_list(out, ctx.device, "out")
+    (inp,), _, _ = as_tensor_list(inp, ctx.device, "inp")
+    (out,), _, _ = as_tensor_list(out, ctx.device, "out")
     world, rank = ctx.world_size, ctx.rank
     if out.dtype != inp.dtype:
         raise ValueError(f"out dtype {out.dtype} differs from inp dtype {inp.dtype}")

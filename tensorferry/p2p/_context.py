@@ -24,6 +24,7 @@ import torch
 
 from tensorferry import envs
 from tensorferry.p2p import _link
+from tensorferry.p2p._spec import Descriptor, describe
 from tensorferry.p2p._transport import (
     Transport,
     TransportContext,
@@ -132,8 +133,15 @@ class P2PContext:
             self._transports[name] = transport
             return transport
 
-    def choose(self, requested: str, peer: int, tensors: Sequence[torch.Tensor]) -> str:
-        """The transport for one message (on the caller's thread, before anything moves).
+    def choose(
+        self,
+        requested: str,
+        peer: int,
+        tensors: Sequence[torch.Tensor],
+        desc: Descriptor | None = None,
+    ) -> str:
+        """The transport for one message (on the caller's thread, before anything moves);
+        ``desc`` is the tensors' descriptor, when the caller has it.
 
         Raises:
             TypeError: ``requested`` is not a string.
@@ -148,12 +156,15 @@ class P2PContext:
             if reason is not None:
                 raise ValueError(f"transport {requested!r} cannot carry this message: {reason}")
             return requested
-        nbytes = sum(t.nbytes for t in tensors)
         # Estimates are pure functions of (peer, size, count): rank the candidates once per
-        # message shape, then only ask the front runners whether they can carry this one.
-        shape = (peer, device_type, nbytes, len(tensors), registry_version())
+        # layout, then only ask the front runners whether they can carry this message. Keyed
+        # by the descriptor, which remembers its hash, rather than by a sum over the tensors.
+        if desc is None:
+            desc = describe(tensors)
+        shape = (peer, device_type, desc, registry_version())
         ranking = self._rankings.get(shape)
         if ranking is None:
+            nbytes = sum(t.nbytes for t in tensors)
             ranking = self._rank(peer, device_type, nbytes, len(tensors))
             if len(self._rankings) < 4096:
                 self._rankings[shape] = ranking

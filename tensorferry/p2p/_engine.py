@@ -384,7 +384,9 @@ class Engine(PairFaults, ShortWay):
         if link.closed:
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.wants_write else 0)
-        self._selector.modify(link, events, link)
+        if events != link.interest:  # unchanged after most flushes: skip the selector's work
+            self._selector.modify(link, events, link)
+            link.interest = events
 
     # ------------------------------------------------------------------ peers and links
     def _peer(self, rank: int) -> PeerState:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import selectors
 import socket
 import struct
 from typing import Any
@@ -77,6 +78,7 @@ class Link:
         self._in = bytearray()
         self._out = bytearray()
         self.closed = False
+        self.interest = selectors.EVENT_READ  # what the engine's selector watches it for
 
     def fileno(self) -> int:
         return self.sock.fileno()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tensorferry.p2p._spec import Descriptor
+from tensorferry.runtime._events import record_again, stream_wait
 
 __all__ = ["LayoutPlan", "Staging", "StagingCache", "layout_plan"]
 
@@ -59,7 +60,7 @@ class Staging:
     def __init__(self, plan: LayoutPlan, descriptor: Descriptor, device: torch.device) -> None:
         self.buffer = torch.empty(plan.packed_bytes, dtype=torch.uint8, device=device)
         self.alone = plan.alone  # indices of the tensors that travel on their own
-        self._groups: list[tuple[list[int], list[torch.Tensor]]] = []
+        self._groups: list[tuple[list[int] | None, list[torch.Tensor]]] = []
         for dtype_name, members in plan.groups.items():
             dtype = getattr(torch, dtype_name)
             views = []
@@ -67,31 +68,38 @@ class Staging:
                 shape = descriptor[index][1]
                 nbytes = _numel(shape) * dtype.itemsize
                 views.append(self.buffer[offset : offset + nbytes].view(dtype).view(shape))
-            self._groups.append(([index for index, _ in members], views))
+            indices: list[int] | None = [index for index, _ in members]
+            if indices == list(range(len(descriptor))):
+                indices = None  # every tensor of the message, in order
+            self._groups.append((indices, views))
         self._event: Any = None
         self._last_stream: int | None = None
 
     def claim(self, stream: Any) -> None:
         """Orders this use after the last one (a no-op on the same stream)."""
         if self._last_stream is not None and self._last_stream != stream.cuda_stream:
-            stream.wait_event(self._event)
+            stream_wait(stream, self._event)
 
     def release(self, stream: Any) -> None:
         """Marks the end of this use on ``stream`` (after the work that reads or writes it)."""
         if self._event is None:
             self._event = torch.cuda.Event()
-        self._event.record(stream)
+        record_again(self._event, stream)
         self._last_stream = stream.cuda_stream
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copies the packed tensors of a message into the buffer (on the current stream)."""
         for indices, views in self._groups:
-            torch._foreach_copy_(views, [tensors[i] for i in indices])
+            torch._foreach_copy_(views, self._members(tensors, indices))
 
     def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copies the buffer out into a message's packed tensors (on the current stream)."""
         for indices, views in self._groups:
-            torch._foreach_copy_([tensors[i] for i in indices], views)
+            torch._foreach_copy_(self._members(tensors, indices), views)
+
+    def _members(self, tensors: Sequence[torch.Tensor], indices: list[int] | None) -> Any:
+        # None: the group is the whole message, in order (the usual case): no list to build.
+        return tensors if indices is None else [tensors[i] for i in indices]
 
     def wait_idle(self) -> None:
         if self._event is not None:

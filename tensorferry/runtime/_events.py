@@ -23,7 +23,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["is_done", "record_on_current_stream", "record_on_stream", "recycle", "stream_wait"]
+__all__ = [
+    "is_done",
+    "record_again",
+    "record_on_current_stream",
+    "record_on_stream",
+    "recycle",
+    "stream_wait",
+]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +150,19 @@ def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(stream)
     return event
+
+
+def record_again(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    """``event.record(stream)`` for an event its owner keeps and records use after use (the
+    first record, through torch, creates the CUDA event)."""
+    calls = _runtime()
+    if (
+        calls is not None
+        and event.cuda_event
+        and calls.record(event.cuda_event, stream.cuda_stream) == 0
+    ):
+        return
+    event.record(stream)
 
 
 def stream_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:

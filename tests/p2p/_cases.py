@@ -522,6 +522,14 @@ def bad_arguments(rank: int, world: int) -> list[str]:
             torch.zeros(world * 2, dtype=torch.int32, device=D()), torch.zeros(2, device=D())
         ),
         "meta device": lambda: tf.send(torch.zeros(2, device="meta"), peer),
+        # A message whose odd tensor comes late: the one-pass check hands it to the detailed one.
+        "non-contiguous last": lambda: tf.send([x, x, torch.zeros(4, 4, device=D()).t()], peer),
+        "receive into a non-contiguous buffer": lambda: tf.recv(
+            [x, torch.zeros(4, 4, device=D()).t()], peer
+        ),
+        "devices mixed": lambda: tf.send([x, x, torch.zeros(2, device="meta")], peer),
+        "sparse": lambda: tf.send([x, torch.eye(4, device=D()).to_sparse()], peer),
+        "sparse csr": lambda: tf.send(torch.eye(4, device=D()).to_sparse_csr(), peer),
     }
     if D().type == "cuda" and torch.cuda.device_count() > 1:
         other = torch.device("cuda", (D().index + 1) % torch.cuda.device_count())

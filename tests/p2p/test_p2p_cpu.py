@@ -223,9 +223,11 @@ def test_mismatch_raises_on_both_sides_and_pair_keeps_working(pool, kind):
 
 def test_bad_arguments_raise_before_anything_moves(pool):
     outcomes = pool.run("bad_arguments")
-    assert len(outcomes[0]) == 18
+    assert len(outcomes[0]) == 23
     assert "cpu on nccl: ValueError" in outcomes[0] and "self: ValueError" in outcomes[0]
     assert "not a tensor: TypeError" in outcomes[0]
+    assert "non-contiguous last: ValueError" in outcomes[0]
+    assert "sparse csr: TypeError" in outcomes[0] and "devices mixed: ValueError" in outcomes[0]
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD  # still usable
 
 

@@ -95,6 +95,7 @@ def test_bad_arguments(pool):
     outcomes = pool.run("bad_arguments")[0]
     assert "cpu on nccl: ValueError" in outcomes
     assert "other rank's device: ValueError" in outcomes
+    assert "non-contiguous last: ValueError" in outcomes and "sparse csr: TypeError" in outcomes
     assert pool.run("ring_sendrecv", 1) == ["ok", "ok"]
 
 

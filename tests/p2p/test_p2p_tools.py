@@ -181,6 +181,39 @@ def test_staging_buffer_round_trips_every_byte_and_matches_fresh_packing():
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (round_, i)
 
 
+def test_staging_buffer_of_a_message_packed_whole_round_trips_every_byte():
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._staging import LayoutPlan, Staging
+
+    gen = torch.Generator().manual_seed(12)
+    tensors = tuple(torch.randn(64, generator=gen) for _ in range(6))  # one dtype, all small
+    layout = describe(tensors)
+    staging = Staging(LayoutPlan(layout, pack_below=4096), layout, torch.device("cpu"))
+    staging.pack(tensors)
+    assert torch.equal(staging.buffer.view(torch.float32), torch.cat(tensors))
+    targets = tuple(torch.full_like(t, 99) for t in tensors)  # poisoned
+    staging.unpack(targets)
+    for got, want in zip(targets, tensors, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_descriptors_of_one_layout_are_one_object_equal_to_the_plain_tuple():
+    from tensorferry.p2p._spec import as_tensor_list, describe
+
+    cpu = torch.device("cpu")
+    tensors = [
+        torch.zeros(3, 4),
+        torch.ones(5, dtype=torch.int64),
+        torch.nn.Parameter(torch.ones(2)),
+    ]
+    plain = (("float32", (3, 4)), ("int64", (5,)), ("float32", (2,)))
+    checked, desc, single = as_tensor_list(tensors, cpu, "tensors")
+    assert checked == tuple(tensors) and not single
+    assert desc == plain and hash(desc) == hash(plain) and {plain: 1}[desc] == 1
+    assert describe(tensors) is desc  # the same layout: the same (interned) descriptor
+    assert as_tensor_list([torch.zeros(3, 4)], cpu, "t")[1] == plain[:1]
+
+
 def test_staging_cache_keeps_the_most_recent_layouts():
     from tensorferry.p2p._spec import describe
     from tensorferry.p2p._staging import LayoutPlan, StagingCache
