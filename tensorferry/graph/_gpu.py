@@ -33,6 +33,7 @@ operation, so their sequences of sends and receives stay matched.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import logging
 import pickle
@@ -47,6 +48,7 @@ import torch
 from tensorferry import envs
 from tensorferry.graph._channel import Channel, GraphStopped, PeerDied, RemoteError, wait_until
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
+from tensorferry.runtime._events import EventRecycler, is_done, stream_wait
 from tensorferry.runtime._stream_switch import on_stream
 
 if TYPE_CHECKING:
@@ -74,7 +76,7 @@ _PINNED_LAYOUTS = 16
 
 
 def _fired(event: torch.cuda.Event | None) -> bool:
-    return event is None or event.query()
+    return event is None or is_done(event)
 
 
 class _Arrived:
@@ -200,10 +202,10 @@ class _HostWriter:
                 if item is None:
                     return
                 channel, value, event = item
-                if event is not None and not event.query():
+                if event is not None and not is_done(event):
                     # No spin: this thread would take turns at the GIL with the actor's thread.
                     wait_until(
-                        event.query,
+                        functools.partial(is_done, event),
                         control=self._control,
                         timeout=_FOREVER,
                         what="result for a host channel",
@@ -288,6 +290,10 @@ class GpuOps:
             self.links, self._link_owners = make_links(plan.nccl, self.device)
             self._ranks = plan.nccl.ranks
         self._done: dict[int, torch.cuda.Event] = {}
+        # Every event this actor records after its work (receives, methods, copies to the
+        # host), reused once unreferenced: a fresh torch event each time cost several
+        # microseconds per record on the critical path.
+        self._events = EventRecycler()
         self._static: dict[int, Any] = {}
         self._control = runner.control
         pollable = all(hasattr(c, "readable") for c in runner.readers.values()) and all(
@@ -356,10 +362,10 @@ class GpuOps:
 
     def _wait_event(self, event: torch.cuda.Event, what: str) -> None:
         """Waits on the host for ``event``, polling: a stop or a dead peer ends the wait."""
-        if event.query():
+        if is_done(event):
             return
         wait_until(
-            event.query,
+            functools.partial(is_done, event),
             control=self._control,
             timeout=_FOREVER,
             what=f"{self.runner.plan.actor}: {what}",
@@ -398,8 +404,7 @@ class GpuOps:
                 link.recv(buffer, peer).wait()  # the stream waits, not the host
             self._span_end(execution, op, "recv" if self.overlap else "compute", start, stream)
         value = buffers[0] if skeleton is None else _CudaUnpickler(skeleton, buffers).load()
-        event = torch.cuda.Event()
-        event.record(stream)
+        event = self._events.record(stream)
         if not self.overlap:
             self._wait_event(event, f"receive on edge {edge.edge_id}")  # no overlap: host waits
             if announced:
@@ -486,15 +491,14 @@ class GpuOps:
             except Exception as exc:
                 result = remote_error(task.actor, task.label, exc)
             self._span_end(execution, op, "compute", start, stream)
-            done = torch.cuda.Event()
-            done.record(stream)
+            done = self._events.record(stream)
         self._done[task.task_id] = done
         return result
 
     def _arrive(self, value: Any) -> Any:
         if not isinstance(value, _Arrived):
             return value
-        self.compute_stream.wait_event(value.event)
+        stream_wait(self.compute_stream, value.event)
         for buffer in value.buffers:
             # Allocated on the recv stream, used on compute: the allocator must not hand the
             # memory out again before compute is done with it.
@@ -591,7 +595,7 @@ class GpuOps:
         peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
         with on_stream(stream):
             if self.overlap and done is not None:
-                stream.wait_event(done)
+                stream_wait(stream, done)
             start = self._span_start(stream)
             for tensor in tensors:
                 tensor = tensor.contiguous()
@@ -613,7 +617,7 @@ class GpuOps:
         stream = self.d2h_stream
         with on_stream(stream):
             if done is not None:
-                stream.wait_event(done)
+                stream_wait(stream, done)
             tensor = tensor.detach()
             if reuse:
                 host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
@@ -623,8 +627,7 @@ class GpuOps:
             # Made on the compute stream, read here: its memory must not be handed out again
             # before the copy is done.
             tensor.record_stream(stream)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+            copied = self._events.record(stream)
         return host, copied
 
     def _drained(self, timeout_s: float) -> bool:

@@ -54,6 +54,8 @@ def channel_pair(ring, monkeypatch):
     """The shared ring (two slots: one execution's announcement and outcome), with CUDA faked."""
     monkeypatch.setattr(_gpu, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(_gpu, "is_done", lambda event: event.query())
+    monkeypatch.setattr(_gpu, "stream_wait", lambda stream, event: None)
     return ring
 
 
@@ -78,6 +80,7 @@ def _ops(control, link, *, writers=None, readers=None, overlap=True) -> GpuOps:
     ops._profiling = False
     ops._static = {}
     ops._done = {}
+    ops._events = SimpleNamespace(record=lambda stream: FakeEvent())
     ops._announcing = ops._announcing_edges()
     ops._announced = {}
     ops._stand_ins = {}
