@@ -135,6 +135,7 @@ def worker(rank, world, cfg):
     return {
         "events": events,
         "median_iter_us": statistics.median(times) * 1e6,
+        "iter_spread": _spread(times),
         "packed": _spans(events),
         "single": _spans(EVENTS[len(EVENTS) // 3 :]),
     }
@@ -149,6 +150,16 @@ def _reset_when_idle(tf, peer):
         except ValueError:  # the last transfer is still finishing
             time.sleep(0.01)
     raise RuntimeError("the pair never went idle")
+
+
+def _spread(times):
+    """Mean, 90th and 99th percentile and maximum of the iterations, µs: the slow ones."""
+    import statistics
+
+    ordered = sorted(t * 1e6 for t in times)
+    p90, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.9, 0.99))
+    mean = statistics.mean(ordered)
+    return f"mean {mean:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, max {ordered[-1]:.0f}"
 
 
 def _spans(events):
@@ -190,6 +201,7 @@ if __name__ == "__main__":
     res = run_world(worker, cfg, backend=backend, timeout=120)
     for r, out in enumerate(res):
         print(f"rank {r}: median iteration {out['median_iter_us']:.0f} us (= 2 one-way trips)")
+        print(f"rank {r}: iterations: {out['iter_spread']}")
         for phase, title in (
             ("packed", "64 x 4 KiB per call"),
             ("single", "one small tensor per call"),
