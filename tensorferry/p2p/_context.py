@@ -194,6 +194,11 @@ class P2PContext:
     # ------------------------------------------------------------------ issuing
     def issue(self, unit: Any) -> Any:
         """Starts a unit's transports (under the engine's lock); returns the CUDA done event."""
+        messages = unit.messages
+        if len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
+            op = messages[0].op
+            stream = self.send_stream if op.kind == "send" else self.recv_stream
+            return self._issue_on(stream, unit, {messages[0].transport: [op]})
         groups: dict[str, list[Any]] = {}
         for message in unit.messages:
             groups.setdefault(message.transport, []).append(message.op)
@@ -205,6 +210,11 @@ class P2PContext:
             return None
         has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
         stream = self.send_stream if has_send else self.recv_stream
+        return self._issue_on(stream, unit, cuda_groups)
+
+    def _issue_on(self, stream: Any, unit: Any, cuda_groups: dict[str, list[Any]]) -> Any:
+        """Starts the CUDA transports of ``unit`` on ``stream``, after the caller's event;
+        returns the event recorded after them."""
         with on_stream(stream):
             if unit.caller_event is not None:
                 stream_wait(stream, unit.caller_event)

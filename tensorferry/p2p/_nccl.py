@@ -256,6 +256,8 @@ class NcclTransport(Transport):
         return pair
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
+        if len(ops) == 1 and len(ops[0].tensors) == 1:
+            return self._start_one(ops[0], stream)
         by_direction: dict[tuple[int, int], list[P2POp]] = {}
         for op in ops:
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
@@ -299,6 +301,17 @@ class NcclTransport(Transport):
         for staging in used:
             staging.release(stream)
         return _NcclPending(started, keep)
+
+    def _start_one(self, op: P2POp, stream: Any) -> PendingOps:
+        """One tensor to or from one peer (the commonest call): what :meth:`start` does, with
+        nothing to group, pack or unpack."""
+        key = self._key(*self._ends(op.peer, op.kind))
+        pair = communicator_cache().get(key)
+        if pair is None:
+            raise TransportError(f"nccl: the direction rank {key[1]} → {key[2]} is not prepared")
+        tensor = op.tensors[0]
+        wire = [(op.kind, tensor)] if tensor.numel() else []  # empty: nothing moves either side
+        return _NcclPending(self._enqueue([(pair, wire)] if wire else [], stream), [])
 
     @staticmethod
     def _enqueue(wires: list[tuple[Any, list]], stream: Any) -> list[tuple[Any, Any]]:
