@@ -55,6 +55,7 @@ def patch():
         (_engine.Engine, "_read_link", "read_link"),
         (_engine.Engine, "_flush_links", "flush"),
         (_transfer.Transfer, "wait_stream", "wait_stream"),
+        (_transfer.Transfer, "_wait_issued", "wait_issued"),
         (_context.P2PContext, "issue", "ctx.issue"),
         (_nccl.NcclTransport, "start", "nccl.start"),
         *((_nccl, name, name) for name in ("pack", "unpack", "wire_plan")),
@@ -65,6 +66,16 @@ def patch():
         setattr(owner, name, timed(getattr(owner, name), label))
     for name in ("send", "recv"):  # the public names callers use
         setattr(tfp, name, timed(getattr(_api, name), name))
+    orig_short = _engine.Engine._issue_agreed
+
+    def issue_agreed(self, unit):
+        took = orig_short(self, unit)
+        if not took:  # a zero-length span per message the short way left to the full step
+            mark("short_way_declined>")
+            mark("short_way_declined<")
+        return took
+
+    _engine.Engine._issue_agreed = issue_agreed
     orig_frame = _engine.Engine._on_frame
 
     def on_frame(self, link, frame):
