@@ -495,6 +495,12 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- validation
+# How many calls bad_arguments makes everywhere, and how many more where a rank has another
+# GPU to misuse.
+BAD_CALLS = 23
+BAD_CALLS_WITH_ANOTHER_GPU = 2
+
+
 def bad_arguments(rank: int, world: int) -> list[str]:
     """Every bad call raises TypeError/ValueError before anything moves."""
     peer = (rank + 1) % world

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cases import BAD_CALLS
 from _pool import WorkerPool
 
 import tensorferry.p2p as tf
@@ -223,7 +224,7 @@ def test_mismatch_raises_on_both_sides_and_pair_keeps_working(pool, kind):
 
 def test_bad_arguments_raise_before_anything_moves(pool):
     outcomes = pool.run("bad_arguments")
-    assert len(outcomes[0]) == 23
+    assert len(outcomes[0]) == BAD_CALLS
     assert "cpu on nccl: ValueError" in outcomes[0] and "self: ValueError" in outcomes[0]
     assert "not a tensor: TypeError" in outcomes[0]
     assert "non-contiguous last: ValueError" in outcomes[0]

@@ -77,7 +77,11 @@ class _Check:
 
 
 # Two more bad calls where a rank has another GPU to misuse (see _cases.bad_arguments).
-_BAD_CALLS = 20 if torch.cuda.is_available() and torch.cuda.device_count() > 1 else 18
+_BAD_CALLS = _cases.BAD_CALLS + (
+    _cases.BAD_CALLS_WITH_ANOTHER_GPU
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1
+    else 0
+)
 _EVERY_BAD_CALL_REJECTED = _Check(
     f"{_BAD_CALLS} rejected calls", lambda r: isinstance(r, list) and len(r) == _BAD_CALLS
 )
