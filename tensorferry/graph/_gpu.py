@@ -33,7 +33,6 @@ operation, so their sequences of sends and receives stay matched.
 from __future__ import annotations
 
 import collections
-import functools
 import io
 import logging
 import pickle
@@ -48,7 +47,6 @@ import torch
 from tensorferry import envs
 from tensorferry.graph._channel import Channel, GraphStopped, PeerDied, RemoteError, wait_until
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
-from tensorferry.runtime._events import EventRecycler, is_done, stream_wait
 from tensorferry.runtime._stream_switch import on_stream
 
 if TYPE_CHECKING:
@@ -76,7 +74,7 @@ _PINNED_LAYOUTS = 16
 
 
 def _fired(event: torch.cuda.Event | None) -> bool:
-    return event is None or is_done(event)
+    return event is None or event.query()
 
 
 class _Arrived:
@@ -202,10 +200,10 @@ class _HostWriter:
                 if item is None:
                     return
                 channel, value, event = item
-                if event is not None and not is_done(event):
+                if event is not None and not event.query():
                     # No spin: this thread would take turns at the GIL with the actor's thread.
                     wait_until(
-                        functools.partial(is_done, event),
+                        event.query,
                         control=self._control,
                         timeout=_FOREVER,
                         what="result for a host channel",
@@ -290,10 +288,6 @@ class GpuOps:
             self.links, self._link_owners = make_links(plan.nccl, self.device)
             self._ranks = plan.nccl.ranks
         self._done: dict[int, torch.cuda.Event] = {}
-        # Every event this actor records after its work (receives, methods, copies to the
-        # host), reused once unreferenced: a fresh torch event each time cost several
-        # microseconds per record on the critical path.
-        self._events = EventRecycler()
         self._static: dict[int, Any] = {}
         self._control = runner.control
         pollable = all(hasattr(c, "readable") for c in runner.readers.values()) and all(
@@ -362,10 +356,10 @@ class GpuOps:
 
     def _wait_event(self, event: torch.cuda.Event, what: str) -> None:
         """Waits on the host for ``event``, polling: a stop or a dead peer ends the wait."""
-        if is_done(event):
+        if event.query():
             return
         wait_until(
-            functools.partial(is_done, event),
+            event.query,
             control=self._control,
             timeout=_FOREVER,
             what=f"{self.runner.plan.actor}: {what}",
@@ -404,7 +398,8 @@ class GpuOps:
                 link.recv(buffer, peer).wait()  # the stream waits, not the host
             self._span_end(execution, op, "recv" if self.overlap else "compute", start, stream)
         value = buffers[0] if skeleton is None else _CudaUnpickler(skeleton, buffers).load()
-        event = self._events.record(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
         if not self.overlap:
             self._wait_event(event, f"receive on edge {edge.edge_id}")  # no overlap: host waits
             if announced:
@@ -491,14 +486,15 @@ class GpuOps:
             except Exception as exc:
                 result = remote_error(task.actor, task.label, exc)
             self._span_end(execution, op, "compute", start, stream)
-            done = self._events.record(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
         self._done[task.task_id] = done
         return result
 
     def _arrive(self, value: Any) -> Any:
         if not isinstance(value, _Arrived):
             return value
-        stream_wait(self.compute_stream, value.event)
+        self.compute_stream.wait_event(value.event)
         for buffer in value.buffers:
             # Allocated on the recv stream, used on compute: the allocator must not hand the
             # memory out again before compute is done with it.
@@ -595,7 +591,7 @@ class GpuOps:
         peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
         with on_stream(stream):
             if self.overlap and done is not None:
-                stream_wait(stream, done)
+                stream.wait_event(done)
             start = self._span_start(stream)
             for tensor in tensors:
                 tensor = tensor.contiguous()
@@ -617,7 +613,7 @@ class GpuOps:
         stream = self.d2h_stream
         with on_stream(stream):
             if done is not None:
-                stream_wait(stream, done)
+                stream.wait_event(done)
             tensor = tensor.detach()
             if reuse:
                 host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
@@ -627,7 +623,8 @@ class GpuOps:
             # Made on the compute stream, read here: its memory must not be handed out again
             # before the copy is done.
             tensor.record_stream(stream)
-            copied = self._events.record(stream)
+            copied = torch.cuda.Event()
+            copied.record(stream)
         return host, copied
 
     def _drained(self, timeout_s: float) -> bool:

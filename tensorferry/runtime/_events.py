@@ -18,14 +18,12 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import sys
 import threading
 from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
-    "EventRecycler",
     "is_done",
     "record_again",
     "record_on_current_stream",
@@ -203,41 +201,3 @@ def _disable(why: str) -> None:
     global _calls
     log.warning("events: %s; using torch's event calls from now on", why)
     _calls = None
-
-
-class EventRecycler:
-    """Events for one thread that records one after each piece of work, over and over (a graph
-    actor: a few per execution). A fresh ``torch.cuda.Event`` per record costs the creation and
-    later destruction of a CUDA event and torch's GIL-releasing record, several microseconds
-    each; here an event is recorded again, through the GIL-holding call, once nothing refers to
-    it any more.
-
-    "Nothing refers to it": no Python reference but this recycler's. Whoever may still wait on
-    or poll an event holds one; waits already enqueued on a stream are not affected by a later
-    record (CUDA takes the event's state when the wait is enqueued). The reference count that
-    means "free" is measured once on an object nobody else holds, so the check follows the
-    interpreter's own counting. Not thread-safe: one recording thread (others may poll).
-    """
-
-    def __init__(self, limit: int = 64) -> None:
-        self._events: list[torch.cuda.Event] = []
-        self._limit = limit  # beyond it, events are not kept for reuse
-        self._free_refs = min(self._refcounts([object()]))
-
-    @staticmethod
-    def _refcounts(items: list) -> list[int]:
-        return [sys.getrefcount(item) for item in items]
-
-    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """An event recorded on ``stream``: a free one of this recycler's, or a new one."""
-        free = self._free_refs
-        for index, count in enumerate(self._refcounts(self._events)):
-            if count == free:
-                event = self._events[index]
-                record_again(event, stream)
-                return event
-        event = torch.cuda.Event()
-        event.record(stream)  # creates the CUDA event
-        if len(self._events) < self._limit:
-            self._events.append(event)
-        return event

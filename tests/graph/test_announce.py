@@ -54,8 +54,6 @@ def channel_pair(ring, monkeypatch):
     """The shared ring (two slots: one execution's announcement and outcome), with CUDA faked."""
     monkeypatch.setattr(_gpu, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(_gpu, "is_done", lambda event: event.query())
-    monkeypatch.setattr(_gpu, "stream_wait", lambda stream, event: None)
     return ring
 
 
@@ -80,7 +78,6 @@ def _ops(control, link, *, writers=None, readers=None, overlap=True) -> GpuOps:
     ops._profiling = False
     ops._static = {}
     ops._done = {}
-    ops._events = SimpleNamespace(record=lambda stream: FakeEvent())
     ops._announcing = ops._announcing_edges()
     ops._announced = {}
     ops._stand_ins = {}

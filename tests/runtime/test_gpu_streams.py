@@ -162,30 +162,3 @@ def test_stream_waits_and_queries_through_the_event_calls():
         assert done.query() and after.query()
         _events.recycle(done)
         _events.recycle(after)
-
-
-def test_recycled_events_are_recorded_again_only_once_unreferenced():
-    from tensorferry.runtime import _events
-
-    recycler = _events.EventRecycler()
-    busy, idle, waiter = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(busy):
-        torch.cuda._sleep(50_000_000)  # keeps `busy` running for tens of milliseconds
-    held = recycler.record(busy)
-    _events.stream_wait(waiter, held)  # enqueued now: waits for `busy`'s kernel
-    waited = torch.cuda.Event()
-    waited.record(waiter)
-    other = recycler.record(idle)
-    assert other is not held, "an event still referenced must not be recorded again"
-    held_id = id(held)
-    del held, other
-    again = recycler.record(idle)  # the first free one: the event recorded on `busy`
-    assert id(again) == held_id
-    idle.synchronize()
-    assert _events.is_done(again), "recorded again on the idle stream: its new record counts"
-    assert not waited.query(), "a wait enqueued before the new record still waits for the old"
-    pending = recycler.record(busy)
-    assert pending is not again and not _events.is_done(pending)
-    busy.synchronize()
-    waiter.synchronize()
-    assert _events.is_done(pending) and waited.query()
