@@ -164,6 +164,8 @@ def recv(
         buffers: a tensor, a :class:`TensorSpec`, or a non-empty list of them. Tensors are
             written in place; specs are allocated here (on this rank's device). Count, shapes
             and dtypes must equal the sender's, else both sides get ``MismatchError``.
+            Tensors that require grad (a model's parameters) are written outside autograd,
+            as under ``torch.no_grad()``; ``result()`` then holds detached views of them.
         src: the sending rank (not this one).
         static, transport, timeout: as for :func:`send`.
 

@@ -175,12 +175,18 @@ def _inspect(
     items: Sequence[Any], device: torch.device, what: str
 ) -> tuple[tuple[torch.Tensor, ...], Descriptor]:
     """Validates every tensor and describes them, in one pass (a message may hold hundreds of
-    small tensors, and each attribute read costs a tenth of a microsecond)."""
+    small tensors, and each attribute read costs a tenth of a microsecond).
+
+    Tensors that require grad (parameters, activations) are returned detached: the same memory,
+    outside autograd. Transports write received bytes in place and view tensors as bytes, which
+    autograd refuses on a leaf that requires grad; moving data is not an operation to record.
+    """
     first = items[0]
     if type(first) in _PLAIN_TYPES:
         expected = first.device
         names = _PLAIN_DTYPES
         desc = []
+        grads = False
         try:
             for t in items:
                 # is_contiguous() raises for sparse layouts: they take the detailed path too.
@@ -190,16 +196,21 @@ def _inspect(
                 if name is None:
                     raise _Unusual
                 desc.append((name, tuple(t.shape)))
+                grads = grads or t.requires_grad
         except (_Unusual, RuntimeError):
             pass
         else:
             if expected != device and expected.type != "cpu":
                 _check_tensor(first, 0, device, what)  # raises: not this rank's device
-            return tuple(items), _intern(tuple(desc))
+            return _detached(items) if grads else tuple(items), _intern(tuple(desc))
     tensors = _check_tensors(items, device, what)
     for t in tensors:
         _PLAIN_DTYPES.setdefault(t.dtype, _dtype_name(t.dtype))
-    return tensors, describe(tensors)
+    return _detached(tensors), describe(tensors)
+
+
+def _detached(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach() if t.requires_grad else t for t in tensors)
 
 
 def _check_tensors(items: Sequence[Any], device: torch.device, what: str) -> tuple:
@@ -299,7 +310,7 @@ def as_recv_list(
                 f"{what}[{i}] must be a torch.Tensor or a TensorSpec, got {type(item).__name__}"
             )
     _check_one_device(out, what)
-    return tuple(out), describe(out), single
+    return _detached(out), describe(out), single
 
 
 def compare(sender: Descriptor, receiver: Descriptor, *, src: int, dst: int) -> None:

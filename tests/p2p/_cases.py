@@ -91,6 +91,37 @@ def send_recv_all_dtypes(rank: int, world: int, tag: int) -> str:
     return "ok"
 
 
+def parameters_travel(rank: int, world: int, tag: int) -> str:
+    """Weight sync: rank 0 sends parameters and an activation (tensors that require grad),
+    rank 1 receives into its own parameters (small ones packed, a large one alone) and gets the
+    bytes, its parameters staying leaves that require grad, with no gradient made."""
+    if rank > 1:
+        return "idle"
+    # One dtype, as a model's weights: the packed ones are unpacked straight into them.
+    shapes = [((5,), torch.float32), ((3, 4), torch.float32), ((70_000,), torch.float32)]
+    tf._api._reset_pair(1 - rank, timeout=T)  # a fresh channel: its static agreement is ours
+    if rank == 0:
+        weights = [torch.nn.Parameter(payload(0, 1, tag + i, *sd)) for i, sd in enumerate(shapes)]
+        leaf = torch.nn.Parameter(payload(0, 1, tag + 9, (6,), torch.float32))
+        activation = leaf * 2  # not a leaf: it has a grad_fn
+        for static in (False, True, True):  # the agreed static channel takes the short way
+            tf.send([*weights, activation], 1, static=static).wait(T)
+        assert all(w.grad is None for w in weights) and leaf.grad is None
+    else:
+        expect = [payload(0, 1, tag + i, s, d) for i, (s, d) in enumerate(shapes)]
+        expect.append(payload(0, 1, tag + 9, (6,), torch.float32) * 2)
+        for static in (False, True, True):
+            layouts = [*shapes, ((6,), torch.float32)]
+            into = [torch.nn.Parameter(poisoned(s, d)) for s, d in layouts]
+            got = tf.recv(into, 0, static=static).result(T)
+            for i, (param, received, want) in enumerate(zip(into, got, expect, strict=True)):
+                assert same_bytes(param.detach(), want), f"parameter {i} differs"
+                assert received.data_ptr() == param.data_ptr(), "result() shares the memory"
+                assert param.is_leaf and param.requires_grad and param.grad is None
+    tf._api._reset_pair(1 - rank, timeout=T)  # later cases start without this agreement
+    return "sent" if rank == 0 else "ok"
+
+
 def single_tensor_and_callbacks(rank: int, world: int) -> dict:
     """A bare tensor in, a bare tensor out; callbacks run off the caller's thread."""
     if rank == 1:

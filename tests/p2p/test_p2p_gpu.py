@@ -33,6 +33,10 @@ def pool():
     workers.close()
 
 
+def test_parameters_and_activations_travel_outside_autograd(pool):
+    assert pool.run("parameters_travel", 80) == ["sent", "ok"]
+
+
 def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
 

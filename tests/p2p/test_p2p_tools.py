@@ -208,7 +208,9 @@ def test_descriptors_of_one_layout_are_one_object_equal_to_the_plain_tuple():
     ]
     plain = (("float32", (3, 4)), ("int64", (5,)), ("float32", (2,)))
     checked, desc, single = as_tensor_list(tensors, cpu, "tensors")
-    assert checked == tuple(tensors) and not single
+    assert checked[0] is tensors[0] and checked[1] is tensors[1] and not single
+    # The parameter goes detached: the same memory, outside autograd.
+    assert checked[2].data_ptr() == tensors[2].data_ptr() and not checked[2].requires_grad
     assert desc == plain and hash(desc) == hash(plain) and {plain: 1}[desc] == 1
     assert describe(tensors) is desc  # the same layout: the same (interned) descriptor
     assert as_tensor_list([torch.zeros(3, 4)], cpu, "t")[1] == plain[:1]
