@@ -44,8 +44,14 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([as_bytes(t) for t in tensors])
 
 
+@torch.inference_mode()  # targets may be inference tensors (a rollout worker's buffers)
 def unpack(packed: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
-    """Copies ``packed`` back into ``targets`` (one multi-tensor copy on CUDA)."""
+    """Copies ``packed`` back into ``targets`` (one multi-tensor copy on CUDA).
+
+    In inference mode, on whichever thread runs it: writing into a tensor made in inference
+    mode is refused outside it, and inference mode is a per-thread setting (a transport may
+    unpack on a thread of its own).
+    """
     targets = list(targets)
     if _one_dtype(targets):
         flat = packed.view(targets[0].dtype)

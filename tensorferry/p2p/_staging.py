@@ -92,6 +92,7 @@ class Staging:
         for indices, views in self._groups:
             torch._foreach_copy_(views, self._members(tensors, indices))
 
+    @torch.inference_mode()  # as _packing.unpack: the tensors may be inference tensors
     def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copies the buffer out into a message's packed tensors (on the current stream)."""
         for indices, views in self._groups:

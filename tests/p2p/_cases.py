@@ -122,6 +122,30 @@ def parameters_travel(rank: int, world: int, tag: int) -> str:
     return "sent" if rank == 0 else "ok"
 
 
+def inference_tensors_travel(rank: int, world: int, tag: int) -> str:
+    """A rollout worker: its buffers were made in inference mode, and it receives into them
+    from inside and from outside that mode (packed small ones and a large one alone); rank 0
+    sends inference tensors too."""
+    if rank > 1:
+        return "idle"
+    shapes = [((5,), torch.float32), ((3, 4), torch.float32), ((70_000,), torch.float32)]
+    if rank == 0:
+        with torch.inference_mode():
+            data = [payload(0, 1, tag + i, s, d) for i, (s, d) in enumerate(shapes)]
+        for _ in range(2):
+            tf.send(data, 1).wait(T)
+        return "sent"
+    expect = [payload(0, 1, tag + i, s, d) for i, (s, d) in enumerate(shapes)]
+    for inside in (True, False):
+        with torch.inference_mode():
+            into = [poisoned(s, d) for s, d in shapes]
+        with torch.inference_mode(inside):
+            tf.recv(into, 0).wait(T)
+        for i, (got, want) in enumerate(zip(into, expect, strict=True)):
+            assert got.is_inference() and same_bytes(got, want), (inside, i)
+    return "ok"
+
+
 def single_tensor_and_callbacks(rank: int, world: int) -> dict:
     """A bare tensor in, a bare tensor out; callbacks run off the caller's thread."""
     if rank == 1:

@@ -37,6 +37,10 @@ def test_parameters_and_activations_travel_outside_autograd(pool):
     assert pool.run("parameters_travel", 80) == ["sent", "ok"]
 
 
+def test_buffers_made_in_inference_mode_receive_inside_and_outside_it(pool):
+    assert pool.run("inference_tensors_travel", 90) == ["sent", "ok"]
+
+
 def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
 

@@ -418,7 +418,8 @@ class CopyEngineChannel:
             _streamops.write_value32(s, flag + 4 * word, 0)
         _streamops.write_value32(s, peer_flag + 4 * lay.ack(self.rank), 1)
         stage = self._peer_stage[peer]  # the sender's: pulled over NVLink by our copy engine
-        with torch.cuda.stream(s):
+        # Inference mode: the receive buffer may be an inference tensor (see _packing.unpack).
+        with torch.cuda.stream(s), torch.inference_mode():
             for i, (off, length) in enumerate(plan_chunks(tensor.nbytes, self.slot_bytes)):
                 slot = i % lay.num_slots
                 ready = flag + 4 * lay.ready(peer, slot)
