@@ -44,14 +44,14 @@ class TensorSpec:
     dtype: torch.dtype = torch.float32
 
     def __init__(self, shape: Any, dtype: torch.dtype = torch.float32) -> None:
-        if isinstance(shape, int) and not isinstance(shape, bool):
-            shape = (shape,)
-        if isinstance(shape, torch.Size):
-            shape = tuple(shape)
-        if not isinstance(shape, (tuple, list)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in shape
-        ):
-            raise TypeError(f"TensorSpec shape must be a tuple of ints, got {shape!r}")
+        # Integers of other types (numpy's, a 0-d integer tensor) are taken; bools are not.
+        given = shape
+        if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
+            shape = (shape,)  # one size; anything else fails below
+        sizes = [_size(s) for s in shape]
+        if any(s is None for s in sizes):
+            raise TypeError(f"TensorSpec shape must be a tuple of ints, got {given!r}")
+        shape = sizes
         if any(s < 0 for s in shape):
             raise ValueError(f"TensorSpec shape has a negative size: {tuple(shape)}")
         if not isinstance(dtype, torch.dtype):
@@ -66,6 +66,16 @@ class TensorSpec:
 
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def _size(size: Any) -> int | None:
+    """``size`` as a Python int, or ``None`` when it is no integer (bools and floats are not)."""
+    if isinstance(size, bool):
+        return None
+    try:
+        return operator.index(size)
+    except TypeError:
+        return None
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -114,6 +114,26 @@ def test_tensor_spec():
         tf.TensorSpec((2,), "float32")
 
 
+class _Index:
+    """An integer of another type (as numpy's are): it has ``__index__``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_tensor_spec_takes_integers_of_other_types_but_not_bools_or_floats():
+    assert tf.TensorSpec((_Index(3), 4)).shape == (3, 4)
+    assert tf.TensorSpec(_Index(7)).shape == (7,)
+    assert tf.TensorSpec((torch.tensor(2), torch.Size([5])[0])).shape == (2, 5)
+    assert all(type(s) is int for s in tf.TensorSpec((_Index(3), torch.tensor(2))).shape)
+    for bad in ((True, 2), (2.0,), "ab", (None,), 2.5, torch.ones(2)):
+        with pytest.raises(TypeError, match="tuple of ints"):
+            tf.TensorSpec(bad)
+
+
 def test_registry():
     assert {"nccl", "gloo"} <= set(tf.registered_transports())
     with pytest.raises(ValueError, match="already registered"):
