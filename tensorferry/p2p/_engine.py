@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tensorferry import envs
@@ -66,6 +66,7 @@ from tensorferry.p2p._engine_faults import PairFaults, mirrored
 from tensorferry.p2p._engine_short import ShortWay
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 from tensorferry.p2p._spec import Descriptor, compare, descriptor_from_text, descriptor_text
+from tensorferry.runtime._daemon_threads import DaemonThreads
 from tensorferry.runtime._events import is_done
 from tensorferry.runtime._spin import spin_window_s
 from tensorferry.runtime._wakeup import write_wakeup
@@ -159,10 +160,10 @@ class Engine(PairFaults, ShortWay):
         # Preparing is a rendezvous that blocks its helper until the peer prepares too: room for
         # both directions with every peer at once (and the side-channel connects), so a rank
         # never waits for a helper while a peer waits for it.
-        self._helpers = ThreadPoolExecutor(
-            max_workers=max(4, 2 * ctx.world_size + 1),
-            thread_name_prefix="tensorferry-p2p-helper",
-            initializer=ctx.bind_device,
+        # Daemon threads: a rendezvous whose peer never comes must not hold up the process's
+        # exit (see runtime._daemon_threads).
+        self._helpers = DaemonThreads(
+            max(4, 2 * ctx.world_size + 1), "tensorferry-p2p-helper", ctx.bind_device
         )
         self._thread = threading.Thread(target=self._run, name="tensorferry-p2p", daemon=True)
 
@@ -200,6 +201,8 @@ class Engine(PairFaults, ShortWay):
         some virtual machines), and the GIL hand-over that comes with it.
         """
         with self._lock:
+            if self._stopping:
+                raise TensorFerryError("tf.shutdown() was called: no new transfers")
             if self._short_path and self._issue_agreed(unit):
                 return
             # What already arrived first (a fault notice moves the pair to its next epoch
@@ -217,7 +220,8 @@ class Engine(PairFaults, ShortWay):
         if getattr(self._stepping, "on", False) or not self._lock.acquire(blocking=False):
             return
         try:
-            self._handle(self._selector.select(0))
+            if not self._stopping:  # stopped: its selectors are closed, its units failed
+                self._handle(self._selector.select(0))
         finally:
             self._lock.release()
 
@@ -244,7 +248,7 @@ class Engine(PairFaults, ShortWay):
             done.result(timeout)
         finally:
             self._thread.join(timeout)
-            self._helpers.shutdown(wait=False, cancel_futures=True)
+            self._helpers.shutdown()
 
     def _wake(self) -> None:
         if self._wake_pending or self._awake:  # the engine will see the command anyway

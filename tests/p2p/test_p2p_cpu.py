@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from _cases import BAD_CALLS
@@ -76,6 +79,30 @@ def _swap_over_given_store(rank: int, port: int, queue) -> None:
         queue.put((rank, got.tolist(), tf.get_world_size()))
     finally:
         tf.shutdown()
+
+
+def _shutdown_with_a_receive_pending(rank: int, world: int) -> str:
+    if rank == 1:
+        time.sleep(1.0)  # never sends
+        return "idle"
+    pending = tf.recv(tf.TensorSpec((4,)), 1, timeout=30)
+    time.sleep(0.2)  # its pair is being made: a helper waits for rank 1, which never comes
+    tf.shutdown()
+    # A thread still waiting for the peer must not hold up this process's exit.
+    waiting = [t.name for t in threading.enumerate() if "p2p-helper" in t.name and not t.daemon]
+    try:
+        pending.wait(5)
+    except TensorFerryError as exc:  # not an error of the closed engine's internals
+        return f"{type(exc).__name__}: {exc}; non-daemon helpers: {waiting}"
+    return "no error"
+
+
+def test_a_transfer_pending_at_shutdown_fails_with_a_clear_error_and_exit_waits_for_nothing():
+    from tensorferry.p2p._launch import run_world
+
+    outcome = run_world(_shutdown_with_a_receive_pending, backend="gloo", timeout=60)[0]
+    assert outcome.startswith("TensorFerryError: tf.shutdown() was called"), outcome
+    assert outcome.endswith("non-daemon helpers: []"), outcome
 
 
 def test_init_with_a_given_store_and_device():
