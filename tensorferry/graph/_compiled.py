@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorferry import envs
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError, TransferTimeoutError
-from tensorferry.graph._channel import RemoteError, check_sendable
+from tensorferry.graph._channel import GraphStopped, RemoteError, check_sendable
 from tensorferry.graph._dag import ClassMethodNode, DAGNode, MultiOutputNode
 from tensorferry.graph._lower import lower
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
@@ -179,6 +179,7 @@ class CompiledGraphRef:
             ActorError: a method of this execution raised (remote traceback in the message).
             ActorDiedError: an actor of the graph died.
             TransferTimeoutError: the result did not come within ``timeout``.
+            RuntimeError: the graph was torn down (before the result came).
         """
         if not self._done:
             try:
@@ -378,6 +379,10 @@ class CompiledGraph:
                     raise TransferTimeoutError(
                         f"execution {index}'s result did not come within {timeout:.3g} s; the "
                         "graph goes on, and get() may be called again"
+                    ) from None
+                except GraphStopped:  # teardown() on another thread while this one waited
+                    raise RuntimeError(
+                        f"this compiled graph was torn down before execution {index}'s result came"
                     ) from None
             outputs = self._results.pop(index)
         finally:

@@ -240,6 +240,30 @@ def test_teardown_finishes_in_time_with_a_stuck_method_and_leaves_nothing():
         graph.execute(torch.ones(1))
 
 
+def test_a_get_waiting_while_another_thread_tears_down_gets_a_clear_error():
+    a, b = spawn_pair()
+    with InputNode() as inp:
+        dag = b.add.bind(a.slow.bind(inp, 5.0))
+    graph = dag.compile()
+    ref = graph.execute(torch.ones(1))
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            ref.get(30)
+        except BaseException as exc:  # what the waiting user sees
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)  # the waiter is inside get()
+    graph.teardown(timeout=3.0)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and type(outcome[0]) is RuntimeError, outcome
+    assert "torn down before execution 0's result came" in str(outcome[0])
+
+
 def test_an_input_that_cannot_be_sent_fails_alone_and_the_graph_goes_on(trio):
     a, b, c = trio
     with InputNode() as inp:
