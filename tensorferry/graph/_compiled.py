@@ -337,6 +337,8 @@ class CompiledGraph:
                 raise
             index = self._submitted
             self._submitted += 1
+        except GraphStopped:  # teardown() on another thread while this one waited
+            raise RuntimeError("this compiled graph was torn down") from None
         finally:
             self._lock.release()
         return CompiledGraphRef(self, index)
