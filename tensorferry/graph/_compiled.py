@@ -256,6 +256,12 @@ class CompiledGraph:
         self._closed = False
         self._profile: list = []
         self._input_edges = [e for e in self.graph.edges if e.src_actor == DRIVER]
+        keys = {k for e in self._input_edges for k in e.input_keys}
+        # What execute() may be given: positions up to the last one read, names read (a graph
+        # that reads the InputNode itself takes exactly one argument, checked in _payloads).
+        self._reads_whole = None in keys
+        self._positions = 1 + max((k for k in keys if isinstance(k, int)), default=-1)
+        self._names = frozenset(k for k in keys if isinstance(k, str))
         self._executor.start()
         # Tear down (and remove the shared memory, close the connections) even if the user
         # forgets.
@@ -295,6 +301,7 @@ class CompiledGraph:
             return kwargs[key]
 
         # One key: the bare value, so a tensor input takes the channel's no-pickle path.
+        self._check_unread(args, kwargs)
         payloads = {
             e.edge_id: value(e.input_keys[0])
             if len(e.input_keys) == 1
@@ -304,6 +311,22 @@ class CompiledGraph:
         for key, arg in used.items():
             check_sendable(arg, _input_name(key))
         return payloads
+
+    def _check_unread(self, args: tuple, kwargs: dict) -> None:
+        """Raises ``TypeError`` for arguments the graph never reads: a mistake, not a no-op."""
+        if self._reads_whole:
+            return
+        if len(args) > self._positions:
+            reads = f"inp[:{self._positions}]" if self._positions else "no positional argument"
+            raise TypeError(
+                f"execute() got {len(args)} positional arguments but the graph reads {reads}"
+            )
+        unread = [name for name in kwargs if name not in self._names]
+        if unread:
+            names = ", ".join(f"inp.{n}" for n in sorted(self._names)) or "no keyword argument"
+            raise TypeError(
+                f"execute() got {', '.join(f'{n}=' for n in unread)} but the graph reads {names}"
+            )
 
     def execute(self, *args: Any, **kwargs: Any) -> CompiledGraphRef:
         """Submits one execution and returns at once with its ref.

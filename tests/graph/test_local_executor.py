@@ -64,6 +64,15 @@ def test_fan_out_fan_in_keywords_and_multi_output(trio):
             assert torch.allclose(right, x * scale + 100.0)
         with pytest.raises(TypeError, match="scale"):
             graph.execute(torch.ones(1))
+        # Arguments the graph never reads are a mistake, not a no-op.
+        with pytest.raises(
+            TypeError, match=r"2 positional arguments but the graph reads inp\[:1\]"
+        ):
+            graph.execute(torch.ones(1), torch.ones(1), scale=1.0)
+        with pytest.raises(TypeError, match=r"scael= but the graph reads inp.scale"):
+            graph.execute(torch.ones(1), scale=1.0, scael=2.0)
+        x = torch.randn(5, 7)  # nothing was submitted: the graph goes on
+        assert torch.allclose(graph.execute(x, scale=0.5).get(timeout=10)[1], x + 1.0)
     finally:
         graph.teardown(kill_actors=False)
 
