@@ -48,7 +48,7 @@ class TensorSpec:
         given = shape
         if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
             shape = (shape,)  # one size; anything else fails below
-        sizes = [_size(s) for s in shape]
+        sizes = [_as_int(s) for s in shape]
         if any(s is None for s in sizes):
             raise TypeError(f"TensorSpec shape must be a tuple of ints, got {given!r}")
         shape = sizes
@@ -68,12 +68,13 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
-def _size(size: Any) -> int | None:
-    """``size`` as a Python int, or ``None`` when it is no integer (bools and floats are not)."""
-    if isinstance(size, bool):
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer of any type (numpy's, a 0-d integer
+    tensor), else ``None``: bools and floats are not (shape sizes and peer ranks)."""
+    if isinstance(value, bool):
         return None
     try:
-        return operator.index(size)
+        return operator.index(value)
     except TypeError:
         return None
 
@@ -156,14 +157,10 @@ def check_peer(peer: Any, *, rank: int, world_size: int, what: str) -> int:
     are taken; bools and floats are not. Raises TypeError/ValueError naming ``what``
     (e.g. ``"dst"``)."""
     if type(peer) is not int:
-        try:
-            if isinstance(peer, bool):
-                raise TypeError("a bool")
-            peer = operator.index(peer)
-        except TypeError:
-            raise TypeError(
-                f"{what} must be an int rank, got {type(peer).__name__} {peer!r}"
-            ) from None
+        rank_given = _as_int(peer)
+        if rank_given is None:
+            raise TypeError(f"{what} must be an int rank, got {type(peer).__name__} {peer!r}")
+        peer = rank_given
     if not 0 <= peer < world_size:
         raise ValueError(f"{what}={peer} is out of range: world size is {world_size}")
     if peer == rank:
