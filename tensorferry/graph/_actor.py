@@ -219,7 +219,15 @@ class ActorHandle:
             name=f"tensorferry-actor-{self.name}",
             daemon=True,
         )
-        self._process.start()
+        try:
+            self._process.start()  # pickles the arguments before it starts anything
+        except Exception as exc:
+            parent.close()
+            child.close()
+            self._process = None
+            if isinstance(exc, OSError):
+                raise
+            raise _unpicklable(f"{self.actor_class.__name__}.spawn()", args, kwargs, exc) from exc
         child.close()
         self._conn = parent
         _live.add(self)
@@ -257,15 +265,25 @@ class ActorHandle:
             reply = self._receive(timeout, what=message[0])
         if reply[0] == "error":
             raise ActorError(f"{self.name}.{message[1]} raised:\n{reply[1]}")
+        if reply[0] == "unsent":
+            raise ActorError(
+                f"{self.name}.{message[1]} returned a value that cannot be pickled, so it "
+                f"cannot come back to the caller: {reply[1]}"
+            )
         return reply[1]
 
     def _send(self, message: tuple) -> None:
         if not self.is_alive():
             raise ActorDiedError(f"actor {self.name} is not running")
         try:
-            self._conn.send(message)
+            self._conn.send(message)  # pickles the whole message before it writes a byte
         except (BrokenPipeError, OSError):
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+        except Exception as exc:
+            if message[0] != "call":
+                raise
+            _, method, args, kwargs = message
+            raise _unpicklable(f"{self.name}.{method}()", args, kwargs, exc) from exc
 
     def kill(self, timeout: float = 5.0) -> None:
         """Ends the actor process: asks it to exit, then terminates, then kills it.
@@ -292,6 +310,26 @@ class ActorHandle:
     def __repr__(self) -> str:
         state = "alive" if self.is_alive() else "dead"
         return f"ActorHandle({self.name}, {self.device}, pid={self.pid}, {state})"
+
+
+def _unpicklable(call: str, args: tuple, kwargs: dict, error: Exception) -> TypeError:
+    """The error for a call whose arguments failed to pickle on their way to an actor's process,
+    naming the first argument that does not pickle alone. Objects of ``multiprocessing`` (locks,
+    queues, pipes) pickle only while a process is spawned, so they are never blamed."""
+    from tensorferry.graph._channel import pickle_problem
+
+    named = [(f"argument {i}", value) for i, value in enumerate(args)]
+    named += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
+    for what, value in named:
+        if type(value).__module__.startswith("multiprocessing"):
+            continue
+        problem = pickle_problem(value)
+        if problem is not None and "through inheritance" not in str(problem):
+            return TypeError(
+                f"{call}: {what} ({type(value).__name__}) cannot be pickled, so it cannot reach "
+                f"the actor's process: {problem}"
+            )
+    return TypeError(f"{call}: the arguments cannot be pickled for the actor's process: {error}")
 
 
 @atexit.register

@@ -332,17 +332,26 @@ class _ProbePickler(pickle.Pickler):
 _PLAIN = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
 
 
-def check_sendable(value: Any, what: str) -> None:
-    """Raises ``TypeError`` naming ``what`` when ``value`` cannot travel over a graph channel
-    (shared-memory or network: both pickle what is not a bare tensor)."""
+def pickle_problem(value: Any) -> Exception | None:
+    """Why ``value`` does not pickle (its tensors left out), or ``None`` when it does."""
     if type(value) in _PLAIN:  # on the per-execution path: skip the probe where it cannot fail
-        return
+        return None
     try:
         _ProbePickler(io.BytesIO(), protocol=5).dump(value)
     except Exception as exc:
+        return exc
+    return None
+
+
+def check_sendable(value: Any, what: str) -> None:
+    """Raises ``TypeError`` naming ``what`` when ``value`` cannot travel over a graph channel
+    (shared-memory or network: both pickle what is not a bare tensor)."""
+    problem = pickle_problem(value)
+    if problem is not None:
         raise TypeError(
-            f"{what} cannot be pickled, so it cannot travel between the graph's processes: {exc}"
-        ) from exc
+            f"{what} cannot be pickled, so it cannot travel between the graph's processes: "
+            f"{problem}"
+        ) from problem
 
 
 class _TensorUnpickler(pickle.Unpickler):

@@ -2,8 +2,8 @@
 
 Commands arrive over a pipe from the driver:
 
-- ``("call", method, args, kwargs)``: call a method now, reply ``("ok", result)`` or
-  ``("error", traceback)``.
+- ``("call", method, args, kwargs)``: call a method now, reply ``("ok", result)``,
+  ``("error", traceback)``, or ``("unsent", why)`` when the result does not pickle.
 - ``("run", ActorRunPlan)``: set up the graph's channels (and NCCL), reply ``("ready",)``, then
   run the schedule until the graph is torn down; reply ``("stopped", why)``.
 - ``("exit",)``: leave.
@@ -75,9 +75,20 @@ def actor_main(
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
             else:
-                conn.send(("ok", result))
+                _reply_result(conn, result)
         elif command == "run":
             _run_graph(conn, instance, message[1])
+
+
+def _reply_result(conn: Any, result: Any) -> None:
+    """Replies with a direct call's result; one that does not pickle becomes the caller's error,
+    and the actor goes on (the pipe pickles the whole reply before it writes a byte)."""
+    try:
+        conn.send(("ok", result))
+    except OSError:
+        raise  # the driver is gone: the process ends
+    except Exception as exc:
+        conn.send(("unsent", f"{type(result).__name__}: {exc}"))
 
 
 def _run_graph(conn: Any, instance: Any, plan: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import random
 import signal
@@ -184,6 +185,39 @@ def test_direct_calls_and_busy_actor(trio):
 def test_constructor_error_is_an_actor_error():
     with pytest.raises(tf.ActorError, match="this actor cannot start"):
         actor(Broken).spawn()
+
+
+def test_direct_calls_with_what_cannot_be_pickled_fail_alone(trio):
+    a, _, _ = trio
+    x = torch.randn(5)
+    with pytest.raises(TypeError, match=r"calc0\.mul\(\): keyword argument 'factor' \(lock\)"):
+        a.mul.call(x, factor=threading.Lock())
+    with pytest.raises(TypeError, match=r"calc0\.combine\(\): argument 1 \(function\)"):
+        a.combine.call(x, lambda: 1)
+    # The result of a call that does not pickle: the caller's error; the actor lives on.
+    with pytest.raises(tf.ActorError, match="lock_if returned a value that cannot be pickled"):
+        a.lock_if.call(x, True)
+    assert a.is_alive()
+    assert torch.equal(a.lock_if.call(x, False), x)
+    assert torch.equal(a.mul.call(x, factor=3.0), x * 3.0)
+
+
+def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothing():
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(TypeError, match=r"Calc\.spawn\(\): argument 0 \(lock\) cannot be pickled"):
+        CalcActor.spawn(threading.Lock())
+    with pytest.raises(TypeError, match=r"keyword argument 'offset' \(function\)"):
+        CalcActor.spawn(offset=lambda: 1.0)
+    assert len(os.listdir("/proc/self/fd")) == fds  # the pipe to the actor is closed again
+    # A multiprocessing object pickles while the process is spawned: never the one blamed.
+    event = multiprocessing.get_context("spawn").Event()
+    with pytest.raises(TypeError, match=r"keyword argument 'offset' \(lock\)"):
+        CalcActor.spawn(event, offset=threading.Lock())
+    handle = CalcActor.spawn(2.0)
+    try:
+        assert torch.equal(handle.add.call(torch.ones(3)), torch.full((3,), 3.0))
+    finally:
+        handle.kill()
 
 
 def spawn_pair():
