@@ -305,19 +305,27 @@ def as_recv_list(
     if not items:
         raise ValueError(f"{what} is an empty list: nothing to transfer")
     if not any(isinstance(item, TensorSpec) for item in items):  # buffers given
-        return (*_inspect(items, device, what), single)
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, TensorSpec):
-            out.append(item.empty(device))
-        elif isinstance(item, torch.Tensor):
-            out.append(_check_tensor(item, i, device, what))
-        else:
-            raise TypeError(
-                f"{what}[{i}] must be a torch.Tensor or a TensorSpec, got {type(item).__name__}"
-            )
+        try:
+            return (*_inspect(items, device, what), single)
+        except TypeError:
+            _check_buffer_types(items, what)  # a shape or a (shape, dtype) where a spec belongs
+            raise
+    _check_buffer_types(items, what)
+    out = [
+        item.empty(device) if isinstance(item, TensorSpec) else _check_tensor(item, i, device, what)
+        for i, item in enumerate(items)
+    ]
     _check_one_device(out, what)
     return _detached(out), describe(out), single
+
+
+def _check_buffer_types(items: Sequence[Any], what: str) -> None:
+    for i, item in enumerate(items):
+        if not isinstance(item, (torch.Tensor, TensorSpec)):
+            raise TypeError(
+                f"{what}[{i}] must be a torch.Tensor or a tf.TensorSpec(shape, dtype), got "
+                f"{type(item).__name__}"
+            )
 
 
 def compare(sender: Descriptor, receiver: Descriptor, *, src: int, dst: int) -> None:

@@ -355,3 +355,19 @@ def test_peer_ranks_take_any_integer_but_bools_and_floats():
         check_peer(np.int64(0), rank=0, world_size=2, what="dst")
     with pytest.raises(ValueError, match="out of range"):
         check_peer(np.int64(2), rank=0, world_size=2, what="dst")
+
+
+def test_receive_buffers_of_the_wrong_type_are_named_with_the_spec_hint():
+    from tensorferry.p2p._spec import TensorSpec, as_recv_list
+
+    cpu = torch.device("cpu")
+    hint = r"must be a torch.Tensor or a tf.TensorSpec\(shape, dtype\), got tuple"
+    for buffers in (
+        [((2, 3), torch.float32)],  # a spec written as a tuple
+        [torch.zeros(2), ((2,), torch.float32)],
+        [TensorSpec((2,)), ((2,), torch.float32)],
+    ):
+        with pytest.raises(TypeError, match=r"buffers\[\d\] " + hint):
+            as_recv_list(buffers, cpu, "buffers")
+    tensors, _, single = as_recv_list([TensorSpec((2, 3)), torch.ones(4)], cpu, "buffers")
+    assert [t.shape for t in tensors] == [(2, 3), (4,)] and not single
