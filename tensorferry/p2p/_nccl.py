@@ -195,6 +195,13 @@ class NcclTransport(Transport):
     def _key(self, src: int, dst: int) -> tuple[str, int, int]:
         return ("nccl", src, dst)
 
+    def _prepared_pair(self, src: int, dst: int) -> Any:
+        """The communicator pair of direction ``src`` → ``dst``, made by :meth:`prepare`."""
+        pair = communicator_cache().get(self._key(src, dst))
+        if pair is None:
+            raise TransportError(f"nccl: the direction rank {src} → {dst} is not prepared")
+        return pair
+
     def _ends(self, peer: int, kind: str) -> tuple[int, int]:
         """``(src, dst)`` of the direction that carries messages of ``kind`` with ``peer``."""
         return (self.ctx.rank, peer) if kind == "send" else (peer, self.ctx.rank)
@@ -263,11 +270,8 @@ class NcclTransport(Transport):
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
         device = self.ctx.device
         wires, keep, to_unpack, used = [], [], [], []
-        cache = communicator_cache()
         for (src, dst), peer_ops in by_direction.items():
-            pair = cache.get(self._key(src, dst))
-            if pair is None:
-                raise TransportError(f"nccl: the direction rank {src} → {dst} is not prepared")
+            pair = self._prepared_pair(src, dst)
             wire: list[tuple[str, torch.Tensor]] = []
             for op in peer_ops:
                 staging = self._staging_for(op, src, dst)
@@ -305,10 +309,7 @@ class NcclTransport(Transport):
     def _start_one(self, op: P2POp, stream: Any) -> PendingOps:
         """One tensor to or from one peer (the commonest call): what :meth:`start` does, with
         nothing to group, pack or unpack."""
-        key = self._key(*self._ends(op.peer, op.kind))
-        pair = communicator_cache().get(key)
-        if pair is None:
-            raise TransportError(f"nccl: the direction rank {key[1]} → {key[2]} is not prepared")
+        pair = self._prepared_pair(*self._ends(op.peer, op.kind))
         tensor = op.tensors[0]
         wire = [(op.kind, tensor)] if tensor.numel() else []  # empty: nothing moves either side
         return _NcclPending(self._enqueue([(pair, wire)] if wire else [], stream), [])
