@@ -314,22 +314,21 @@ class ActorHandle:
 
 def _unpicklable(call: str, args: tuple, kwargs: dict, error: Exception) -> TypeError:
     """The error for a call whose arguments failed to pickle on their way to an actor's process,
-    naming the first argument that does not pickle alone. Objects of ``multiprocessing`` (locks,
-    queues, pipes) pickle only while a process is spawned, so they are never blamed."""
-    from tensorferry.graph._channel import pickle_problem
+    naming the first argument that does not pickle alone."""
+    from tensorferry.graph._channel import first_unpicklable
 
     named = [(f"argument {i}", value) for i, value in enumerate(args)]
     named += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
-    for what, value in named:
-        if type(value).__module__.startswith("multiprocessing"):
-            continue
-        problem = pickle_problem(value)
-        if problem is not None and "through inheritance" not in str(problem):
-            return TypeError(
-                f"{call}: {what} ({type(value).__name__}) cannot be pickled, so it cannot reach "
-                f"the actor's process: {problem}"
-            )
-    return TypeError(f"{call}: the arguments cannot be pickled for the actor's process: {error}")
+    culprit = first_unpicklable(named)
+    if culprit is None:
+        return TypeError(
+            f"{call}: the arguments cannot be pickled for the actor's process: {error}"
+        )
+    what, value, problem = culprit
+    return TypeError(
+        f"{call}: {what} ({type(value).__name__}) cannot be pickled, so it cannot reach the "
+        f"actor's process: {problem}"
+    )
 
 
 @atexit.register

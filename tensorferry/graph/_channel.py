@@ -44,7 +44,7 @@ import os
 import pickle
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -340,6 +340,19 @@ def pickle_problem(value: Any) -> Exception | None:
         _ProbePickler(io.BytesIO(), protocol=5).dump(value)
     except Exception as exc:
         return exc
+    return None
+
+
+def first_unpicklable(named: Iterable[tuple[str, Any]]) -> tuple[str, Any, Exception] | None:
+    """The first ``(what, value)`` whose value does not pickle, with why; ``None`` when all do.
+    Objects of ``multiprocessing`` (locks, queues, pipes) pickle only while a process is
+    spawned: never the one named."""
+    for what, value in named:
+        if type(value).__module__.startswith("multiprocessing"):
+            continue
+        problem = pickle_problem(value)
+        if problem is not None and "through inheritance" not in str(problem):
+            return what, value, problem
     return None
 
 

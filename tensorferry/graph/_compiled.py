@@ -52,13 +52,21 @@ class CompileOptions:
     ``"auto"``: whichever the graph's actors were spawned with."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int):
-            raise TypeError(f"max_inflight must be an int, got {self.max_inflight!r}")
+        for name in ("overlap_communication", "profile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("max_inflight", "buffer_size_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         for name in ("submit_timeout", "get_timeout", "teardown_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         if self.buffer_size_bytes < 64:
             raise ValueError(f"buffer_size_bytes must be >= 64, got {self.buffer_size_bytes}")
         if self.executor not in EXECUTORS:

@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
-from tensorferry.graph._channel import Channel, Control, unlink_prefix
+from tensorferry.graph._channel import Channel, Control, first_unpicklable, unlink_prefix
 from tensorferry.graph._executor_base import ExecutorBase
 from tensorferry.graph._plan import DRIVER, RENDEZVOUS_TRANSPORTS, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
@@ -94,6 +94,7 @@ class LocalExecutor(ExecutorBase):
             GraphCompileError: an actor failed to set up (its traceback in the message).
             ActorDiedError: an actor died while setting up.
         """
+        _check_constants(self.graph)
         self._control = Control(f"{self.prefix}c", create=True)
         for edge in self.graph.edges:
             size = _META_SLOT if edge.rendezvous else self._buffer
@@ -102,6 +103,8 @@ class LocalExecutor(ExecutorBase):
             slots = self._max_inflight * (2 if edge.rendezvous and edge.static_shape else 1)
             Channel.create(self._channel_name(edge.edge_id), slots=slots, slot_size=size + 256)
         nccl = self._nccl_setups()
+        sent: list[str] = []
+        unsent: Exception | None = None
         for index, name in enumerate(self._names):
             profile_channel = None
             if self._profile:
@@ -123,11 +126,16 @@ class LocalExecutor(ExecutorBase):
                 segments=self.prefix,
             )
             handle = self.handles[name]
+            try:
+                handle._send(("run", plan))
+            except Exception as exc:  # the actor died, or the plan does not pickle
+                unsent = exc
+                break
             handle.graph = self
-            handle._send(("run", plan))
+            sent.append(name)
         deadline = time.monotonic() + self._start_timeout
         failures = []
-        for name in self._names:
+        for name in sent:  # every actor that has the plan answers before anything else
             handle = self.handles[name]
             try:
                 reply = handle._receive(max(0.1, deadline - time.monotonic()), what="graph setup")
@@ -136,8 +144,13 @@ class LocalExecutor(ExecutorBase):
                 continue
             if reply[0] == "error":
                 failures.append(f"{name}:\n{reply[1]}")
-        if failures:
+        if failures or unsent is not None:
             self.teardown(timeout=10.0, kill_actors=False)
+        if unsent is not None:
+            if isinstance(unsent, ActorDiedError):
+                raise unsent
+            raise GraphCompileError(f"the graph's plan could not be sent: {unsent}") from unsent
+        if failures:
             raise GraphCompileError("actors failed to set up the graph:\n" + "\n".join(failures))
         for edge in self.graph.edges:
             if edge.src_actor == DRIVER:
@@ -261,3 +274,24 @@ class LocalExecutor(ExecutorBase):
             self._control.close()
         unlink_prefix(self.prefix)
         self._store = None
+
+
+def _check_constants(graph: GraphSpec) -> None:
+    """Constants bound into the graph reach their actors pickled, in the graph's plan: one that
+    does not pickle is named before anything is created or sent."""
+    for task in graph.tasks:
+        named = [
+            (f"argument {i}", ref.value) for i, ref in enumerate(task.args) if ref.kind == "const"
+        ]
+        named += [
+            (f"keyword argument {key!r}", ref.value)
+            for key, ref in task.kwargs
+            if ref.kind == "const"
+        ]
+        culprit = first_unpicklable(named)
+        if culprit is not None:
+            what, value, problem = culprit
+            raise GraphCompileError(
+                f"{task.actor}.{task.method}: {what} ({type(value).__name__}) is a constant that "
+                f"cannot be pickled, so it cannot reach the actor's process: {problem}"
+            )

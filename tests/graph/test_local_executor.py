@@ -202,6 +202,50 @@ def test_direct_calls_with_what_cannot_be_pickled_fail_alone(trio):
     assert torch.equal(a.mul.call(x, factor=3.0), x * 3.0)
 
 
+def test_a_constant_that_cannot_be_pickled_fails_compile_and_the_actors_stay_usable(trio):
+    a, b, _ = trio
+    with InputNode() as inp:
+        dag = b.add.bind(a.mul.bind(inp, factor=threading.Lock()))
+    named = r"calc0\.mul: keyword argument 'factor' \(lock\) is a constant that cannot be pickled"
+    with pytest.raises(tf.GraphCompileError, match=named):
+        dag.compile()
+    assert a.graph is None and b.graph is None
+    x = torch.randn(4)
+    with InputNode() as inp:
+        graph = b.add.bind(a.mul.bind(inp, factor=3.0)).compile()
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), x * 3.0 + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_a_plan_that_cannot_be_sent_stops_the_actors_that_got_theirs(trio, monkeypatch):
+    a, b, _ = trio
+    real_send = type(b)._send
+
+    def refuse_plans_to_b(handle, message):
+        if handle is b and message[0] == "run":
+            raise TypeError("cannot pickle this plan (on purpose)")
+        return real_send(handle, message)
+
+    monkeypatch.setattr(type(b), "_send", refuse_plans_to_b)
+    with InputNode() as inp:
+        dag = b.add.bind(a.mul.bind(inp))
+    with pytest.raises(tf.GraphCompileError, match="plan could not be sent: cannot pickle this"):
+        dag.compile()
+    monkeypatch.undo()
+    # a got its plan and ran it: it was stopped, and its replies are all read.
+    assert a.graph is None and b.graph is None
+    assert a.getpid.call() == a.pid and b.getpid.call() == b.pid
+    x = torch.randn(4)
+    with InputNode() as inp:
+        graph = b.add.bind(a.mul.bind(inp)).compile()
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), x * 2.0 + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothing():
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(TypeError, match=r"Calc\.spawn\(\): argument 0 \(lock\) cannot be pickled"):
