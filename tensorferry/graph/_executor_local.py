@@ -25,8 +25,8 @@ import uuid
 from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
-from tensorferry.graph._channel import Channel, Control, first_unpicklable, unlink_prefix
-from tensorferry.graph._executor_base import ExecutorBase
+from tensorferry.graph._channel import Channel, Control, unlink_prefix
+from tensorferry.graph._executor_base import ExecutorBase, unpicklable_constant
 from tensorferry.graph._plan import DRIVER, RENDEZVOUS_TRANSPORTS, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
@@ -94,7 +94,9 @@ class LocalExecutor(ExecutorBase):
             GraphCompileError: an actor failed to set up (its traceback in the message).
             ActorDiedError: an actor died while setting up.
         """
-        _check_constants(self.graph)
+        problem = unpicklable_constant(self.graph)
+        if problem is not None:  # before anything is created or sent
+            raise GraphCompileError(problem)
         self._control = Control(f"{self.prefix}c", create=True)
         for edge in self.graph.edges:
             size = _META_SLOT if edge.rendezvous else self._buffer
@@ -274,24 +276,3 @@ class LocalExecutor(ExecutorBase):
             self._control.close()
         unlink_prefix(self.prefix)
         self._store = None
-
-
-def _check_constants(graph: GraphSpec) -> None:
-    """Constants bound into the graph reach their actors pickled, in the graph's plan: one that
-    does not pickle is named before anything is created or sent."""
-    for task in graph.tasks:
-        named = [
-            (f"argument {i}", ref.value) for i, ref in enumerate(task.args) if ref.kind == "const"
-        ]
-        named += [
-            (f"keyword argument {key!r}", ref.value)
-            for key, ref in task.kwargs
-            if ref.kind == "const"
-        ]
-        culprit = first_unpicklable(named)
-        if culprit is not None:
-            what, value, problem = culprit
-            raise GraphCompileError(
-                f"{task.actor}.{task.method}: {what} ({type(value).__name__}) is a constant that "
-                f"cannot be pickled, so it cannot reach the actor's process: {problem}"
-            )

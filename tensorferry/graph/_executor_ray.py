@@ -35,7 +35,7 @@ from tensorferry.errors import ActorDiedError, GraphCompileError
 from tensorferry.graph._actor_ray import require_ray
 from tensorferry.graph._channel import GraphStopped
 from tensorferry.graph._channel_net import Listener, NetControl, NetWiring, establish
-from tensorferry.graph._executor_base import ExecutorBase
+from tensorferry.graph._executor_base import ExecutorBase, unpicklable_constant
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._runner import ActorRunPlan
 
@@ -139,10 +139,19 @@ class RayExecutor(ExecutorBase):
             capacity=self._max_inflight,
             timeout_s=max(1.0, deadline - time.monotonic()),
         )
-        setups = [
-            host.setup_graph.remote(self._plan(index, name, nccl.get(name)), wiring)
-            for index, (name, host) in enumerate(zip(self._names, self._hosts, strict=True))
-        ]
+        setups = []
+        try:
+            for index, (name, host) in enumerate(zip(self._names, self._hosts, strict=True)):
+                setups.append(
+                    host.setup_graph.remote(self._plan(index, name, nccl.get(name)), wiring)
+                )
+        except Exception as exc:  # Ray cannot serialise a plan: a constant that does not pickle
+            for host in self._hosts:
+                host.stop_graph.remote()
+            if setups:  # those that got their plan stop before the teardown asks them to
+                ray.wait(setups, num_returns=len(setups), timeout=5.0)
+            why = unpicklable_constant(self.graph) or _first_line(exc)
+            self._fail([f"driver: the graph's plan could not be sent: {why}"])
         try:
             readers, writers = self._wire_driver(wiring, setups)
         except BaseException as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -213,6 +214,23 @@ def test_failed_setup_is_a_compile_error_and_frees_the_actors(calcs):
             graph.teardown(kill_actors=False)
     finally:
         failing.kill()
+
+
+def test_a_constant_ray_cannot_send_is_a_compile_error_and_frees_the_actors(calcs):
+    a, b, _ = calcs
+    with InputNode() as inp:
+        dag = b.add.bind(a.combine.bind(inp, threading.Lock()))
+    named = r"plan could not be sent: \w+\.combine: argument 1 \(lock\) is a constant"
+    with pytest.raises(tf.GraphCompileError, match=named):
+        dag.compile()
+    x = torch.randn(3)
+    assert torch.equal(a.combine.call(x, x), x + x)  # a let go of the failed graph
+    with InputNode() as inp:
+        graph = b.add.bind(a.add.bind(inp)).compile()
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
 
 
 def test_killed_actor_fails_pending_and_later_gets(ray_cluster):
