@@ -21,7 +21,7 @@ import torch
 
 from tensorferry.p2p import _context
 from tensorferry.p2p._engine import Message, Unit
-from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer
+from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer, check_receives_apart
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
 from tensorferry.runtime._events import record_on_current_stream
@@ -183,6 +183,8 @@ def recv(
     message, single = _message(
         ctx, "recv", buffers, src, static=static, transport=transport, what="buffers"
     )
+    if not single and len(set(map(id, buffers))) < len(buffers):  # cheap: the likely mistake
+        check_receives_apart([("buffers", "recv", message.op.tensors)])
     received = message.op.tensors[0] if single else list(message.op.tensors)
     return _submit(ctx, [message], received, timeout).transfer
 
@@ -223,9 +225,17 @@ def sendrecv(
         transport=transport,
         what="recv_buffers",
     )
+    check_receives_apart(
+        [("send_tensors", "send", out.op.tensors), ("recv_buffers", "recv", inc.op.tensors)]
+    )
     received = inc.op.tensors[0] if single else list(inc.op.tensors)
     _prepare_ring_in_order(ctx, [out, inc])
     return _submit(ctx, [out, inc], received, timeout).transfer
+
+
+def _entry(index: int, message: Message) -> str:
+    way = "to" if message.op.kind == "send" else "from"
+    return f"batch entry {index} ({message.op.kind} {way} rank {message.op.peer}) tensors"
 
 
 def _prepare_ring_in_order(ctx: _context.P2PContext, messages: Sequence[Message]) -> None:
@@ -313,6 +323,14 @@ class Batch(Transfer):
             err = ValueError("tf.batch() is empty: add at least one send or recv")
             self._finish(err)
             raise err
+        try:
+            check_receives_apart(
+                [(_entry(n, m), m.op.kind, m.op.tensors) for n, m in enumerate(self._messages)]
+            )
+        except ValueError as err:
+            self._state = "discarded"
+            self._finish(err)
+            raise
         self._state = "submitted"
         self.description = f"batch: {_describe(self._messages)}"
         _submit(self._ctx, self._messages, self._received, self._timeout, transfer=self)

@@ -552,7 +552,7 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 # ---------------------------------------------------------------------- validation
 # How many calls bad_arguments makes everywhere, and how many more where a rank has another
 # GPU to misuse.
-BAD_CALLS = 23
+BAD_CALLS = 26
 BAD_CALLS_WITH_ANOTHER_GPU = 2
 
 
@@ -591,6 +591,10 @@ def bad_arguments(rank: int, world: int) -> list[str]:
         "devices mixed": lambda: tf.send([x, x, torch.zeros(2, device="meta")], peer),
         "sparse": lambda: tf.send([x, torch.eye(4, device=D()).to_sparse()], peer),
         "sparse csr": lambda: tf.send(torch.eye(4, device=D()).to_sparse_csr(), peer),
+        # Receiving into memory the same call sends from, or receives into twice: garbled.
+        "exchange in place": lambda: tf.sendrecv(x, peer, x, peer),
+        "one buffer twice": lambda: tf.recv([x, x], peer),
+        "batch shift in place": lambda: _batch_shift_in_place(x, peer, (rank - 1) % world),
     }
     if D().type == "cuda" and torch.cuda.device_count() > 1:
         other = torch.device("cuda", (D().index + 1) % torch.cuda.device_count())
@@ -605,6 +609,12 @@ def bad_arguments(rank: int, world: int) -> list[str]:
             continue
         raise AssertionError(f"{name}: no error")
     return outcomes
+
+
+def _batch_shift_in_place(x: torch.Tensor, right: int, left: int) -> None:
+    with tf.batch() as b:
+        b.send(x, right)
+        b.recv(x[1:], left)  # a view of what it sends
 
 
 # ---------------------------------------------------------------------- faults

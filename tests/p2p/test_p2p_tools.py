@@ -371,3 +371,29 @@ def test_receive_buffers_of_the_wrong_type_are_named_with_the_spec_hint():
             as_recv_list(buffers, cpu, "buffers")
     tensors, _, single = as_recv_list([TensorSpec((2, 3)), torch.ones(4)], cpu, "buffers")
     assert [t.shape for t in tensors] == [(2, 3), (4,)] and not single
+
+
+def test_receive_buffers_must_not_share_memory_with_the_calls_other_tensors():
+    from tensorferry.p2p._spec import check_receives_apart
+
+    buf = torch.zeros(16)
+    fine = [
+        [("s", "send", [buf[:8]]), ("r", "recv", [buf[8:]])],  # halves of one buffer
+        [("s", "send", [buf, buf[2:4]]), ("r", "recv", [torch.zeros(2)])],  # sends may overlap
+        [("r", "recv", [buf[:0], buf[:0], buf])],  # empty views hold no memory
+        [("r", "recv", [buf[i : i + 4] for i in range(0, 16, 4)])],  # back to back
+    ]
+    for parts in fine:
+        check_receives_apart(parts)
+    clashes = [
+        ([("s", "send", [buf]), ("r", "recv", [buf])], r"r\[0\] shares memory with s\[0\]"),
+        ([("r", "recv", [buf[:9], buf[8:]])], r"r\[1\] shares memory with r\[0\]"),
+        ([("s", "send", [buf[12:]]), ("r", "recv", [buf[4:13]])], r"s\[0\] shares memory with r"),
+        (
+            [("r", "recv", [buf[:4], buf[6:8]]), ("q", "recv", [buf[3:5]])],
+            r"q\[0\] shares .* r\[0\]",
+        ),
+    ]
+    for parts, text in clashes:
+        with pytest.raises(ValueError, match=text):
+            check_receives_apart(parts)
