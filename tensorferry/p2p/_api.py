@@ -183,8 +183,7 @@ def recv(
     message, single = _message(
         ctx, "recv", buffers, src, static=static, transport=transport, what="buffers"
     )
-    if not single and len(set(map(id, buffers))) < len(buffers):  # cheap: the likely mistake
-        check_receives_apart([("buffers", "recv", message.op.tensors)])
+    check_receives_apart([("buffers", "recv", message.op.tensors)])
     received = message.op.tensors[0] if single else list(message.op.tensors)
     return _submit(ctx, [message], received, timeout).transfer
 
