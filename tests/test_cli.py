@@ -101,3 +101,33 @@ def test_sendrecv_report_has_provenance_and_whole_caveats(tmp_path):
     caveats = md.split("## Fairness caveats")[1].strip().splitlines()
     assert len(caveats) == 4 and all(c.startswith("- ") and c.endswith(".") for c in caveats)
     assert len((tmp_path / "sendrecv.csv").read_text().splitlines()) == len(rows) + 1
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["bench", "graph", "--iters", "-5"], "--iters: must be a positive integer, got '-5'"),
+        (["bench", "batch", "--large-mib", "-1"], "--large-mib: must be an integer >= 0"),
+        (["bench", "toy", "--steps", "0"], "--steps: must be a positive integer, got '0'"),
+        (["bench", "sendrecv", "--max-seconds-per-point", "nan"], "must be a positive number"),
+        (["demo", "--iterations", "two"], "--iterations: must be a positive integer, got 'two'"),
+    ],
+)
+def test_bad_numbers_are_usage_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for argv in (
+        ["demo", "--out", str(blocker / "pictures")],
+        ["bench", "batch", "--out", str(blocker)],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert "cannot make that folder" in capsys.readouterr().err

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from tensorferry.cli._args import positive_int
+
 __all__ = ["add_arguments", "run"]
 
 _GPU_SIZES = "1M,16M,64M,256M"
@@ -28,14 +30,16 @@ _CPU_SIZES = "64K,1M"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU, or 4)")
+    parser.add_argument(
+        "--world", type=positive_int, default=None, help="ranks (default: every GPU, or 4)"
+    )
     parser.add_argument(
         "--sizes", default=None, help=f"bytes per rank (default {_GPU_SIZES}; CPU {_CPU_SIZES})"
     )
     parser.add_argument(
         "--transports", default=None, help="tf transports to time (default: nccl; CPU: gloo)"
     )
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per point")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed iterations per point")
     parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")
 
 

@@ -29,17 +29,19 @@ import statistics
 import time
 from typing import Any
 
+from tensorferry.cli._args import non_negative_int, positive_int
+
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--count", type=int, default=64, help="tensors per iteration")
-    parser.add_argument("--bytes", type=int, default=4096, help="bytes per tensor")
-    parser.add_argument("--iters", type=int, default=None, help="timed iterations")
+    parser.add_argument("--count", type=positive_int, default=64, help="tensors per iteration")
+    parser.add_argument("--bytes", type=positive_int, default=4096, help="bytes per tensor")
+    parser.add_argument("--iters", type=positive_int, default=None, help="timed iterations")
     parser.add_argument(
         "--large-mib",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="size of the bandwidth messages in MiB (default 1024 GPU, 16 CPU; 0 skips)",
     )

@@ -13,6 +13,8 @@ import statistics
 import time
 from typing import Any
 
+from tensorferry.cli._args import non_negative_int, positive_int
+
 
 class Echo:
     """Actor that returns its input (CPU) or a received GPU tensor's first element's tensor."""
@@ -40,8 +42,12 @@ class Echo:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="folder for CSV + Markdown")
-    parser.add_argument("--iters", type=int, default=2000, help="timed executions per case")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed executions first")
+    parser.add_argument(
+        "--iters", type=positive_int, default=2000, help="timed executions per case"
+    )
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=200, help="untimed executions first"
+    )
 
 
 def _time(fn, iters: int, warmup: int) -> list[float]:

@@ -10,12 +10,16 @@ import argparse
 import statistics
 import time
 
+from tensorferry.cli._args import positive_int
+
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cycles", type=int, default=1000, help="create+close cycles per mode")
-    parser.add_argument("--streams-per-device", type=int, default=14)
+    parser.add_argument(
+        "--cycles", type=positive_int, default=1000, help="create+close cycles per mode"
+    )
+    parser.add_argument("--streams-per-device", type=positive_int, default=14)
     parser.add_argument(
         "--devices", default="all", help="'all' (every CUDA device, else the CPU) or e.g. '0,1'"
     )

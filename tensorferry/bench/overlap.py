@@ -30,13 +30,21 @@ import statistics
 import time
 from typing import Any
 
+from tensorferry.cli._args import non_negative_int, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="folder for CSV + Markdown")
-    parser.add_argument("--size", type=int, default=None, help="matrix side (GPU 10000, CPU 384)")
-    parser.add_argument("--branches", type=int, default=3, help="tensors per execution")
-    parser.add_argument("--iters", type=int, default=None, help="timed executions (GPU 30, CPU 8)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed executions first")
+    parser.add_argument(
+        "--size", type=positive_int, default=None, help="matrix side (GPU 10000, CPU 384)"
+    )
+    parser.add_argument("--branches", type=positive_int, default=3, help="tensors per execution")
+    parser.add_argument(
+        "--iters", type=positive_int, default=None, help="timed executions (GPU 30, CPU 8)"
+    )
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed executions first"
+    )
     parser.add_argument(
         "--inflight",
         default="1,2",

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from typing import Any
 
+from tensorferry.cli._args import positive_float
+
 DEFAULT_SIZES = "256,4K,64K,1M,8M,64M,256M,1G"
 DEFAULT_TRANSPORTS = "nccl,nccl-4,nvlink,nvlink-4,nvlink-zc,ce,auto"
 
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time an 8192^3 bf16 matmul loop with 4 GiB arriving",
     )
-    parser.add_argument("--max-seconds-per-point", type=float, default=1.0)
+    parser.add_argument("--max-seconds-per-point", type=positive_float, default=1.0)
 
 
 def run(args: argparse.Namespace) -> int:

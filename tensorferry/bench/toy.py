@@ -22,6 +22,8 @@ import argparse
 import time
 from typing import Any
 
+from tensorferry.cli._args import positive_int
+
 __all__ = ["add_arguments", "run"]
 
 PROGRAMS = ("basic_overlap", "overlap", "pp")
@@ -39,11 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(PROGRAMS),
         help=f"comma-separated subset of {','.join(PROGRAMS)}",
     )
-    parser.add_argument("--steps", type=int, default=10, help="steps of basic_overlap/overlap")
-    parser.add_argument("--arrays", type=int, default=4, help="arrays per step of overlap")
-    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches of pp")
     parser.add_argument(
-        "--size", type=int, default=None, help="matrix side (default 4096 on GPU, 128 on CPU)"
+        "--steps", type=positive_int, default=10, help="steps of basic_overlap/overlap"
+    )
+    parser.add_argument("--arrays", type=positive_int, default=4, help="arrays per step of overlap")
+    parser.add_argument("--microbatches", type=positive_int, default=8, help="micro-batches of pp")
+    parser.add_argument(
+        "--size",
+        type=positive_int,
+        default=None,
+        help="matrix side (default 4096 on GPU, 128 on CPU)",
     )
     parser.add_argument("--modes", default="cached,uncached", help="cached,uncached")
     parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from tensorferry.cli._args import positive_int
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -18,8 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--part", choices=("all", "p2p", "graph"), default="all", help="which demo to run"
     )
     parser.add_argument("--out", default="tensorferry-demo", help="folder for the pictures")
-    parser.add_argument("--size", type=int, default=None, help="graph demo matrix side")
-    parser.add_argument("--iterations", type=int, default=6, help="graph demo executions/mode")
+    parser.add_argument("--size", type=positive_int, default=None, help="graph demo matrix side")
+    parser.add_argument(
+        "--iterations", type=positive_int, default=6, help="graph demo executions/mode"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 
 from tensorferry import envs
 
@@ -64,7 +65,14 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _build_parser(argv).parse_args(argv)
+    parser = _build_parser(argv)
+    args = parser.parse_args(argv)
+    out = getattr(args, "out", None)
+    if out:  # every command that writes files takes --out: a usage error before it runs
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--out {out}: cannot make that folder ({exc.strerror or exc})")
     level = logging.INFO if args.verbose else getattr(logging, envs.log_level(), logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
