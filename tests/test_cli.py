@@ -131,3 +131,19 @@ def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
             main(argv)
         assert exc.value.code == 2
         assert "cannot make that folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["bench", "sendrecv", "--sizes", "1X"], "size '1X' is not a byte count"),
+        (["bench", "sendrecv", "--transports", "pigeon"], "--transports 'pigeon': choose from"),
+        (["bench", "sendrecv", "--modes", "sideways"], "--modes 'sideways': choose from"),
+        (["bench", "allgather", "--transports", "pigeon", "--world", "2"], "unknown ['pigeon']"),
+        (["bench", "lifecycle", "--devices", "9"], "--devices '9'"),
+    ],
+)
+def test_bad_lists_are_one_line_before_anything_starts(argv, text):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert text in str(exc.value.code)

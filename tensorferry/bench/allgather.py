@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from tensorferry.bench._report import report
     from tensorferry.bench.sendrecv import parse_sizes
     from tensorferry.p2p._launch import run_world
+    from tensorferry.p2p._context import _import_optional_transports
+    from tensorferry.p2p._transport import registered_transports
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     use_cuda = gpus >= 2
@@ -66,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
     if not sizes or any(size % 4 for size in sizes):
         raise SystemExit("--sizes must be multiples of 4 bytes")
     transports = (args.transports or ("nccl" if use_cuda else "gloo")).split(",")
+    _import_optional_transports()  # as tf.init does in the ranks
+    known = ["auto", *registered_transports()]
+    unknown = [name for name in transports if name not in known]
+    if unknown:
+        raise SystemExit(f"--transports: unknown {unknown}; registered: {', '.join(known)}")
     config = {"sizes": sizes, "transports": transports, "iters": args.iters}
     results = run_world(
         _worker, config, world=world, backend="nccl" if use_cuda else "gloo", timeout=300

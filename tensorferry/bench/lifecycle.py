@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.cycles < 1:
         raise SystemExit("--cycles must be >= 1")
     devices = _devices(args.devices)
+    try:
+        tf.Client(devices).close()  # the devices are checked before anything is timed
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"--devices {args.devices!r}: {exc}") from None
     rows = []
     modes = (
         ("pooled, streams unused", True, False),

@@ -58,7 +58,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds-per-point", type=positive_float, default=1.0)
 
 
+def _check(args: argparse.Namespace) -> None:
+    """The lists are checked before any rank starts: a bad entry is one line, not a traceback
+    from each rank."""
+    try:
+        if not parse_sizes(args.sizes):
+            raise ValueError("--sizes is empty")
+    except ValueError as exc:
+        raise SystemExit(f"tensorferry bench sendrecv: {exc}") from None
+    for flag, given, known in (
+        ("--transports", args.transports, DEFAULT_TRANSPORTS.split(",")),
+        ("--modes", args.modes, ["one_way", "both"]),
+    ):
+        names = [name for name in given.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise SystemExit(
+                f"tensorferry bench sendrecv: {flag} {given!r}: choose from {','.join(known)}"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     if "RANK" not in os.environ:
         # Not under torchrun: start two ranks of ourselves.
         argv = [
