@@ -25,6 +25,8 @@ def parse_device(value: Any, *, what: str = "device") -> torch.device:
     if isinstance(value, bool):
         raise TypeError(f"{what}: {value!r} is not a device (an int, str or torch.device)")
     if isinstance(value, int):
+        if value < 0:  # torch's own error would not name the argument
+            raise ValueError(f"{what}: {value} is not a CUDA index (they start at 0)")
         return torch.device("cuda", value)
     if isinstance(value, str):
         try:

@@ -253,6 +253,7 @@ def test_closed_client_raises_and_double_close_is_harmless(two_fake_gpus, pool):
     [
         (["tpu:0"], "unknown device|unsupported device"),
         ([5], "out of range"),
+        ([-1], r"devices: -1 is not a CUDA index"),
         (["cuda:2"], "out of range"),
         ([0, "cuda:0"], "listed twice"),
         ([], "empty"),
