@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     from tensorferry.bench._report import report
     from tensorferry.bench.sendrecv import parse_sizes
-    from tensorferry.p2p._launch import run_world
     from tensorferry.p2p._context import _import_optional_transports
+    from tensorferry.p2p._launch import run_world
     from tensorferry.p2p._transport import registered_transports
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
