@@ -33,6 +33,7 @@ from tensorferry.graph._channel_net import (
     NetWriter,
     establish,
 )
+from tensorferry.graph._methods import actor_method
 from tensorferry.graph._worker import resolve_class
 
 __all__ = ["ActorHost", "CONTROL_GROUP"]
@@ -194,7 +195,7 @@ class ActorHost:
             return ("error", f"actor {self._name} runs a compiled graph; tear it down first")
         try:
             _pin(self._device)
-            return ("ok", getattr(self._instance, method)(*args, **kwargs))
+            return ("ok", actor_method(self._instance, method)(*args, **kwargs))
         except BaseException:
             return ("error", traceback.format_exc())
 

@@ -39,6 +39,7 @@ from tensorferry.graph._channel import (
     RemoteError,
     check_sendable,
 )
+from tensorferry.graph._methods import actor_method
 from tensorferry.graph._plan import DRIVER, ArgRef, EdgeSpec, GraphSpec, Operation, OpKind
 
 __all__ = ["ActorRunPlan", "Endpoints", "ScheduleRunner", "ShmEndpoints", "ProfileRecord"]
@@ -225,7 +226,7 @@ class ScheduleRunner:
             elif edge.src_actor == plan.actor:
                 self.writers[edge.edge_id] = endpoints.writer(edge.edge_id)
         mine = [t for t in self.graph.tasks if t.actor == plan.actor]
-        self._methods = {t.task_id: getattr(instance, t.method) for t in mine}
+        self._methods = {t.task_id: actor_method(instance, t.method) for t in mine}
         self._sources = {t.task_id: self._arg_sources(t.task_id) for t in mine}
         # Tasks whose results leave this process (to another actor or the driver): they must
         # pickle, or their error goes in their place (see _sendable).

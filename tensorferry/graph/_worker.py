@@ -20,6 +20,8 @@ import importlib
 import traceback
 from typing import Any
 
+from tensorferry.graph._methods import actor_method
+
 __all__ = ["actor_main", "resolve_class"]
 
 
@@ -71,7 +73,7 @@ def actor_main(
         if command == "call":
             _, method, call_args, call_kwargs = message
             try:
-                result = getattr(instance, method)(*call_args, **call_kwargs)
+                result = actor_method(instance, method)(*call_args, **call_kwargs)
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -16,6 +17,11 @@ class Calc:
 
     def add(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        return x + self.offset
+
+    async def add_later(self, x: torch.Tensor) -> torch.Tensor:
+        """An async method: the actor runs it to completion on its own event loop."""
+        await asyncio.sleep(0)
         return x + self.offset
 
     def mul(self, x: torch.Tensor, factor: float = 2.0) -> torch.Tensor:

@@ -187,6 +187,21 @@ def test_constructor_error_is_an_actor_error():
         actor(Broken).spawn()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_async_methods_run_to_completion_in_graphs_and_direct_calls(trio, overlap):
+    a, b, _ = trio
+    x = torch.randn(6)
+    assert torch.equal(a.add_later.call(x), x + 1.0)
+    with InputNode() as inp:
+        dag = b.add_later.bind(a.add_later.bind(inp))
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for i in range(5):
+            assert torch.equal(graph.execute(x * i).get(timeout=30), x * i + 1.0 + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_direct_calls_with_what_cannot_be_pickled_fail_alone(trio):
     a, _, _ = trio
     x = torch.randn(5)

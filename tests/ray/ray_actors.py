@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -22,6 +23,10 @@ class Calc:
 
     def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
+
+    async def add_later(self, x: torch.Tensor) -> torch.Tensor:
+        await asyncio.sleep(0)
+        return x + self.offset
 
     def fail_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
         if flag:

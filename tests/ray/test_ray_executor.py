@@ -180,6 +180,13 @@ def test_direct_calls_constructor_errors_and_executor_checks(calcs):
     a, b, _ = calcs
     x = torch.randn(5)
     assert torch.equal(a.add.call(x), x + 1.0)
+    assert torch.equal(a.add_later.call(x), x + 1.0)  # an async method, run to completion
+    with InputNode() as inp:
+        graph = b.add_later.bind(a.add_later.bind(inp)).compile()
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
     with pytest.raises(tf.ActorError, match="boom"):
         a.fail_if.call(x, True)
     with pytest.raises(tf.ActorError, match="cannot start"):

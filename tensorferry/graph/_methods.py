@@ -1,0 +1,39 @@
+"""Actor methods as an actor process calls them.
+
+An ``async def`` method runs to completion on an event loop of the calling thread, made once and
+kept, so an actor class may mix plain and async methods and its callers see plain results
+either way. Plain methods are returned as they are: nothing is added to their calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["actor_method"]
+
+_loops = threading.local()
+
+
+def actor_method(instance: Any, name: str) -> Callable[..., Any]:
+    """``instance.name`` as a plain callable (see the module doc)."""
+    method = getattr(instance, name)
+    if not inspect.iscoroutinefunction(method):
+        return method
+
+    @functools.wraps(method)
+    def run_to_completion(*args: Any, **kwargs: Any) -> Any:
+        return _loop().run_until_complete(method(*args, **kwargs))
+
+    return run_to_completion
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    loop = getattr(_loops, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _loops.loop = asyncio.new_event_loop()
+    return loop
