@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -81,6 +82,25 @@ def _swap_over_given_store(rank: int, port: int, queue) -> None:
         tf.shutdown()
 
 
+def _init_and_shut_down_again_and_again(rank: int, ports: list, queue) -> None:
+    """Each cycle meets under a fresh rendezvous and moves one message; the cyclic collector
+    stays off, so what shutdown leaves open is counted, not what it would collect later."""
+    import gc
+    import os
+
+    gc.disable()
+    open_fds = []
+    for cycle, port in enumerate(ports):
+        tf.init("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+        if rank == 0:
+            tf.send(torch.full((3,), float(cycle)), 1).wait(20)
+        else:
+            tf.recv(torch.empty(3), 0).wait(20)
+        tf.shutdown()
+        open_fds.append(len(os.listdir("/proc/self/fd")))
+    queue.put((rank, open_fds))
+
+
 def _shutdown_with_a_receive_pending(rank: int, world: int) -> str:
     if rank == 1:
         time.sleep(1.0)  # never sends
@@ -103,6 +123,29 @@ def test_a_transfer_pending_at_shutdown_fails_with_a_clear_error_and_exit_waits_
     outcome = run_world(_shutdown_with_a_receive_pending, backend="gloo", timeout=60)[0]
     assert outcome.startswith("TensorFerryError: tf.shutdown() was called"), outcome
     assert outcome.endswith("non-daemon helpers: []"), outcome
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_init_and_shutdown_cycles_leave_no_descriptors_open():
+    import multiprocessing
+
+    from tensorferry.p2p._launch import _free_port
+
+    ports = [_free_port() for _ in range(8)]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_init_and_shut_down_again_and_again, args=(r, ports, queue))
+        for r in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    counts = dict(queue.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    for rank, open_fds in counts.items():
+        # Each cycle used to leave the store's connections (and its server on rank 0) open.
+        assert open_fds[-1] <= open_fds[0] + 2, (rank, open_fds)
 
 
 def test_init_with_a_given_store_and_device():
