@@ -316,6 +316,8 @@ def init(
         TypeError / ValueError: bad arguments (unknown backend, rank out of range, NCCL without
             CUDA, missing environment).
         RuntimeError: already initialised with different settings (call ``tf.shutdown()``).
+        torch.distributed.DistError: the rendezvous failed (no rank 0 store within the
+            timeout, say); it is a ``RuntimeError`` naming ``init_method``.
     """
     global _context, _incarnation
     if backend not in BACKENDS:
@@ -416,9 +418,14 @@ def _rendezvous(
         master = method[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     else:
         master = None
-    store, rank, world_size = next(
-        dist.rendezvous(method, rank, world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    )
+    try:
+        store, rank, world_size = next(
+            dist.rendezvous(method, rank, world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        )
+    except dist.DistError as exc:  # its text ends in a C++ backtrace: keep the first line
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise type(exc)(f"tf.init: the rendezvous at {method} failed: {first}") from None
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store, rank, world_size, master
 

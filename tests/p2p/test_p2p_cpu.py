@@ -46,6 +46,16 @@ def test_init_rejects_bad_arguments():
     assert not tf.is_initialized()
 
 
+def test_a_rendezvous_that_fails_names_the_init_method_in_one_line():
+    from tensorferry.p2p._launch import _free_port
+
+    method = f"tcp://127.0.0.1:{_free_port()}"  # nobody serves it: rank 1 cannot connect
+    with pytest.raises(RuntimeError, match=f"^tf.init: the rendezvous at {method} failed") as exc:
+        tf.init("gloo", rank=1, world_size=2, init_method=method, timeout=1)
+    assert "\n" not in str(exc.value)  # torch's text ends in a C++ backtrace
+    assert not tf.is_initialized()
+
+
 def test_init_with_a_store_rejects_bad_arguments():
     import torch.distributed as dist
 
