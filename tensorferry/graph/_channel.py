@@ -44,6 +44,7 @@ import os
 import pickle
 import struct
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -82,11 +83,36 @@ _SLEEP_MAX_S = 1e-3
 # otherwise learn of its next input up to a whole back-off sleep late.
 _SHORT_SLEEPS_S = 50e-3
 
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+# The dtypes whose tensors travel as raw bytes, by code: a code is an index into this list, the
+# same in every process of a graph whatever its torch version (a name this torch lacks keeps its
+# slot, empty). torch's own pickling is no fallback for the newer ones: a float8 tensor it
+# pickles does not load again.
+_DTYPE_NAMES = (
+    "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64",
+    "bool", "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn",
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex32",
+)  # fmt: skip
+_DTYPES: list[torch.dtype | None] = [getattr(torch, name, None) for name in _DTYPE_NAMES]
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES) if dtype is not None}
+
+
+def dtype_of(code: int) -> torch.dtype:
+    """The dtype of a code that arrived; raises ``TypeError`` for one this torch lacks."""
+    dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else None
+    if dtype is None:
+        name = _DTYPE_NAMES[code] if 0 <= code < len(_DTYPE_NAMES) else f"code {code}"
+        raise TypeError(f"a tensor of dtype {name} arrived; this process's torch has no such dtype")
+    return dtype
+
+
+def unreadable(exc: BaseException) -> RemoteError:
+    """What a reader hands on in place of a value it could not rebuild: that execution fails
+    with this error (``get()`` raises it) and the graph goes on."""
+    return RemoteError(
+        "the receiving process",
+        f"{type(exc).__name__}: {exc} (rebuilding a value that arrived)",
+        "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
 
 
 class GraphStopped(Exception):
@@ -380,7 +406,7 @@ class _TensorUnpickler(pickle.Unpickler):
         index, code, shape, was_cuda = pid
         tensor = self._tensors.get(index)
         if tensor is None:
-            tensor = torch.empty(shape, dtype=_DTYPES[code])
+            tensor = torch.empty(shape, dtype=dtype_of(code))
             nbytes = tensor.numel() * tensor.element_size()
             ctypes.memmove(tensor.data_ptr(), self._next, nbytes)
             self._next += _align(nbytes)
@@ -571,25 +597,21 @@ class Channel:
             start = off + _META
             if kind == _KIND_TENSOR:
                 aux = word >> 32
-                ndim = aux & 0xFFFF
-                shape = _SHAPES[ndim].unpack_from(seg.map, off + 24)
-                out = torch.empty(shape, dtype=_DTYPES[code])
-                if nbytes <= _MEMMOVE_MAX:
-                    ctypes.memmove(out.data_ptr(), seg.address + start, nbytes)
-                else:
-                    source = torch.frombuffer(
-                        seg.map, dtype=torch.uint8, count=nbytes, offset=start
-                    )
-                    out.reshape(-1).view(torch.uint8).copy_(source)
-                    del source
+                try:
+                    out = self._read_tensor(seg, off, aux & 0xFFFF, nbytes, code)
+                except Exception as exc:  # a dtype this torch lacks
+                    out = unreadable(exc)
                 _I64.pack_into(seg.map, _READ, seq + 1)
-                if aux & _FLAG_WAS_CUDA and self._device is not None:
+                if aux & _FLAG_WAS_CUDA and self._device is not None and type(out) is torch.Tensor:
                     return out.to(self._device)
                 return out
             payload = seg.map[start : start + nbytes]
             if kind == _KIND_PICKLE:
                 blobs = seg.address + start + _align(nbytes)
-                value = _TensorUnpickler(payload, blobs, self._device).load()
+                try:
+                    value = _TensorUnpickler(payload, blobs, self._device).load()
+                except Exception as exc:  # the slot is read all the same: the next one is next
+                    value = unreadable(exc)
                 _I64.pack_into(seg.map, _READ, seq + 1)
                 return value
             _I64.pack_into(seg.map, _READ, seq + 1)
@@ -598,6 +620,19 @@ class Channel:
                 seg.close(unlink=True)
                 continue
             return pickle.loads(payload)  # _KIND_ERROR
+
+    @staticmethod
+    def _read_tensor(seg: _Segment, off: int, ndim: int, nbytes: int, code: int) -> torch.Tensor:
+        shape = _SHAPES[ndim].unpack_from(seg.map, off + 24)
+        out = torch.empty(shape, dtype=dtype_of(code))
+        start = off + _META
+        if nbytes <= _MEMMOVE_MAX:
+            ctypes.memmove(out.data_ptr(), seg.address + start, nbytes)
+        else:
+            source = torch.frombuffer(seg.map, dtype=torch.uint8, count=nbytes, offset=start)
+            out.reshape(-1).view(torch.uint8).copy_(source)
+            del source
+        return out
 
     def close(self) -> None:
         self._seg.close()

@@ -47,10 +47,11 @@ import torch
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.graph._channel import (
     _DTYPE_CODE,
-    _DTYPES,
     GraphStopped,
     PeerDied,
     _TensorPickler,
+    dtype_of,
+    unreadable,
 )
 from tensorferry.graph._plan import DRIVER, GraphSpec
 
@@ -392,7 +393,7 @@ class NetReader:
         for _ in range(count):
             code, ndim, was_cuda = _BLOB.unpack(self._receive_bytes(_BLOB.size))
             shape = struct.unpack(f"<{ndim}q", self._receive_bytes(8 * ndim)) if ndim else ()
-            specs.append((_DTYPES[code], shape, bool(was_cuda)))
+            specs.append((dtype_of(code), shape, bool(was_cuda)))
         payload = self._receive_bytes(payload_len) if payload_len else b""
         blobs = []
         for dtype, shape, _ in specs:
@@ -436,7 +437,10 @@ class NetReader:
         if frame.kind == _KIND_TENSOR:
             tensor = frame.blobs[0]
             return tensor.to(device) if frame.cuda_flags[0] and device is not None else tensor
-        return _BlobUnpickler(frame.payload, frame.blobs, device).load()
+        try:
+            return _BlobUnpickler(frame.payload, frame.blobs, device).load()
+        except Exception as exc:  # that execution fails; the graph goes on
+            return unreadable(exc)
 
     def close(self) -> None:
         with self._cond:

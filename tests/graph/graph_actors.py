@@ -60,6 +60,9 @@ class Calc:
     def count(self) -> int:
         return self.calls
 
+    def echo(self, value: object) -> object:
+        return value
+
 
 class Broken:
     def __init__(self) -> None:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from channel_values import LoadsBadly, every_raw_dtype, same_bytes
 from graph_actors import Broken, Calc, check_unsendable_results
 from killed_driver import kill_a_driver, no_segments
 
@@ -198,6 +199,39 @@ def test_async_methods_run_to_completion_in_graphs_and_direct_calls(trio, overla
     try:
         for i in range(5):
             assert torch.equal(graph.execute(x * i).get(timeout=30), x * i + 1.0 + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_tensors_of_every_dtype_travel_bit_for_bit(trio):
+    a, b, _ = trio
+    tensors = every_raw_dtype()
+    assert len(tensors) >= 15  # float8s and the wide unsigned ints among them
+    with InputNode() as inp:
+        graph = b.echo.bind(a.echo.bind(inp)).compile()
+    try:
+        for tensor in tensors:  # a bare tensor, then inside a structure
+            assert same_bytes(graph.execute(tensor).get(timeout=30), tensor), tensor.dtype
+        got = graph.execute({"all": tensors}).get(timeout=30)["all"]
+        assert all(same_bytes(g, t) for g, t in zip(got, tensors, strict=True))
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_a_value_that_cannot_be_rebuilt_fails_its_execution_only(trio):
+    a, b, _ = trio
+    x = torch.randn(3)
+    with InputNode() as inp:
+        graph = b.echo.bind(a.echo.bind(inp)).compile()
+    try:
+        for value in (x, [LoadsBadly(), x], x * 2):
+            ref = graph.execute(value)
+            if isinstance(value, list):
+                with pytest.raises(tf.ActorError, match="cannot be rebuilt on purpose"):
+                    ref.get(timeout=30)
+            else:
+                assert torch.equal(ref.get(timeout=30), value)
     finally:
         graph.teardown(kill_actors=False)
 

@@ -24,6 +24,9 @@ class Calc:
     def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
 
+    def echo(self, value: object) -> object:
+        return value
+
     async def add_later(self, x: torch.Tensor) -> torch.Tensor:
         await asyncio.sleep(0)
         return x + self.offset
