@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import itertools
 import multiprocessing
+import os
 import threading
 import time
 import weakref
@@ -180,6 +181,7 @@ class ActorHandle:
         self.actor_class = cls
         self.device = device
         self.name = name
+        self._owner_pid = os.getpid()  # -1 in a process forked from the owner
         self._process: Any = None
         self._conn: Any = None
         self._lock = threading.Lock()
@@ -205,6 +207,9 @@ class ActorHandle:
         return None if self._process is None else self._process.pid
 
     def is_alive(self) -> bool:
+        """Whether the actor runs (false in a process forked from its owner: not its actor)."""
+        if self._owner_pid != os.getpid():
+            return False
         return self._process is not None and self._process.is_alive()
 
     def _start(self, args: tuple, kwargs: dict, timeout: float) -> None:
@@ -256,6 +261,7 @@ class ActorHandle:
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died during {what}") from None
 
     def _request(self, message: tuple, timeout: float) -> Any:
+        self._check_owner()
         if self.graph is not None:
             raise RuntimeError(
                 f"actor {self.name} runs a compiled graph; tear it down before calling directly"
@@ -272,7 +278,15 @@ class ActorHandle:
             )
         return reply[1]
 
+    def _check_owner(self) -> None:
+        if self._owner_pid != os.getpid():
+            raise RuntimeError(
+                f"actor {self.name} belongs to the process that spawned it; a process forked "
+                "from that one cannot use it"
+            )
+
     def _send(self, message: tuple) -> None:
+        self._check_owner()
         if not self.is_alive():
             raise ActorDiedError(f"actor {self.name} is not running")
         try:
@@ -291,8 +305,8 @@ class ActorHandle:
         Returns within about ``timeout`` seconds, with the process gone.
         """
         process = self._process
-        if process is None:
-            return
+        if process is None or self._owner_pid != os.getpid():
+            return  # never started, or not this process's actor
         deadline = time.monotonic() + max(timeout, 0.0)
         if process.is_alive():
             with contextlib.suppress(BrokenPipeError, OSError):
@@ -335,3 +349,19 @@ def _unpicklable(call: str, args: tuple, kwargs: dict, error: Exception) -> Type
 def _kill_all() -> None:
     for handle in list(_live):
         handle.kill(timeout=1.0)
+
+
+def _forget_actors_after_fork() -> None:
+    """In a process forked from the driver (by ``os.fork``, not by ``multiprocessing``): its
+    exit runs the driver's exit handlers, ours and ``multiprocessing``'s, which would stop the
+    driver's actors (``multiprocessing`` terminates the daemon processes it knows of). The
+    handles stay, but leave the actors alone from here."""
+    children = getattr(multiprocessing.process, "_children", None)
+    for handle in list(_live):
+        handle._owner_pid = -1
+        if children is not None and handle._process is not None:
+            children.discard(handle._process)
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_actors_after_fork)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -25,6 +26,24 @@ if TYPE_CHECKING:
 __all__ = ["CompiledGraph", "CompiledGraphRef", "CompileOptions", "Executor"]
 
 _graph_ids = itertools.count()
+# This process's running graphs: a process forked from it must leave them alone.
+_graphs: weakref.WeakSet[CompiledGraph] = weakref.WeakSet()
+
+
+def _leave_graphs_after_fork() -> None:
+    """In a process forked from the driver: the graphs' shared memory, pipes and connections
+    are the parent's, so the child's exit must not tear them down (the parent's graph would
+    stop) and the child cannot use them (its writes would land in the parent's executions)."""
+    for graph in list(_graphs):
+        graph._finalizer.detach()
+        graph._foreign = graph._broken = RuntimeError(
+            "this compiled graph belongs to the process that compiled it; a process forked "
+            "from that one cannot use it"
+        )
+    _graphs.clear()
+
+
+os.register_at_fork(after_in_child=_leave_graphs_after_fork)
 
 EXECUTORS = ("auto", "local", "ray")
 
@@ -276,6 +295,8 @@ class CompiledGraph:
         self._finalizer = weakref.finalize(
             self, self._executor.teardown, timeout=options.teardown_timeout, kill_actors=False
         )
+        self._foreign: RuntimeError | None = None  # set in a process forked from this one
+        _graphs.add(self)
 
     # ------------------------------------------------------------------ executions
     def _payloads(self, args: tuple, kwargs: dict) -> dict[int, Any]:
@@ -380,6 +401,8 @@ class CompiledGraph:
         return CompiledGraphFuture(ref, None)
 
     def _check_usable(self) -> None:
+        if self._foreign is not None:
+            raise self._foreign
         if self._closed:
             raise RuntimeError("this compiled graph was torn down")
         if self._broken is not None:
@@ -444,6 +467,8 @@ class CompiledGraph:
             return
         self._closed = True
         self._finalizer.detach()
+        if self._foreign is not None:
+            return  # a forked process: the graph and its shared memory are its parent's
         limit = self.options.teardown_timeout if timeout is None else timeout
         self._executor.teardown(timeout=limit, kill_actors=kill_actors)
 

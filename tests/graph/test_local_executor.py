@@ -236,6 +236,43 @@ def test_a_value_that_cannot_be_rebuilt_fails_its_execution_only(trio):
         graph.teardown(kill_actors=False)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_from_the_driver_leaves_its_graph_and_actors_alone(trio):
+    a, b, _ = trio
+    x = torch.randn(4)
+    with InputNode() as inp:
+        graph = b.add.bind(a.add.bind(inp)).compile()
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: try the graph and an actor, then exit as a script would
+            import atexit
+
+            seen = []
+            for attempt in (lambda: graph.execute(x), lambda: a.getpid.call()):
+                try:
+                    attempt()
+                    seen.append("worked")
+                except RuntimeError as exc:
+                    seen.append("forked" if "forked from" in str(exc) else repr(exc))
+            os.write(write_end, ",".join(seen).encode())
+            graph.teardown()  # neither may touch the parent's graph or actors
+            a.kill()
+            atexit._run_exitfuncs()  # ours, multiprocessing's (it terminated daemon children)
+            os._exit(0)
+        os.close(write_end)
+        _, status = os.waitpid(pid, 0)
+        assert os.read(read_end, 200).decode() == "forked,forked" and status == 0
+        os.close(read_end)
+        # The parent's graph and actors were left alone.
+        assert a.is_alive() and b.is_alive()
+        for i in range(3):
+            assert torch.equal(graph.execute(x * i).get(timeout=30), (x * i + 1.0) + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_direct_calls_with_what_cannot_be_pickled_fail_alone(trio):
     a, _, _ = trio
     x = torch.randn(5)
