@@ -333,12 +333,12 @@ def test_a_plan_that_cannot_be_sent_stops_the_actors_that_got_theirs(trio, monke
 
 
 def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothing():
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(TypeError, match=r"Calc\.spawn\(\): argument 0 \(lock\) cannot be pickled"):
         CalcActor.spawn(threading.Lock())
     with pytest.raises(TypeError, match=r"keyword argument 'offset' \(function\)"):
         CalcActor.spawn(offset=lambda: 1.0)
-    assert len(os.listdir("/proc/self/fd")) == fds  # the pipe to the actor is closed again
+    assert set(os.listdir("/proc/self/fd")) <= fds  # the pipe to the actor is closed again
     # A multiprocessing object pickles while the process is spawned: never the one blamed.
     event = multiprocessing.get_context("spawn").Event()
     with pytest.raises(TypeError, match=r"keyword argument 'offset' \(lock\)"):
