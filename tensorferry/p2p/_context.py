@@ -242,11 +242,35 @@ class P2PContext:
                     self.client.close()
                 except Exception:
                     log.exception("p2p: closing the client failed")
-            # The store's connections (and, on the rank that serves it, its server) close when
-            # the last reference goes. The context sits in reference cycles (engine, transfers)
-            # that only the cyclic collector frees, so without this every init and shutdown
-            # left about ten descriptors open until it ran.
+            # The context sits in reference cycles (engine, transfers) that only the cyclic
+            # collector frees: its store, with its connections (and, on the rank that serves
+            # it, its server), stayed open until that ran, about ten descriptors per init and
+            # shutdown. The store is kept, but only the last world's (see _keep_store).
+            _keep_store(self.store)
             self.store = self.transport_ctx.store = None
+
+
+# The last world's store, kept after tf.shutdown: the other ranks may still need it (to make
+# pairs among themselves), and on the rank that serves it, it ends with its last reference. The
+# next shutdown replaces it, so init and shutdown again and again keep one, not one each.
+_last_store: Any = None
+
+
+def _keep_store(store: Any) -> None:
+    global _last_store
+    _last_store = store
+
+
+def _forget_after_fork() -> None:
+    """A process forked from an initialised one shares its sockets and communicators but has
+    none of its threads: using them would steal the parent's frames. It starts uninitialised
+    (``tf.init`` makes its own layer); the parent's context is left alone."""
+    global _context, _lock
+    _lock = threading.Lock()
+    _context = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 # ---------------------------------------------------------------------- module API

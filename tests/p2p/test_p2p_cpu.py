@@ -46,6 +46,59 @@ def test_init_rejects_bad_arguments():
     assert not tf.is_initialized()
 
 
+def _first_rank_leaves_early(rank: int, world: int) -> str:
+    """Rank 0 (which serves the world's store) shuts its layer down first; ranks 1 and 2 then
+    make their pair, which needs the store."""
+    if rank == 0:
+        tf.shutdown()
+        time.sleep(3.0)  # the process lives on, as a program after tf.shutdown() does
+        return "left"
+    time.sleep(0.5)
+    peer = 3 - rank
+    mine = torch.full((3,), float(rank))
+    got = torch.empty(3)
+    tf.sendrecv(mine, peer, got, peer).wait(20)
+    return f"got {got[0].item():.0f}"
+
+
+def _fork_and_look(rank: int, world: int) -> str:
+    """In a process forked from an initialised rank, the layer is not initialised."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            tf.send(torch.ones(2), 1 - rank)
+            answer = "sent"
+        except RuntimeError as exc:
+            answer = "uninitialised" if "not initialised" in str(exc) else repr(exc)
+        os.write(write_end, answer.encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    answer = os.read(read_end, 200).decode()
+    os.close(read_end)
+    # The parent's layer goes on.
+    if rank == 0:
+        tf.send(torch.full((2,), 5.0), 1).wait(20)
+    else:
+        assert tf.recv(torch.empty(2), 0).result(20).tolist() == [5.0, 5.0]
+    return answer
+
+
+def test_ranks_still_make_pairs_after_the_store_serving_rank_shut_down():
+    from tensorferry.p2p._launch import run_world
+
+    got = run_world(_first_rank_leaves_early, world=3, backend="gloo", timeout=30)
+    assert got == ["left", "got 2", "got 1"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_from_a_rank_starts_uninitialised():
+    from tensorferry.p2p._launch import run_world
+
+    assert run_world(_fork_and_look, backend="gloo", timeout=60) == ["uninitialised"] * 2
+
+
 def test_a_rendezvous_that_fails_names_the_init_method_in_one_line():
     from tensorferry.p2p._launch import _free_port
 
