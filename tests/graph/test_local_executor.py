@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -203,28 +204,33 @@ def test_async_methods_run_to_completion_in_graphs_and_direct_calls(trio, overla
         graph.teardown(kill_actors=False)
 
 
+@contextlib.contextmanager
+def _echo_chain(a, b):
+    """A graph passing its input through ``a`` then ``b`` unchanged; torn down, actors kept."""
+    with InputNode() as inp:
+        graph = b.echo.bind(a.echo.bind(inp)).compile()
+    try:
+        yield graph
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_tensors_of_every_dtype_travel_bit_for_bit(trio):
     a, b, _ = trio
     tensors = every_raw_dtype()
     assert len(tensors) >= 15  # float8s and the wide unsigned ints among them
-    with InputNode() as inp:
-        graph = b.echo.bind(a.echo.bind(inp)).compile()
-    try:
+    with _echo_chain(a, b) as graph:
         for tensor in tensors:  # a bare tensor, then inside a structure
             assert same_bytes(graph.execute(tensor).get(timeout=30), tensor), tensor.dtype
         got = graph.execute({"all": tensors}).get(timeout=30)["all"]
         assert all(same_bytes(g, t) for g, t in zip(got, tensors, strict=True))
-    finally:
-        graph.teardown(kill_actors=False)
 
 
 def test_a_value_that_cannot_be_rebuilt_fails_its_execution_only(trio):
     a, b, _ = trio
     x = torch.randn(3)
-    with InputNode() as inp:
-        graph = b.echo.bind(a.echo.bind(inp)).compile()
-    try:
+    with _echo_chain(a, b) as graph:
         for value in (x, [LoadsBadly(), x], x * 2):
             ref = graph.execute(value)
             if isinstance(value, list):
@@ -232,8 +238,6 @@ def test_a_value_that_cannot_be_rebuilt_fails_its_execution_only(trio):
                     ref.get(timeout=30)
             else:
                 assert torch.equal(ref.get(timeout=30), value)
-    finally:
-        graph.teardown(kill_actors=False)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

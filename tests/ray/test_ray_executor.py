@@ -197,17 +197,22 @@ def test_method_error_reaches_get_and_the_graph_keeps_working(calcs):
         graph.teardown(kill_actors=False)
 
 
+def _check_a_chain_runs(a, b, x: torch.Tensor, method: str = "add") -> None:
+    """``b.method(a.method(x))`` compiles and runs once (offsets 1 and 10): the actors are free."""
+    with InputNode() as inp:
+        graph = getattr(b, method).bind(getattr(a, method).bind(inp)).compile()
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_direct_calls_constructor_errors_and_executor_checks(calcs):
     a, b, _ = calcs
     x = torch.randn(5)
     assert torch.equal(a.add.call(x), x + 1.0)
     assert torch.equal(a.add_later.call(x), x + 1.0)  # an async method, run to completion
-    with InputNode() as inp:
-        graph = b.add_later.bind(a.add_later.bind(inp)).compile()
-    try:
-        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
-    finally:
-        graph.teardown(kill_actors=False)
+    _check_a_chain_runs(a, b, x, method="add_later")
     with pytest.raises(tf.ActorError, match="boom"):
         a.fail_if.call(x, True)
     with pytest.raises(tf.ActorError, match="cannot start"):
@@ -234,12 +239,7 @@ def test_failed_setup_is_a_compile_error_and_frees_the_actors(calcs):
             dag.compile()
         x = torch.randn(3)
         assert torch.equal(b.add.call(x), x + 10.0)  # b let go of the failed graph
-        with InputNode() as inp:
-            graph = b.add.bind(a.add.bind(inp)).compile()
-        try:
-            assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
-        finally:
-            graph.teardown(kill_actors=False)
+        _check_a_chain_runs(a, b, x)
     finally:
         failing.kill()
 
@@ -253,12 +253,7 @@ def test_a_constant_ray_cannot_send_is_a_compile_error_and_frees_the_actors(calc
         dag.compile()
     x = torch.randn(3)
     assert torch.equal(a.combine.call(x, x), x + x)  # a let go of the failed graph
-    with InputNode() as inp:
-        graph = b.add.bind(a.add.bind(inp)).compile()
-    try:
-        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
-    finally:
-        graph.teardown(kill_actors=False)
+    _check_a_chain_runs(a, b, x)
 
 
 def test_killed_actor_fails_pending_and_later_gets(ray_cluster):
