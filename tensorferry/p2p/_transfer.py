@@ -20,7 +20,7 @@ from typing import Any
 
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.runtime._events import recycle, stream_wait
-from tensorferry.runtime._spin import spin_until
+from tensorferry.runtime._spin import spin_until, spin_window_s
 
 __all__ = ["Transfer"]
 
@@ -213,17 +213,18 @@ class Transfer:
         """Waits until issued: first driving the engine for a short window, then sleeping until
         another thread issues it. Returns whether it was issued in time."""
         if self._driver is not None and not self._issued.is_set():
-            self._drive_while(self._issued.is_set)
+            self._drive_while(self._issued.is_set, limit)
         return self._issued.wait(limit)
 
-    def _drive_while(self, done: Callable[[], bool]) -> bool:
-        """Polls ``done()`` for the spin window, driving the engine between polls (at least once,
-        even where the window is zero). Returns whether ``done()`` turned true."""
+    def _drive_while(self, done: Callable[[], bool], limit: float) -> bool:
+        """Polls ``done()`` for the spin window, or ``limit`` seconds if shorter, driving the
+        engine between polls (at least once, even where the window is zero). Returns whether
+        ``done()`` turned true."""
         driver = self._driver
         driver.begin_driving()
         try:
             driver.drive()
-            return spin_until(done, idle=driver.drive)
+            return spin_until(done, min(spin_window_s(), limit), idle=driver.drive)
         finally:
             driver.end_driving()
 
@@ -280,11 +281,16 @@ class Transfer:
         # Poll (driving the engine) for a short window (runtime._spin) rather than sleep until
         # another thread says so: until issued, then until the device work is seen finished.
         seen = self._driver is not None and self._drive_while(
-            lambda: self._issued.is_set() and self._settled()
+            lambda: self._issued.is_set() and self._settled(), limit
         )
         if seen and not self._future.done():
             return None  # succeeded: seen here before the completion pool got to it
-        if self._issued.wait(limit) and spin_until(self._settled) and not self._future.done():
+        left = max(0.0, deadline - time.monotonic())
+        if (
+            self._issued.wait(left)
+            and spin_until(self._settled, min(spin_window_s(), left))
+            and not self._future.done()
+        ):
             return None
         self._hand_over()  # about to block on the future: the pool completes it
         try:

@@ -12,7 +12,7 @@ from _cases import BAD_CALLS
 from _pool import WorkerPool
 
 import tensorferry.p2p as tf
-from tensorferry.errors import TensorFerryError
+from tensorferry.errors import TensorFerryError, TransferTimeoutError
 from tensorferry.p2p._transport import Transport
 
 WORLD = 3
@@ -61,6 +61,26 @@ def _first_rank_leaves_early(rank: int, world: int) -> str:
     return f"got {got[0].item():.0f}"
 
 
+def _short_waits_with_a_long_spin(rank: int, world: int) -> list:
+    """Rank 0 polls a pending receive with waits shorter than its spin window."""
+    from tensorferry.runtime import _spin
+
+    if rank == 1:
+        time.sleep(1.5)
+        tf.send(torch.ones(4), 0).wait(20)
+        return []
+    _spin._window_s = 0.5  # as TENSORFERRY_SPIN_US=500000 would make it
+    pending = tf.recv(torch.empty(4), 1)
+    took = []
+    for timeout in (0.0, 0.02):
+        start = time.monotonic()
+        with pytest.raises(TransferTimeoutError):
+            pending.wait(timeout)
+        took.append(time.monotonic() - start)
+    pending.wait(20)
+    return took
+
+
 def _fork_and_look(rank: int, world: int) -> str:
     """In a process forked from an initialised rank, the layer is not initialised."""
     read_end, write_end = os.pipe()
@@ -83,6 +103,13 @@ def _fork_and_look(rank: int, world: int) -> str:
     else:
         assert tf.recv(torch.empty(2), 0).result(20).tolist() == [5.0, 5.0]
     return answer
+
+
+def test_a_wait_shorter_than_the_spin_window_returns_in_its_time():
+    from tensorferry.p2p._launch import run_world
+
+    took = run_world(_short_waits_with_a_long_spin, backend="gloo", timeout=30)[0]
+    assert max(took) < 0.25, took  # it spun its whole 0.5 s window, twice, before
 
 
 def test_ranks_still_make_pairs_after_the_store_serving_rank_shut_down():
