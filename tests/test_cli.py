@@ -120,6 +120,16 @@ def test_bad_numbers_are_usage_errors_naming_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+def test_a_run_that_fails_its_checks_leaves_no_out_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "new" / "deeper"
+    with pytest.raises(SystemExit):  # the out folder can be made, the sizes are bad
+        main(["bench", "sendrecv", "--sizes", "1X", "--out", str(out)])
+    with pytest.raises(SystemExit):  # the same with the default folder, in the working one
+        main(["bench", "sendrecv", "--sizes", "1X"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

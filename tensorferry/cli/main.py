@@ -11,9 +11,9 @@ import argparse
 import importlib
 import logging
 import sys
-from pathlib import Path
 
 from tensorferry import envs
+from tensorferry.cli._args import folder_problem
 
 _DESCRIPTION = "tensorferry: fast tensor transfers between GPUs and compiled actor graphs"
 
@@ -68,11 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser(argv)
     args = parser.parse_args(argv)
     out = getattr(args, "out", None)
-    if out:  # every command that writes files takes --out: a usage error before it runs
-        try:
-            Path(out).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            parser.error(f"--out {out}: cannot make that folder ({exc.strerror or exc})")
+    problem = folder_problem(out) if out else None  # every command that writes takes --out
+    if problem is not None:
+        parser.error(f"--out {out}: {problem}")
     level = logging.INFO if args.verbose else getattr(logging, envs.log_level(), logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
