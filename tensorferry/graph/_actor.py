@@ -329,11 +329,9 @@ class ActorHandle:
 def _unpicklable(call: str, args: tuple, kwargs: dict, error: Exception) -> TypeError:
     """The error for a call whose arguments failed to pickle on their way to an actor's process,
     naming the first argument that does not pickle alone."""
-    from tensorferry.graph._channel import first_unpicklable
+    from tensorferry.graph._channel import first_unpicklable, named_arguments
 
-    named = [(f"argument {i}", value) for i, value in enumerate(args)]
-    named += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
-    culprit = first_unpicklable(named)
+    culprit = first_unpicklable(named_arguments(args, kwargs.items()))
     if culprit is None:
         return TypeError(
             f"{call}: the arguments cannot be pickled for the actor's process: {error}"

@@ -369,6 +369,15 @@ def pickle_problem(value: Any) -> Exception | None:
     return None
 
 
+def named_arguments(
+    args: Iterable[Any], kwargs: Iterable[tuple[str, Any]]
+) -> list[tuple[str, Any]]:
+    """A call's arguments as errors name them: ``("argument 0", value)``, …,
+    ``("keyword argument 'k'", value)``."""
+    named = [(f"argument {i}", value) for i, value in enumerate(args)]
+    return named + [(f"keyword argument {key!r}", value) for key, value in kwargs]
+
+
 def first_unpicklable(named: Iterable[tuple[str, Any]]) -> tuple[str, Any, Exception] | None:
     """The first ``(what, value)`` whose value does not pickle, with why; ``None`` when all do.
     Objects of ``multiprocessing`` (locks, queues, pipes) pickle only while a process is

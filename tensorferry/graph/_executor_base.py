@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from tensorferry.errors import ActorDiedError
-from tensorferry.graph._channel import PeerDied, first_unpicklable
+from tensorferry.graph._channel import PeerDied, first_unpicklable, named_arguments
 from tensorferry.graph._plan import GraphSpec, Schedules
 
 __all__ = ["ExecutorBase", "unpicklable_constant"]
@@ -23,8 +23,7 @@ def unpicklable_constant(graph: GraphSpec) -> str | None:
     """What is wrong when a constant bound into the graph does not pickle (constants reach their
     actors pickled, in the graph's plan), naming it; ``None`` when every one pickles."""
     for task in graph.tasks:
-        named = [(f"argument {i}", ref) for i, ref in enumerate(task.args)]
-        named += [(f"keyword argument {key!r}", ref) for key, ref in task.kwargs]
+        named = named_arguments(task.args, task.kwargs)
         culprit = first_unpicklable((what, ref.value) for what, ref in named if ref.kind == "const")
         if culprit is not None:
             what, value, problem = culprit
