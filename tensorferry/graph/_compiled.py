@@ -480,10 +480,15 @@ class CompiledGraph:
 
     # ------------------------------------------------------------------ pictures
     def visualize_schedule(self, path: str | Path) -> tuple[Path, Path]:
-        """Writes the schedules as ``<path>.dot`` and ``<path>.png``; returns both paths.
+        """Writes the schedules as DOT text and as a picture; returns (dot path, picture path).
 
         One cluster per actor with its operations in order; operations the overlap pass moved
         are red; data edges are coloured by transport.
+
+        Args:
+            path: ``s.png`` (or ``.svg``, ``.pdf``, ``.jpg``) gives that picture and ``s.dot``
+                beside it; ``s.dot`` gives that and ``s.png``; any other name is a base:
+                ``<path>.dot`` and ``<path>.png``.
         """
         from tensorferry.graph._visualize import write_schedule
 
@@ -501,7 +506,8 @@ class CompiledGraph:
         """Draws the measured timeline (Gantt per actor and stream) as a PNG.
 
         Args:
-            path: the PNG to write.
+            path: the picture to write: PNG, or the format its suffix names (``.svg``,
+                ``.pdf``, ``.jpg``); any other name gets ``.png`` added.
             last: draw only the last ``last`` executions recorded (all when ``None``).
         """
         from tensorferry.graph._visualize import write_timeline

@@ -1,8 +1,8 @@
-"""Pictures: the compiled schedule (DOT + PNG) and the measured timeline (PNG).
+"""Pictures: the compiled schedule (DOT + picture) and the measured timeline (picture).
 
-matplotlib draws the PNGs (the ``plot`` extra); it is imported only here, when a picture is
-asked for. When graphviz's ``dot`` is on the PATH it renders the schedule PNG from the DOT text
-instead.
+matplotlib draws the pictures (the ``plot`` extra); it is imported only here, when a picture is
+asked for. When graphviz's ``dot`` is on the PATH it renders the schedule picture from the DOT
+text instead. Pictures are PNG unless the path asks for another format (:data:`PICTURE_FORMATS`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ from typing import Any
 
 from tensorferry.graph._plan import DRIVER, GraphSpec, OpKind, Schedules
 
-__all__ = ["schedule_dot", "write_schedule", "write_timeline", "TRANSPORT_COLORS"]
+__all__ = [
+    "PICTURE_FORMATS",
+    "picture_path",
+    "schedule_dot",
+    "write_schedule",
+    "write_timeline",
+    "TRANSPORT_COLORS",
+]
+
+PICTURE_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+"""Suffixes that choose the picture's format; both graphviz and matplotlib write each."""
 
 TRANSPORT_COLORS = {
     "shm": "#4c72b0",
@@ -92,27 +102,49 @@ def schedule_dot(graph: GraphSpec, schedules: Schedules) -> str:
     return "\n".join(lines) + "\n"
 
 
+def picture_path(path: str | Path) -> Path:
+    """Where a picture asked for as ``path`` goes: ``path`` itself when its suffix names a
+    format (:data:`PICTURE_FORMATS`), else ``path`` with ``.png`` added. Added, not swapped:
+    ``run.1`` is a name, and replacing its "suffix" would write ``run.png`` instead, over
+    another run's picture."""
+    out = Path(path)
+    if out.suffix.lower() in PICTURE_FORMATS:
+        return out
+    return out.with_name(out.name + ".png")
+
+
 def write_schedule(graph: GraphSpec, schedules: Schedules, path: str | Path) -> tuple[Path, Path]:
-    """Writes ``<path>.dot`` and ``<path>.png``; returns (dot path, png path)."""
-    base = Path(path)
-    if base.suffix in (".png", ".dot"):
-        base = base.with_suffix("")
-    base.parent.mkdir(parents=True, exist_ok=True)
-    dot_path, png_path = base.with_suffix(".dot"), base.with_suffix(".png")
+    """Writes the schedule as DOT text and as a picture; returns (dot path, picture path).
+
+    ``path`` ending in a picture format (``s.svg``) gives that picture and ``s.dot`` beside
+    it; ending in ``.dot``, that file and a PNG beside it; anything else is a base name:
+    ``<path>.dot`` and ``<path>.png``.
+    """
+    out = Path(path)
+    if out.suffix.lower() == ".dot":
+        dot_path, picture = out, out.with_suffix(".png")
+    else:
+        picture = picture_path(out)
+        dot_path = picture.with_suffix(".dot")
+    picture.parent.mkdir(parents=True, exist_ok=True)
     dot_text = schedule_dot(graph, schedules)
     dot_path.write_text(dot_text)
     dot = shutil.which("dot")
     if dot is not None:
+        image_format = picture.suffix.lower().lstrip(".").replace("jpeg", "jpg")
         done = subprocess.run(
-            [dot, "-Tpng", "-o", str(png_path)], input=dot_text.encode(), timeout=60, check=False
+            [dot, f"-T{image_format}", "-o", str(picture)],
+            input=dot_text.encode(),
+            timeout=60,
+            check=False,
         )
         if done.returncode == 0:
-            return dot_path, png_path
-    _draw_schedule(graph, schedules, png_path)
-    return dot_path, png_path
+            return dot_path, picture
+    _draw_schedule(graph, schedules, picture)
+    return dot_path, picture
 
 
-def _draw_schedule(graph: GraphSpec, schedules: Schedules, png_path: Path) -> None:
+def _draw_schedule(graph: GraphSpec, schedules: Schedules, picture: Path) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
@@ -177,7 +209,7 @@ def _draw_schedule(graph: GraphSpec, schedules: Schedules, png_path: Path) -> No
     handles += [Line2D([], [], color=TRANSPORT_COLORS[t], lw=2, label=f"{t} edge") for t in used]
     figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8,
                   frameon=False)  # fmt: skip
-    figure.savefig(png_path)
+    figure.savefig(picture)
 
 
 # ---------------------------------------------------------------------- timeline
@@ -214,11 +246,12 @@ def write_timeline(records: list, path: str | Path, *, last: int | None = None) 
     Args:
         records: ``ProfileRecord`` tuples (actor, execution, op index, kind, label, lane,
             start, end).
-        path: the PNG to write.
+        path: the picture to write: PNG, or the format its suffix names
+            (:data:`PICTURE_FORMATS`); any other name gets ``.png`` added.
         last: keep only each actor's last ``last`` executions.
 
     Returns:
-        The PNG path.
+        The picture's path.
 
     Raises:
         ValueError: no records (was the graph compiled with ``profile=True`` and executed?).
@@ -272,7 +305,7 @@ def write_timeline(records: list, path: str | Path, *, last: int | None = None) 
     handles = [Patch(color=c, label=k) for k, c in kind_colors.items()]
     handles.append(Patch(color="#fff3b0", label="communication overlapping compute"))
     figure.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    out = Path(path)
+    out = picture_path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
     return out

@@ -97,6 +97,36 @@ def test_schedule_picture_and_dot(tmp_path):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# The first bytes of each picture format: what the file really is, whatever its name says.
+_MAGIC = {".png": b"\x89PNG", ".svg": b"<", ".pdf": b"%PDF", ".jpg": b"\xff\xd8\xff"}
+
+
+@pytest.mark.parametrize(
+    ("asked", "dot_name", "picture_name"),
+    [
+        ("s.svg", "s.dot", "s.svg"),
+        ("s.pdf", "s.dot", "s.pdf"),
+        ("s.JPG", "s.dot", "s.JPG"),
+        ("s.dot", "s.dot", "s.png"),
+        ("s", "s.dot", "s.png"),
+        # A dot in a name is not a format: nothing of the name is dropped.
+        ("run.1", "run.1.dot", "run.1.png"),
+    ],
+)
+def test_schedule_pictures_are_written_where_and_as_asked(tmp_path, asked, dot_name, picture_name):
+    s, r = FakeActor("S", "cuda:0"), FakeActor("R", "cuda:1")
+    with InputNode() as inp:
+        dag = r.consume.bind(s.produce.bind(inp).with_transport("nccl"))
+    graph = lower(dag)
+    schedules = build_schedules(graph, overlap=True)
+    dot_path, picture = write_schedule(graph, schedules, tmp_path / asked)
+    assert (dot_path, picture) == (tmp_path / dot_name, tmp_path / picture_name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({dot_name, picture_name})
+    assert dot_path.read_text().startswith("digraph")
+    magic = _MAGIC[picture.suffix.lower()]
+    assert picture.read_bytes().lstrip()[: len(magic)] == magic
+
+
 def test_timeline_picture(tmp_path):
     records = [
         ("R", 0, 0, "READ", "READ x", "recv", 0.000, 0.004),
@@ -106,5 +136,10 @@ def test_timeline_picture(tmp_path):
     ]
     png = write_timeline(records, tmp_path / "t.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+    svg = write_timeline(records, tmp_path / "t.svg")
+    assert svg == tmp_path / "t.svg" and svg.read_bytes().lstrip()[:1] == b"<"
+    # No format in the name (or a dot that is part of it): a PNG with its suffix added.
+    named = write_timeline(records, tmp_path / "run.2")
+    assert named == tmp_path / "run.2.png" and named.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="profile=True"):
         write_timeline([], tmp_path / "none.png")
