@@ -358,6 +358,35 @@ class _ProbePickler(pickle.Pickler):
 _PLAIN = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
 
 
+class _LayoutPickler(pickle.Pickler):
+    """Pickles nothing worth keeping: notes the shape and dtype of each tensor in a value."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), protocol=5)
+        self.layout: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self._seen: set[int] = set()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if id(obj) not in self._seen:
+            self._seen.add(id(obj))
+            self.layout.append((tuple(obj.shape), obj.dtype))
+        return id(obj)
+
+
+def tensor_layout(value: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor in ``value`` (a bare tensor, or a structure that
+    pickles), in the order pickling meets them."""
+    if isinstance(value, torch.Tensor):
+        return [(tuple(value.shape), value.dtype)]
+    if type(value) in _PLAIN:
+        return []
+    pickler = _LayoutPickler()
+    pickler.dump(value)
+    return pickler.layout
+
+
 def pickle_problem(value: Any) -> Exception | None:
     """Why ``value`` does not pickle (its tensors left out), or ``None`` when it does."""
     if type(value) in _PLAIN:  # on the per-execution path: skip the probe where it cannot fail

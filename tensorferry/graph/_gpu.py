@@ -502,7 +502,7 @@ class GpuOps:
         return value.value
 
     def write(self, execution: int, op: Operation, edge: EdgeSpec, value: Any) -> None:
-        from tensorferry.graph._runner import edge_check
+        from tensorferry.graph._runner import edge_check, static_shape_error
 
         channel = self.runner.writers[edge.edge_id]
         assert edge.src_task is not None
@@ -539,12 +539,7 @@ class GpuOps:
         meta = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
         if edge.static_shape and edge.edge_id in self._static:
             if self._static[edge.edge_id][1] != meta[1]:
-                problem = RemoteError(
-                    edge.src_actor,
-                    f"ValueError: edge {edge.edge_id} was compiled with static_shape=True but its "
-                    f"tensors changed from {self._static[edge.edge_id][1]} to {meta[1]}",
-                    "",
-                )
+                problem = static_shape_error(edge, self._static[edge.edge_id][1], meta[1])
                 self._fail_send(execution, op, edge, problem, announced, done)
                 return
             # After an announcement: its outcome (none went wrong); else the layout is as agreed.

@@ -38,6 +38,7 @@ from tensorferry.graph._channel import (
     PeerDied,
     RemoteError,
     check_sendable,
+    tensor_layout,
 )
 from tensorferry.graph._methods import actor_method
 from tensorferry.graph._plan import DRIVER, ArgRef, EdgeSpec, GraphSpec, Operation, OpKind
@@ -231,6 +232,17 @@ class ScheduleRunner:
         # Tasks whose results leave this process (to another actor or the driver): they must
         # pickle, or their error goes in their place (see _sendable).
         self._sent = {e.src_task for e in self.graph.edges if e.src_actor == plan.actor}
+        # Host edges (shared memory, TCP) whose node promised a tensor or a fixed layout: the
+        # promise is checked here as GPU edges check it (GpuOps.write), so a graph behaves the
+        # same whichever transport "auto" picked. Per task: one edge stands for all of them.
+        self._promised = {
+            e.src_task: e
+            for e in self.graph.edges
+            if e.src_actor == plan.actor
+            and not e.rendezvous
+            and (e.static_shape or e.direct_return)
+        }
+        self._layouts: dict[int, list] = {}  # task -> its first result's tensor layout
         self._profile: list[ProfileRecord] = []
         self._profile_channel = endpoints.profile_sink() if plan.profile_channel else None
         self.gpu: Any = None
@@ -410,7 +422,20 @@ class ScheduleRunner:
                 check_sendable(result, f"the result of {task.label}")
             except TypeError as exc:
                 return remote_error(task.actor, task.label, exc)
+            edge = self._promised.get(task.task_id)
+            if edge is not None:
+                return self._kept_promise(edge, result)
         return result
+
+    def _kept_promise(self, edge: EdgeSpec, result: Any) -> Any:
+        """``result``, or the error that replaces it when it breaks its node's
+        ``direct_return`` or ``static_shape`` promise."""
+        problem = edge_check(edge, result)
+        if problem is not None or not edge.static_shape:
+            return result if problem is None else problem
+        layout = tensor_layout(result)
+        first = self._layouts.setdefault(edge.src_task, layout)
+        return result if layout == first else static_shape_error(edge, first, layout)
 
     def close(self) -> None:
         for channel in (*self.readers.values(), *self.writers.values()):
@@ -430,7 +455,8 @@ def remote_error(actor: str, label: str, exc: BaseException) -> RemoteError:
 
 
 def edge_check(edge: EdgeSpec, value: Any) -> RemoteError | None:
-    """A rendezvous edge carries tensors: a value with none cannot travel over it."""
+    """An edge whose node promised ``direct_return`` carries one tensor: anything else breaks
+    the promise (and over a rendezvous edge could not travel at all)."""
     if edge.direct_return and not isinstance(value, torch.Tensor):
         return RemoteError(
             f"{edge.src_actor}",
@@ -439,3 +465,13 @@ def edge_check(edge: EdgeSpec, value: Any) -> RemoteError | None:
             "",
         )
     return None
+
+
+def static_shape_error(edge: EdgeSpec, before: Any, now: Any) -> RemoteError:
+    """The error that replaces a result whose tensors left the layout its node promised."""
+    return RemoteError(
+        edge.src_actor,
+        f"ValueError: edge {edge.edge_id} was compiled with static_shape=True but its "
+        f"tensors changed from {before} to {now}",
+        "",
+    )

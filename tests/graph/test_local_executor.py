@@ -292,6 +292,35 @@ def test_direct_calls_with_what_cannot_be_pickled_fail_alone(trio):
     assert torch.equal(a.mul.call(x, factor=3.0), x * 3.0)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_promises_on_shared_memory_edges_are_kept_as_on_gpu_edges(trio, overlap):
+    """static_shape and direct_return are promises wherever "auto" sends the result: a result
+    that breaks one fails its execution (as over NCCL), and the graph goes on."""
+    a, b, _ = trio
+    with InputNode() as inp:
+        fixed = a.echo.bind(inp[0]).with_transport("shm", static_shape=True)
+        single = a.echo.bind(inp[1]).with_transport("auto", direct_return=True)
+        dag = MultiOutputNode([b.echo.bind(fixed), b.echo.bind(single)])
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        x, y = torch.randn(4), torch.randn(3)
+        # The first result sets the layout; a structure holding the same layout keeps it.
+        for value in (x, {"again": x + 1.0}, torch.randn(4)):
+            got = graph.execute(value, y).get(timeout=30)
+            same = got[0]["again"] if isinstance(value, dict) else got[0]
+            want = value["again"] if isinstance(value, dict) else value
+            assert torch.equal(same, want) and torch.equal(got[1], y)
+        for changed, why in ((torch.randn(5), r"\(5,\)"), (x.double(), "float64")):
+            with pytest.raises(tf.ActorError, match=f"static_shape=True but .*{why}"):
+                graph.execute(changed, y).get(timeout=30)
+        with pytest.raises(tf.ActorError, match="direct_return=True but is a int, not a tensor"):
+            graph.execute(x, 3).get(timeout=30)
+        got = graph.execute(x, y).get(timeout=30)
+        assert torch.equal(got[0], x) and torch.equal(got[1], y)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_a_constant_that_cannot_be_pickled_fails_compile_and_the_actors_stay_usable(trio):
     a, b, _ = trio
     with InputNode() as inp:
