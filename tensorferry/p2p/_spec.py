@@ -218,7 +218,18 @@ def _inspect(
 
 
 def _detached(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return tuple(t.detach() if t.requires_grad else t for t in tensors)
+    """``tensors`` with those that require grad detached, each once: a tensor listed twice
+    stays one object, so :func:`check_receives_apart` still sees it listed twice."""
+    once: dict[int, torch.Tensor] = {}
+    out = []
+    for t in tensors:
+        if t.requires_grad:
+            detached = once.get(id(t))
+            if detached is None:
+                detached = once[id(t)] = t.detach()
+            t = detached
+        out.append(t)
+    return tuple(out)
 
 
 def _check_tensors(items: Sequence[Any], device: torch.device, what: str) -> tuple:

@@ -374,7 +374,7 @@ def test_receive_buffers_of_the_wrong_type_are_named_with_the_spec_hint():
 
 
 def test_receive_buffers_must_not_share_memory_with_the_calls_other_tensors():
-    from tensorferry.p2p._spec import check_receives_apart
+    from tensorferry.p2p._spec import as_recv_list, check_receives_apart
 
     buf = torch.zeros(16)
     fine = [
@@ -400,3 +400,8 @@ def test_receive_buffers_must_not_share_memory_with_the_calls_other_tensors():
     for parts, text in clashes:
         with pytest.raises(ValueError, match=text):
             check_receives_apart(parts)
+    # Buffers that require grad are detached first: one listed twice is still caught.
+    weight = torch.zeros(4, requires_grad=True)
+    items, _, _ = as_recv_list([weight, weight], torch.device("cpu"), "buffers")
+    with pytest.raises(ValueError, match=r"buffers\[1\] shares memory with buffers\[0\]"):
+        check_receives_apart([("buffers", "recv", items)])
