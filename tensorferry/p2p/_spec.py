@@ -22,6 +22,7 @@ __all__ = [
     "as_tensor_list",
     "as_recv_list",
     "check_receives_apart",
+    "lazy_view_problem",
     "check_peer",
     "compare",
     "descriptor_text",
@@ -177,6 +178,28 @@ class _Unusual(Exception):
 _PLAIN_DTYPES: dict[torch.dtype, str] = {}
 # Tensor types the one-pass check takes (weights arrive as parameters).
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+# Only these can carry a conjugate bit: the one-pass check asks the others one flag, not two.
+_COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
+
+
+def lazy_view_problem(t: torch.Tensor) -> str | None:
+    """Why ``t``'s memory does not hold its values, or ``None`` when it does.
+
+    ``x.conj()`` and ``x.conj().imag`` are views whose conjugation or negation is a flag that
+    every torch operation applies as it reads them: their bytes are ``x``'s. Transports move
+    bytes, so such a tensor would arrive as something else; written into, it would read back
+    changed."""
+    if t.is_conj():
+        return (
+            "is a conjugate view (x.conj()): its memory holds the unconjugated values; pass "
+            "tensor.resolve_conj()"
+        )
+    if t.is_neg():
+        return (
+            "is a negative view (such as x.conj().imag): its memory holds the values before "
+            "negation; pass tensor.resolve_neg()"
+        )
+    return None
 
 
 def _inspect(
@@ -200,8 +223,9 @@ def _inspect(
                 # is_contiguous() raises for sparse layouts: they take the detailed path too.
                 if type(t) not in _PLAIN_TYPES or t.device != expected or not t.is_contiguous():
                     raise _Unusual
-                name = names.get(t.dtype)
-                if name is None:
+                dtype = t.dtype
+                name = names.get(dtype)
+                if name is None or t.is_neg() or (dtype in _COMPLEX and t.is_conj()):
                     raise _Unusual
                 desc.append((name, tuple(t.shape)))
                 grads = grads or t.requires_grad
@@ -245,6 +269,8 @@ def _check_tensors(items: Sequence[Any], device: torch.device, what: str) -> tup
             or t.layout is not torch.strided
             or t.is_quantized
             or not t.is_contiguous()
+            or t.is_neg()
+            or t.is_conj()
         ):
             _check_tensor(t, i, device, what)
             if t.device != expected:
@@ -274,6 +300,9 @@ def _check_tensor(t: Any, index: int, device: torch.device, what: str) -> torch.
             f"{what}[{index}] is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
             "pass tensor.contiguous()"
         )
+    problem = lazy_view_problem(t)
+    if problem is not None:
+        raise ValueError(f"{what}[{index}] {problem}")
     return t
 
 

@@ -552,7 +552,7 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 # ---------------------------------------------------------------------- validation
 # How many calls bad_arguments makes everywhere, and how many more where a rank has another
 # GPU to misuse.
-BAD_CALLS = 26
+BAD_CALLS = 29
 BAD_CALLS_WITH_ANOTHER_GPU = 2
 
 
@@ -595,6 +595,14 @@ def bad_arguments(rank: int, world: int) -> list[str]:
         "exchange in place": lambda: tf.sendrecv(x, peer, x, peer),
         "one buffer twice": lambda: tf.recv([x, x], peer),
         "batch shift in place": lambda: _batch_shift_in_place(x, peer, (rank - 1) % world),
+        # Views whose conjugation or negation is a flag: their bytes are not their values.
+        "conjugate view": lambda: tf.send(
+            torch.ones(4, dtype=torch.complex64, device=D()).conj(), peer
+        ),
+        "negative view last": lambda: tf.send([x, x, torch._neg_view(x)], peer),
+        "receive into a conjugate view": lambda: tf.recv(
+            [torch.zeros(1, dtype=torch.complex64, device=D()).conj(), x], peer
+        ),
     }
     if D().type == "cuda" and torch.cuda.device_count() > 1:
         other = torch.device("cuda", (D().index + 1) % torch.cuda.device_count())

@@ -417,6 +417,8 @@ def test_bad_arguments_raise_before_anything_moves(pool):
     assert "not a tensor: TypeError" in outcomes[0]
     assert "non-contiguous last: ValueError" in outcomes[0]
     assert "sparse csr: TypeError" in outcomes[0] and "devices mixed: ValueError" in outcomes[0]
+    assert "conjugate view: ValueError" in outcomes[0]
+    assert "negative view last: ValueError" in outcomes[0]
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD  # still usable
 
 

@@ -373,6 +373,32 @@ def test_receive_buffers_of_the_wrong_type_are_named_with_the_spec_hint():
     assert [t.shape for t in tensors] == [(2, 3), (4,)] and not single
 
 
+def test_lazy_views_are_refused_with_what_to_pass_instead():
+    """A conjugate or negative view's bytes are not its values: refused before anything moves,
+    on the one-pass check of long messages and on the detailed one, sending and receiving."""
+    from tensorferry.p2p._spec import TensorSpec, as_recv_list, as_tensor_list
+
+    cpu = torch.device("cpu")
+    plain = [torch.zeros(3) for _ in range(5)]
+    conj = torch.tensor([1 + 2j, 3 - 4j]).conj()
+    # One element: x.conj().imag is then contiguous, and negated by a flag only.
+    neg = torch.tensor([1 + 2j]).conj().imag
+    assert conj.is_contiguous() and neg.is_contiguous() and neg.is_neg()
+    cases = [
+        (conj, r"tensors\[0\] is a conjugate view .* pass tensor\.resolve_conj\(\)"),
+        ([*plain, neg], r"tensors\[5\] is a negative view .* pass tensor\.resolve_neg\(\)"),
+    ]
+    for tensors, text in cases:
+        with pytest.raises(ValueError, match=text):
+            as_tensor_list(tensors, cpu, "tensors")
+        with pytest.raises(ValueError, match=text):
+            as_recv_list(tensors, cpu, "tensors")
+    with pytest.raises(ValueError, match=r"tensors\[1\] is a conjugate view"):
+        as_recv_list([TensorSpec((2,)), conj], cpu, "tensors")
+    # What they tell the caller to pass goes through.
+    as_tensor_list([conj.resolve_conj(), neg.resolve_neg(), *plain], cpu, "tensors")
+
+
 def test_receive_buffers_must_not_share_memory_with_the_calls_other_tensors():
     from tensorferry.p2p._spec import as_recv_list, check_receives_apart
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
+from tensorferry.p2p._spec import lazy_view_problem
 from tensorferry.p2p.nvlink import _symm
 from tensorferry.p2p.nvlink._layout import (
     ERR_PEER_ABORT,
@@ -36,7 +37,7 @@ def validate_message(tensor: Any, *, what: str, device: torch.device) -> None:
 
     Raises:
         TypeError: not a tensor.
-        ValueError: wrong device, or not contiguous.
+        ValueError: wrong device, not contiguous, or a conjugate or negative view.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -44,6 +45,9 @@ def validate_message(tensor: Any, *, what: str, device: torch.device) -> None:
         raise ValueError(f"{what} is on {tensor.device}, the channel is on {device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{what} must be contiguous")
+    problem = lazy_view_problem(tensor)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
