@@ -22,6 +22,7 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError
 from tensorferry.graph._dag import ClassMethodNode
+from tensorferry.graph._pipes import lazy_views_resolved
 from tensorferry.runtime._devices import parse_device
 
 __all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
@@ -220,7 +221,14 @@ class ActorHandle:
         class_ref = (self.actor_class.__module__, self.actor_class.__qualname__)
         self._process = context.Process(
             target=_worker.actor_main,
-            args=(child, class_ref, args, kwargs, self.device, self.name),
+            args=(
+                child,
+                class_ref,
+                lazy_views_resolved(args),
+                lazy_views_resolved(kwargs),
+                self.device,
+                self.name,
+            ),
             name=f"tensorferry-actor-{self.name}",
             daemon=True,
         )
@@ -290,7 +298,8 @@ class ActorHandle:
         if not self.is_alive():
             raise ActorDiedError(f"actor {self.name} is not running")
         try:
-            self._conn.send(message)  # pickles the whole message before it writes a byte
+            # Pickles the whole message before it writes a byte.
+            self._conn.send(lazy_views_resolved(message))
         except (BrokenPipeError, OSError):
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
         except Exception as exc:

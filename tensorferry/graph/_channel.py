@@ -324,6 +324,16 @@ def _align(n: int) -> int:
     return (n + 63) & ~63
 
 
+def host_values(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in contiguous host memory, ready to travel as raw bytes: on the CPU,
+    contiguous, and with no conjugate or negative bit (``x.conj()`` keeps ``x``'s bytes and a
+    flag; moved as bytes it would arrive as ``x``). Copies only what needs it."""
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        tensor = tensor.cpu()
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
 class _TensorPickler(pickle.Pickler):
     """Pickles a value but takes its tensors out as raw blobs, laid out after the pickle."""
 
@@ -341,9 +351,7 @@ class _TensorPickler(pickle.Pickler):
         index = self._seen.get(id(obj))
         if index is None:
             index = self._seen[id(obj)] = len(self.tensors)
-            tensor = obj.detach()
-            tensor = (tensor.cpu() if tensor.is_cuda else tensor).contiguous()
-            self.tensors.append(tensor)
+            self.tensors.append(host_values(obj))
         return (index, code, tuple(obj.shape), obj.is_cuda)
 
 
@@ -541,17 +549,13 @@ class Channel:
             self._write_object(value, timeout)
 
     def _write_tensor(self, tensor: torch.Tensor, timeout: float) -> None:
-        flags = 0
-        if tensor.is_cuda:
-            tensor = tensor.detach().cpu()
-            flags = _FLAG_WAS_CUDA
+        flags = _FLAG_WAS_CUDA if tensor.is_cuda else 0
         code = _DTYPE_CODE.get(tensor.dtype)
         ndim = tensor.dim()
         if code is None or ndim > _MAX_NDIM or tensor.requires_grad:
             self._write_object(tensor, timeout)
             return
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
+        tensor = host_values(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         seq = self._fit(self._wait_writable(timeout), nbytes)
         seg = self._seg

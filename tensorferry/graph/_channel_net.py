@@ -51,6 +51,7 @@ from tensorferry.graph._channel import (
     PeerDied,
     _TensorPickler,
     dtype_of,
+    host_values,
     unreadable,
 )
 from tensorferry.graph._plan import DRIVER, GraphSpec
@@ -114,7 +115,10 @@ class NetControl:
 # ---------------------------------------------------------------------- encoding
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    flat = tensor.reshape(-1)
+    if flat.numel() == 1:  # contiguous whatever its stride (x[:1].imag has 2): a view of 1
+        flat = flat.as_strided((1,), (1,))
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def _blob_entry(tensor: torch.Tensor, was_cuda: bool) -> bytes:
@@ -135,7 +139,7 @@ def _encode(value: Any) -> list[memoryview | bytes]:
         and not value.requires_grad
     ):
         was_cuda = value.is_cuda
-        tensor = (value.detach().cpu() if was_cuda else value).contiguous()
+        tensor = host_values(value)
         head = _HEAD.pack(_KIND_TENSOR, 1, 0) + _blob_entry(tensor, was_cuda)
         return [head, _raw(tensor)]
     buffer = io.BytesIO()

@@ -589,7 +589,8 @@ class GpuOps:
                 stream.wait_event(done)
             start = self._span_start(stream)
             for tensor in tensors:
-                tensor = tensor.contiguous()
+                # Links move bytes: a conjugate or negative view's are not its values.
+                tensor = tensor.resolve_conj().resolve_neg().contiguous()
                 tensor.record_stream(stream)
                 link.send(tensor, peer).wait()
             self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)

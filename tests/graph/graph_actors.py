@@ -60,8 +60,15 @@ class Calc:
     def count(self) -> int:
         return self.calls
 
+    def get_offset(self) -> object:
+        return self.offset
+
     def echo(self, value: object) -> object:
         return value
+
+    def lazy_views(self, x: torch.Tensor) -> dict:
+        """Views whose conjugation or negation is a flag over ``x``'s memory."""
+        return {"conj": x.conj(), "neg": x[:1].conj().imag, "both": [x.conj(), x]}
 
 
 class Broken:

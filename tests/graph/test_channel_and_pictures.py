@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
 
 import pytest
@@ -18,6 +19,7 @@ from tensorferry.graph._channel import (
     RemoteError,
     unlink_prefix,
 )
+from tensorferry.graph._channel_net import NetControl, NetReader, NetWriter
 from tensorferry.graph._lower import lower
 from tensorferry.graph._visualize import schedule_dot, write_schedule, write_timeline
 
@@ -42,6 +44,37 @@ def test_values_round_trip_in_order(ring):
         else:
             assert torch.equal(got["a"][0], value["a"][0]) and got["a"][1:] == ["text", 3]
             assert torch.equal(got["b"][0], value["b"][0])
+
+
+@pytest.fixture
+def tcp_edge():
+    """One TCP edge in this process (the Ray executor's channel): (writer, reader)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    control = NetControl()
+    writer = NetWriter(a, control, peer=None, where="test edge")
+    reader = NetReader(b, control, capacity=4, peer=None, where="test edge")
+    yield writer, reader
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("channel", ["shm", "tcp"])
+def test_conjugate_and_negative_views_arrive_as_their_values(ring, tcp_edge, channel):
+    # Their memory holds x; the flag that conjugates or negates it is not in the bytes.
+    writer, reader = (ring[1], ring[2]) if channel == "shm" else tcp_edge
+    x = torch.randn(4, dtype=torch.complex64)
+    # x[:1].imag: one element, contiguous, but with a stride of 2 (over TCP it raised).
+    views = [x.conj(), x[:1].conj().imag, x[:1].imag, {"in": [x.conj(), x[1:].conj()]}]
+    for view in views:
+        writer.write(view, timeout=1)
+        got = reader.read(timeout=1)
+        if isinstance(view, torch.Tensor):
+            got, view = {"in": [got]}, {"in": [view]}
+        for g, want in zip(got["in"], view["in"], strict=True):
+            assert not g.is_conj() and not g.is_neg()
+            assert torch.equal(g, want.resolve_conj().resolve_neg())
 
 
 def test_full_ring_times_out_and_errors_travel(ring):

@@ -321,6 +321,53 @@ def test_promises_on_shared_memory_edges_are_kept_as_on_gpu_edges(trio, overlap)
         graph.teardown(kill_actors=False)
 
 
+def _lazy_views_as_values(x):
+    return {
+        "conj": x.conj().resolve_conj(),
+        "neg": x[:1].conj().imag.resolve_neg(),
+        "both": [x.conj().resolve_conj(), x],
+    }
+
+
+def _assert_values(got, want):
+    assert got.keys() == want.keys()
+    for key in ("conj", "neg"):
+        assert not got[key].is_conj() and not got[key].is_neg()
+        assert torch.equal(got[key], want[key]), key
+    assert all(torch.equal(g, w) for g, w in zip(got["both"], want["both"], strict=True))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_conjugate_and_negative_views_travel_as_their_values(trio, overlap):
+    """x.conj() keeps x's memory and a flag: moved as bytes it arrived as x. In graphs (as a
+    result, a bare input, over shared memory) and in direct calls, it arrives as its values."""
+    a, b, _ = trio
+    x = torch.randn(4, dtype=torch.complex64)
+    with InputNode() as inp:
+        dag = MultiOutputNode([b.echo.bind(a.lazy_views.bind(inp[0])), a.echo.bind(inp[1])])
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for _ in range(2):
+            views, echoed = graph.execute(x, x.conj()).get(timeout=30)
+            _assert_values(views, _lazy_views_as_values(x))
+            assert torch.equal(echoed, x.conj().resolve_conj())
+    finally:
+        graph.teardown(kill_actors=False)
+    _assert_values(a.lazy_views.call(x), _lazy_views_as_values(x))
+    assert torch.equal(a.echo.call(x.conj()), x.conj().resolve_conj())
+    neg = x[:1].conj().imag
+    assert torch.equal(a.echo.call([neg])[0], neg.resolve_neg())
+
+
+def test_a_conjugate_view_given_to_spawn_arrives_as_its_values():
+    x = torch.randn(3, dtype=torch.complex64)
+    handle = CalcActor.spawn(x.conj())
+    try:
+        assert torch.equal(handle.get_offset.call(), x.conj().resolve_conj())
+    finally:
+        handle.kill()
+
+
 def test_a_constant_that_cannot_be_pickled_fails_compile_and_the_actors_stay_usable(trio):
     a, b, _ = trio
     with InputNode() as inp:
