@@ -121,6 +121,25 @@ class GpuCalc:
         assert d["b"][1] == "tag"
         return (d["a"] + d["b"][0]).cpu()
 
+    def lazy_views(self, x: torch.Tensor) -> dict:
+        """Views whose conjugation or negation is a flag over ``x``'s memory, on this GPU."""
+        x = x.to(self.device)
+        return {"conj": x.conj(), "neg": x[:1].conj().imag, "both": [x.conj(), x]}
+
+    def conj(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device).conj()
+
+    def host(self, value: object) -> object:
+        """``value`` with its tensors copied to the host, flags and all (a tensor that arrived
+        with a conjugate bit would still read right: the test checks there is none)."""
+        if isinstance(value, torch.Tensor):
+            return value.cpu()
+        if isinstance(value, dict):
+            return {key: self.host(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.host(item) for item in value]
+        return value
+
     def late(self, x: torch.Tensor, cycles: int) -> torch.Tensor:
         """A CUDA result the GPU is still computing when the method returns."""
         x = x.to(self.device)

@@ -95,6 +95,38 @@ def test_nccl_and_copy_engine_edges_in_one_graph(pair):
 
 @pytest.mark.multigpu
 @needs_two
+@pytest.mark.parametrize(
+    "transport, overlap", [("nccl", False), ("nccl", True), ("ce", True), ("nvlink", True)]
+)
+def test_conjugate_and_negative_views_cross_gpu_edges_as_their_values(pair, transport, overlap):
+    """x.conj() keeps x's memory and a flag; GPU edges move bytes, so it has to be resolved
+    first (a structure, and a lone tensor with direct_return)."""
+    a, b = pair
+    with InputNode() as inp:
+        views = a.lazy_views.bind(inp).with_transport(transport)
+        bare = a.conj.bind(inp).with_transport(transport, direct_return=True)
+        dag = MultiOutputNode([b.host.bind(views), b.host.bind(bare)])
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for _ in range(3):
+            x = torch.randn(64, dtype=torch.complex64)
+            got, got_bare = graph.execute(x).get(timeout=60)
+            want = {
+                "conj": x.conj().resolve_conj(),
+                "neg": x[:1].conj().imag.resolve_neg(),
+                "both": [x.conj().resolve_conj(), x],
+            }
+            for key in ("conj", "neg"):
+                assert not got[key].is_conj() and not got[key].is_neg(), key
+                assert torch.equal(got[key], want[key]), key
+            assert all(torch.equal(g, w) for g, w in zip(got["both"], want["both"], strict=True))
+            assert not got_bare.is_conj() and torch.equal(got_bare, want["conj"])
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
 @pytest.mark.parametrize("overlap", [False, True])
 def test_nccl_structures_static_shapes_and_errors(pair, overlap):
     a, b = pair
