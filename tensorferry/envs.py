@@ -5,6 +5,7 @@ Values are read when asked for (not at import) so tests and launchers can set th
 
 from __future__ import annotations
 
+import math
 import os
 
 __all__ = [
@@ -31,8 +32,8 @@ def _float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
+    if not 0 < value < math.inf:  # NaN fails both
+        raise ValueError(f"{name}={raw!r} must be a finite positive number")
     return value
 
 

@@ -20,6 +20,7 @@ import time
 import weakref
 from typing import Any
 
+from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError
 from tensorferry.graph._dag import ClassMethodNode
 from tensorferry.graph._pipes import lazy_views_resolved
@@ -116,6 +117,7 @@ class ActorClass:
             ImportError: ``executor="ray"`` without Ray installed.
         """
         name = name or f"{self.cls.__name__}-{next(_names)}"
+        start_timeout = checked_seconds(start_timeout, "start_timeout")
         if executor == "ray":
             from tensorferry.graph._actor_ray import spawn_ray_actor
 
@@ -169,6 +171,7 @@ class ActorMethod:
             ActorDiedError: the actor is dead.
             RuntimeError: a compiled graph is running on this actor.
         """
+        timeout = checked_seconds(timeout, f"{self._handle.name}.{self._name}.call(): timeout")
         return self._handle._request(("call", self._name, args, kwargs), timeout)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorferry import envs
+from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError, TransferTimeoutError
 from tensorferry.graph._channel import GraphStopped, RemoteError, check_sendable
 from tensorferry.graph._dag import ClassMethodNode, DAGNode, MultiOutputNode
@@ -81,11 +82,7 @@ class CompileOptions:
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         for name in ("submit_timeout", "get_timeout", "teardown_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
+            checked_seconds(getattr(self, name), name)
         if self.buffer_size_bytes < 64:
             raise ValueError(f"buffer_size_bytes must be >= 64, got {self.buffer_size_bytes}")
         if self.executor not in EXECUTORS:
@@ -208,6 +205,8 @@ class CompiledGraphRef:
             TransferTimeoutError: the result did not come within ``timeout``.
             RuntimeError: the graph was torn down (before the result came).
         """
+        if timeout is not None:
+            checked_seconds(timeout, "timeout", zero_ok=True)
         if not self._done:
             try:
                 self._value = self._graph._result(self.index, timeout)
@@ -463,6 +462,8 @@ class CompiledGraph:
                 that does not stop in time is killed.
             kill_actors: end the actor processes (off: they stay, ready for another graph).
         """
+        if timeout is not None:
+            checked_seconds(timeout, "timeout", zero_ok=True)
         if self._closed:
             return
         self._closed = True

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tensorferry._seconds import checked_seconds
 from tensorferry.p2p import _context
 from tensorferry.p2p._engine import Message, Unit
 from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer, check_receives_apart
@@ -32,10 +33,8 @@ __all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_ga
 def _check_options(static: Any, timeout: Any) -> None:
     if not isinstance(static, bool):
         raise TypeError(f"static must be a bool, got {type(static).__name__}")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-    ):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if timeout is not None:
+        checked_seconds(timeout, "timeout")
 
 
 def _message(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tensorferry import envs
+from tensorferry._seconds import checked_seconds
 from tensorferry.p2p import _link
 from tensorferry.p2p._spec import Descriptor, describe
 from tensorferry.p2p._transport import (
@@ -349,9 +350,9 @@ def init(
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    timeout_s = float(timeout) if timeout is not None else envs.transfer_timeout_s()
+    timeout_s = (
+        checked_seconds(timeout, "timeout") if timeout is not None else envs.transfer_timeout_s()
+    )
     with _lock:
         if _context is not None:
             same = (

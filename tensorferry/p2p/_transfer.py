@@ -18,6 +18,7 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from tensorferry._seconds import checked_seconds
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.runtime._events import recycle, stream_wait
 from tensorferry.runtime._spin import spin_until, spin_window_s
@@ -270,9 +271,7 @@ class Transfer:
 
     def _timeout_left(self, timeout: float | None) -> float:
         if timeout is not None:
-            if timeout < 0:
-                raise ValueError(f"timeout must be >= 0, got {timeout}")
-            return timeout
+            return checked_seconds(timeout, "timeout", zero_ok=True)
         return max(0.0, self._deadline - time.monotonic()) + _GRACE_S
 
     def _wait_exception(self, timeout: float | None) -> BaseException | None:

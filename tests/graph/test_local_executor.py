@@ -368,6 +368,29 @@ def test_a_conjugate_view_given_to_spawn_arrives_as_its_values():
         handle.kill()
 
 
+def test_timeouts_that_could_never_end_are_refused_and_nothing_changes(trio):
+    a, b, _ = trio
+    x = torch.randn(3)
+    with pytest.raises(ValueError, match="call\\(\\): timeout must be a finite number"):
+        a.add.call(x, timeout=float("inf"))
+    with pytest.raises(ValueError, match="start_timeout must be > 0 seconds"):
+        CalcActor.spawn(start_timeout=0)
+    with InputNode() as inp:
+        graph = b.add.bind(a.add.bind(inp)).compile()
+    try:
+        ref = graph.execute(x)
+        for endless in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(ValueError, match="timeout must be"):
+                ref.get(timeout=endless)
+            with pytest.raises(ValueError, match="timeout must be"):
+                graph.teardown(timeout=endless)
+        assert torch.equal(ref.get(timeout=30), x + 11.0)  # the graph still runs
+        assert torch.equal(graph.execute(x).get(timeout=30), x + 11.0)
+    finally:
+        graph.teardown(kill_actors=False)
+    assert torch.equal(a.add.call(x, timeout=30), x + 1.0)
+
+
 def test_a_constant_that_cannot_be_pickled_fails_compile_and_the_actors_stay_usable(trio):
     a, b, _ = trio
     with InputNode() as inp:

@@ -131,16 +131,19 @@ def test_edges_inputs_and_outputs():
 def test_compile_options_of_the_wrong_type_or_range_are_named():
     from tensorferry.graph._compiled import CompileOptions
 
-    bad = {
-        "overlap_communication": ("yes", TypeError, "must be a bool"),
-        "profile": (1, TypeError, "must be a bool"),
-        "max_inflight": (2.0, TypeError, "must be an int"),
-        "buffer_size_bytes": (1.5e6, TypeError, "must be an int"),
-        "submit_timeout": ("10", TypeError, "must be a number of seconds"),
-        "get_timeout": (True, TypeError, "must be a number of seconds"),
-        "teardown_timeout": (0, ValueError, "must be positive"),
-    }
-    for name, (value, error, text) in bad.items():
+    bad = [
+        ("overlap_communication", "yes", TypeError, "must be a bool"),
+        ("profile", 1, TypeError, "must be a bool"),
+        ("max_inflight", 2.0, TypeError, "must be an int"),
+        ("buffer_size_bytes", 1.5e6, TypeError, "must be an int"),
+        ("submit_timeout", "10", TypeError, "must be a number of seconds"),
+        ("get_timeout", True, TypeError, "must be a number of seconds"),
+        ("teardown_timeout", 0, ValueError, "must be > 0 seconds"),
+        # A wait that can never end is refused (threading's locks overflowed on it at get()).
+        ("get_timeout", float("inf"), ValueError, "must be a finite number of seconds"),
+        ("submit_timeout", float("nan"), ValueError, "must be a finite number of seconds"),
+    ]
+    for name, value, error, text in bad:
         with pytest.raises(error, match=f"{name} {text}"):
             CompileOptions(**{name: value})
     options = CompileOptions(overlap_communication=True, submit_timeout=1, get_timeout=0.5)

@@ -552,7 +552,7 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 # ---------------------------------------------------------------------- validation
 # How many calls bad_arguments makes everywhere, and how many more where a rank has another
 # GPU to misuse.
-BAD_CALLS = 29
+BAD_CALLS = 31
 BAD_CALLS_WITH_ANOTHER_GPU = 2
 
 
@@ -575,6 +575,8 @@ def bad_arguments(rank: int, world: int) -> list[str]:
         "unknown transport": lambda: tf.send(x, peer, transport="pigeon"),
         "static not bool": lambda: tf.send(x, peer, static=1),
         "bad timeout": lambda: tf.send(x, peer, timeout=-1),
+        "infinite timeout": lambda: tf.recv(x, peer, timeout=float("inf")),
+        "nan timeout": lambda: tf.send(x, peer, timeout=float("nan")),
         "empty batch": lambda: tf.batch().__enter__().__exit__(None, None, None),
         "gather shape": lambda: tf.ring_all_gather(
             torch.zeros(3, device=D()), torch.zeros(2, device=D())
@@ -660,6 +662,12 @@ def wait_timeout_then_complete(rank: int, world: int) -> str:
         raise AssertionError("wait(0.1) returned before the peer sent")
     except TransferTimeoutError:
         pass
+    for endless in (float("inf"), float("nan")):  # refused at once; the transfer goes on
+        try:
+            h.wait(timeout=endless)
+            raise AssertionError(f"wait({endless}) was taken")
+        except ValueError as exc:
+            assert "finite number of seconds" in str(exc), exc
     assert not h.done()
     got = h.result(T)
     assert same_bytes(got, payload(1, 0, 9, (8,), torch.float32))

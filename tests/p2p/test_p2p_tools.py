@@ -373,6 +373,23 @@ def test_receive_buffers_of_the_wrong_type_are_named_with_the_spec_hint():
     assert [t.shape for t in tensors] == [(2, 3), (4,)] and not single
 
 
+def test_timeouts_must_be_finite_seconds(monkeypatch):
+    import tensorferry as tf
+    from tensorferry import envs
+
+    for endless in (float("inf"), float("nan"), -1):
+        with pytest.raises(ValueError, match="timeout must be"):
+            tf.init("gloo", rank=0, world_size=2, init_method="tcp://127.0.0.1:1", timeout=endless)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds, got str"):
+        tf.init("gloo", rank=0, world_size=2, init_method="tcp://127.0.0.1:1", timeout="5")
+    for raw in ("inf", "nan", "-3"):
+        monkeypatch.setenv("TENSORFERRY_TRANSFER_TIMEOUT_S", raw)
+        with pytest.raises(ValueError, match="must be a finite positive number"):
+            envs.transfer_timeout_s()
+    monkeypatch.setenv("TENSORFERRY_TRANSFER_TIMEOUT_S", "2.5")
+    assert envs.transfer_timeout_s() == 2.5
+
+
 def test_lazy_views_are_refused_with_what_to_pass_instead():
     """A conjugate or negative view's bytes are not its values: refused before anything moves,
     on the one-pass check of long messages and on the detailed one, sending and receiving."""

@@ -1,0 +1,36 @@
+"""Timeouts as callers give them, checked in one place: a finite number of seconds.
+
+Infinity is refused rather than taken to mean "forever": Python's own locks cannot wait that
+long (``OverflowError`` deep inside a wait, after the work started), and a wait that can never
+end is the hang this library promises not to have. A large number waits as long as anyone needs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+__all__ = ["checked_seconds"]
+
+
+def checked_seconds(value: Any, what: str, *, zero_ok: bool = False) -> float:
+    """``value`` as seconds: a real number (not a bool), finite, and positive (or zero, with
+    ``zero_ok``: a wait that only looks).
+
+    Raises:
+        TypeError: not a number.
+        ValueError: NaN, infinite, negative, or zero where that is not allowed.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise ValueError(
+            f"{what} must be a finite number of seconds, got {value!r} (pass a large number to "
+            "wait long)"
+        )
+    if seconds < 0 or (seconds == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{what} must be {bound} seconds, got {value!r}")
+    return seconds
