@@ -59,7 +59,7 @@ for s in $steps; do
       --device cuda ;;
     batch-noshort) step batch-noshort 45 env TENSORFERRY_P2P_SHORT_PATH=0 tensorferry bench batch \
       --device cuda --out "$R/noshort" ;;
-    graph) step graph 160 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
+    graph) step graph 240 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
     overlap) step overlap 240 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;
     overlap-early | overlap-noearly)  # NCCL edges with and without early receives (an A/B)

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from tensorferry.errors import TransferTimeoutError
+from tensorferry.p2p._packing import as_bytes
 from tensorferry.runtime._spin import spin_until, spin_window_s
 
 __all__ = [
@@ -566,7 +567,7 @@ class Channel:
             ctypes.memmove(seg.address + off + _META, tensor.data_ptr(), nbytes)
         else:
             target = torch.frombuffer(seg.map, dtype=torch.uint8, count=nbytes, offset=off + _META)
-            target.copy_(tensor.reshape(-1).view(torch.uint8))
+            target.copy_(as_bytes(tensor))
             del target
         _I64.pack_into(seg.map, _WRITE, seq + 1)
 

@@ -55,6 +55,7 @@ from tensorferry.graph._channel import (
     unreadable,
 )
 from tensorferry.graph._plan import DRIVER, GraphSpec
+from tensorferry.p2p._packing import as_bytes
 
 __all__ = [
     "NetControl",
@@ -115,10 +116,7 @@ class NetControl:
 # ---------------------------------------------------------------------- encoding
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 1:  # contiguous whatever its stride (x[:1].imag has 2): a view of 1
-        flat = flat.as_strided((1,), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(as_bytes(tensor).numpy())
 
 
 def _blob_entry(tensor: torch.Tensor, was_cuda: bool) -> bytes:

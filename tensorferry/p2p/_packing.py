@@ -14,8 +14,15 @@ __all__ = ["as_bytes", "pack", "unpack", "wire_plan"]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of a contiguous tensor (every dtype travels as bytes)."""
-    return t.reshape(-1).view(torch.uint8)
+    """A flat ``uint8`` view of a contiguous tensor (every dtype travels as bytes).
+
+    A tensor of one element is contiguous whatever its stride (``x[:1].imag`` of a complex
+    ``x`` has 2), and ``view`` refuses a byte view of a stride other than 1: that one element is
+    re-viewed with stride 1 first, the same memory."""
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def wire_plan(tensors: Sequence[torch.Tensor], *, pack_below: int) -> tuple[list[int], list[int]]:

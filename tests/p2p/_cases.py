@@ -91,6 +91,37 @@ def send_recv_all_dtypes(rank: int, world: int, tag: int) -> str:
     return "ok"
 
 
+def strided_single_elements(rank: int, world: int, tag: int) -> str:
+    """One-element tensors are contiguous whatever their stride (``x[:1].imag`` of a complex
+    ``x`` has 2, ``x[::3][:1]`` 3), and a byte view of them used to be refused mid-transfer.
+    Rank 0 sends them alone and in a list; rank 1 receives one into such a view and checks that
+    only that element of its base changed."""
+    if rank > 1:
+        return "idle"
+    base = payload(0, 1, tag, (6,), torch.complex64).to(D())
+    plain = payload(0, 1, tag + 1, (9,), torch.float32).to(D())
+    sent = [base[:1].imag, plain[::3][:1]]
+    assert all(t.is_contiguous() and t.stride(0) != 1 for t in sent)
+    if rank == 0:
+        for t in sent:
+            tf.send(t, 1).wait(T)
+        tf.send(sent, 1).wait(T)
+        return "sent"
+    for t in sent:
+        backing = poisoned((8,), torch.float32)
+        into = backing[::2][1:2]  # one element, stride 2, at offset 2
+        tf.recv(into, 0).wait(T)
+        want = poisoned((8,), torch.float32)
+        want[2] = t[0]
+        assert same_bytes(backing, want), "only the viewed element may change"
+    got = tf.recv([poisoned((1,), torch.float32) for _ in sent], 0).result(T)
+    for g, t in zip(got, sent, strict=True):
+        want = torch.empty(1, device=D())
+        want.copy_(t)  # its value with a stride of 1 (clone keeps the stride)
+        assert same_bytes(g, want), "a list of them"
+    return "ok"
+
+
 def parameters_travel(rank: int, world: int, tag: int) -> str:
     """Weight sync: rank 0 sends parameters and an activation (tensors that require grad),
     rank 1 receives into its own parameters (small ones packed, a large one alone) and gets the

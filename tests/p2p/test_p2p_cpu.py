@@ -332,6 +332,10 @@ def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11)[:2] == ["ok", "ok"]
 
 
+def test_one_element_tensors_with_a_stride_travel(pool):
+    assert pool.run("strided_single_elements", 12)[:2] == ["sent", "ok"]
+
+
 def test_single_tensor_result_and_callbacks(pool):
     for result in pool.run("single_tensor_and_callbacks")[:1]:
         assert result["callback_thread"] != result["caller_thread"]

@@ -45,6 +45,10 @@ def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
 
 
+def test_one_element_tensors_with_a_stride_travel(pool):
+    assert pool.run("strided_single_elements", 12) == ["sent", "ok"]
+
+
 def test_callbacks_off_the_caller_thread(pool):
     result = pool.run("single_tensor_and_callbacks")[0]
     assert result["callback_thread"].startswith("tensorferry-completion")

@@ -33,6 +33,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
     everyone = dict.fromkeys(range(world), "ok")
     cases = [
         ("send_recv_all_dtypes", (11,), first_two),
+        ("strided_single_elements", (12,), {0: "sent", 1: "ok"}),
         ("ring_sendrecv", (4,), everyone),
         ("mixed_batch", (20,), dict.fromkeys(range(world), 4 * (world - 1))),
         ("many_small_batch", (64,), {0: "sent", 1: "ok"}),

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
+from tensorferry.p2p._packing import as_bytes
 from tensorferry.p2p.copy_engine import _streamops
 from tensorferry.p2p.nvlink._layout import dtype_code
 from tensorferry.p2p.nvlink._symm import group_name_of, join_group, setup_stream
@@ -379,7 +380,7 @@ class CopyEngineChannel:
         flag = self._flags.data_ptr()
         peer_flag = self._flag_ptr[peer]
         nbytes_code, dtype_word = agreement_codes(tensor.nbytes, tensor.dtype)
-        src = tensor.reshape(-1).view(torch.uint8)
+        src = as_bytes(tensor)
         s.wait_event(start)
         _streamops.wait_value32(s, flag + 4 * lay.ack(peer), 1, _streamops.WAIT_GEQ)
         _streamops.write_value32(s, flag + 4 * lay.ack(peer), 0)
@@ -409,7 +410,7 @@ class CopyEngineChannel:
         flag = self._flags.data_ptr()
         peer_flag = self._flag_ptr[peer]
         nbytes_code, dtype_word = agreement_codes(tensor.nbytes, tensor.dtype)
-        dst = tensor.reshape(-1).view(torch.uint8)
+        dst = as_bytes(tensor)
         s.wait_event(start)
         _streamops.write_value32(s, peer_flag + 4 * lay.post(self.rank), nbytes_code)
         _streamops.write_value32(s, peer_flag + 4 * (lay.post(self.rank) + 1), dtype_word)

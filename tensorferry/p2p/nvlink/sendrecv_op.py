@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
+from tensorferry.p2p._packing import as_bytes
 from tensorferry.p2p._spec import lazy_view_problem
 from tensorferry.p2p.nvlink import _symm
 from tensorferry.p2p.nvlink._layout import (
@@ -48,10 +49,6 @@ def validate_message(tensor: Any, *, what: str, device: torch.device) -> None:
     problem = lazy_view_problem(tensor)
     if problem is not None:
         raise ValueError(f"{what} {problem}")
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 class NvlinkChannel:
@@ -246,8 +243,8 @@ class NvlinkChannel:
         from tensorferry.p2p.nvlink.sendrecv import _sendrecv_kernel
 
         cfg = self.config
-        send_bytes = _as_bytes(send) if send is not None else self._stage
-        recv_bytes = _as_bytes(recv) if recv is not None else self._stage
+        send_bytes = as_bytes(send) if send is not None else self._stage
+        recv_bytes = as_bytes(recv) if recv is not None else self._stage
         sp = send_peer if send is not None else self.rank
         rp = recv_peer if recv is not None else self.rank
         grid = (recv_plan.num_ctas if recv_plan else 0) + (send_plan.num_ctas if send_plan else 0)
