@@ -434,6 +434,7 @@ def ring_all_gather(
             f"(world {world} × inp {list(inp.shape)})"
         )
     rows = out.view(world, -1)
+    _check_gathers_apart(out, inp, rows[rank], rank)
     rows[rank].copy_(inp.reshape(-1))  # on the caller's current stream, before the event
     ring = Transfer(
         f"ring_all_gather of {inp.numel()} element(s)", deadline=_deadline(ctx, timeout), value=out
@@ -491,6 +492,24 @@ def ring_all_gather(
 
     ring._mark_issued(ready=steps_seen_done, settle=ring._finish_if_no_callbacks)
     return ring
+
+
+def _check_gathers_apart(
+    out: torch.Tensor, inp: torch.Tensor, own: torch.Tensor, rank: int
+) -> None:
+    """``inp`` may be this rank's own row of ``out`` (an all-gather in place) or memory apart
+    from ``out``; anything between would be overwritten while it is read."""
+    start, end = inp.data_ptr(), inp.data_ptr() + inp.nbytes
+    out_start = out.data_ptr()
+    if not inp.nbytes or end <= out_start or start >= out_start + out.nbytes:
+        return
+    if start == own.data_ptr():
+        return  # in place: its row already holds it
+    raise ValueError(
+        f"inp shares memory with out but is not out's row for rank {rank} (elements "
+        f"{rank * own.numel()} to {(rank + 1) * own.numel() - 1}): pass that row to gather in "
+        "place, or a tensor apart from out"
+    )
 
 
 def _reset_pair(peer: int, *, timeout: float | None = None) -> None:

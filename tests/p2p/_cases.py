@@ -326,10 +326,15 @@ def repeated_layouts(rank: int, world: int, rounds: int) -> str:
     return "ok"
 
 
-def all_gather(rank: int, world: int, stacked: bool) -> str:
+def all_gather(rank: int, world: int, stacked: bool, in_place: bool = False) -> str:
+    """``in_place``: ``inp`` is this rank's own row of ``out``."""
     shape = (3, 5)
     inp = payload(rank, rank, 77, shape, torch.float32)
     out = poisoned((world, *shape) if stacked else (world * 15,), torch.float32)
+    if in_place:
+        own = out.view(world, *shape)[rank]
+        own.copy_(inp)
+        inp = own if stacked else out[rank * 15 : (rank + 1) * 15]
     result = tf.ring_all_gather(out, inp).result(T)
     assert result is out
     rows = out.view(world, *shape)
@@ -583,7 +588,7 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 # ---------------------------------------------------------------------- validation
 # How many calls bad_arguments makes everywhere, and how many more where a rank has another
 # GPU to misuse.
-BAD_CALLS = 31
+BAD_CALLS = 32
 BAD_CALLS_WITH_ANOTHER_GPU = 2
 
 
@@ -612,6 +617,7 @@ def bad_arguments(rank: int, world: int) -> list[str]:
         "gather shape": lambda: tf.ring_all_gather(
             torch.zeros(3, device=D()), torch.zeros(2, device=D())
         ),
+        "gather input inside out, misplaced": lambda: _gather_misplaced(world),
         "gather dtype": lambda: tf.ring_all_gather(
             torch.zeros(world * 2, dtype=torch.int32, device=D()), torch.zeros(2, device=D())
         ),
@@ -650,6 +656,11 @@ def bad_arguments(rank: int, world: int) -> list[str]:
             continue
         raise AssertionError(f"{name}: no error")
     return outcomes
+
+
+def _gather_misplaced(world: int) -> None:
+    out = torch.zeros(world * 4, device=D())
+    tf.ring_all_gather(out, out[1:5])  # overlaps rows 0 and 1: no rank's row
 
 
 def _batch_shift_in_place(x: torch.Tensor, right: int, left: int) -> None:

@@ -367,8 +367,9 @@ def test_repeated_layouts_keep_every_byte(pool):
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_ring_all_gather(pool, stacked):
-    assert pool.run("all_gather", stacked) == ["ok"] * WORLD
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ring_all_gather(pool, stacked, in_place):
+    assert pool.run("all_gather", stacked, in_place) == ["ok"] * WORLD
 
 
 def test_static_channel_then_change_raises_on_both_sides(pool):

@@ -79,8 +79,9 @@ def test_many_small_tensors_packed(pool):
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_ring_all_gather(pool, stacked):
-    assert pool.run("all_gather", stacked) == ["ok", "ok"]
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ring_all_gather(pool, stacked, in_place):
+    assert pool.run("all_gather", stacked, in_place) == ["ok", "ok"]
 
 
 def test_static_and_broken_static(pool):

@@ -39,6 +39,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
         ("many_small_batch", (64,), {0: "sent", 1: "ok"}),
         ("all_gather", (False,), everyone),
         ("all_gather", (True,), everyone),
+        ("all_gather", (False, True), everyone),  # in place: inp is out's own row
         ("all_gather_matches_torch", (4097, "float32"), everyone),
         ("all_gather_matches_torch", (33, "int64"), everyone),
         # 16 MiB per rank: each ring step outgrows NCCL's buffers both ways at once.
