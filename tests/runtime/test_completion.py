@@ -78,6 +78,18 @@ def test_timeout_is_a_named_error(pool):
         future.result(timeout=5)
 
 
+def test_timeouts_and_delays_that_could_never_end_are_refused(pool):
+    # NaN never compared past a deadline: its item stayed pending for good.
+    for bad, error in ((float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="timeout must be"):
+            pool.watch(lambda: False, timeout=bad)
+        with pytest.raises(error, match="delay must be"):
+            pool.watch(lambda: False, delay=bad)
+    assert pool.pending() == 0
+    assert pool.watch(lambda: True, timeout=1).result(5) is None
+    assert pool.watch(lambda: True, timeout=2, delay=0).result(5) is None  # ints are seconds too
+
+
 def test_a_raising_callback_does_not_stop_the_pool(pool):
     first = pool.watch(lambda: True)
     first.add_done_callback(lambda _f: 1 / 0)
