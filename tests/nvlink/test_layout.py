@@ -61,6 +61,8 @@ def test_plan_rejects_empty() -> None:
         ({"block_words": 3000}, ValueError),
         ({"num_warps": 3}, ValueError),
         ({"timeout_s": 0}, ValueError),
+        ({"timeout_s": float("inf")}, ValueError),  # overflowed the kernels' deadline at launch
+        ({"timeout_s": "60"}, TypeError),
         ({"num_slots": 1.5}, TypeError),
     ],
 )

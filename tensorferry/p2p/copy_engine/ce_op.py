@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from tensorferry._seconds import checked_seconds
 from tensorferry.errors import MismatchError, TransferTimeoutError, TransportError
 from tensorferry.p2p._packing import as_bytes
 from tensorferry.p2p.copy_engine import _streamops
@@ -150,7 +151,8 @@ class CeTransfer:
             MismatchError: the peer posted a different size (``field="nbytes"``) or dtype.
             TransferTimeoutError: the peer did not take part within the timeout.
         """
-        deadline = time.monotonic() + (self._channel.timeout_s if timeout is None else timeout)
+        limit = self._channel.timeout_s if timeout is None else checked_seconds(timeout, "timeout")
+        deadline = time.monotonic() + limit
         delay = 1e-5
         while not self.ready():
             if time.monotonic() > deadline:
@@ -218,8 +220,7 @@ class CopyEngineChannel:
             raise ValueError(f"slot_bytes must be a positive multiple of 4096, got {slot_bytes}")
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        timeout_s = checked_seconds(timeout_s, "timeout_s")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorferry._seconds import checked_seconds
+
 __all__ = [
     "META_WORDS",
     "POISON",
@@ -167,8 +169,7 @@ class ChannelConfig:
             raise ValueError(f"block_words must be a power of two in [256, 16384], got {bw}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"num_warps must be a power of two up to 32, got {self.num_warps}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        checked_seconds(self.timeout_s, "timeout_s")  # inf overflowed the kernels' deadline
 
     def staging_bytes(self, world_size: int) -> int:
         """Bytes of one rank's staging allocation."""
