@@ -796,9 +796,20 @@ class Engine(PairFaults, ShortWay):
                     f"rank {src} -> rank {dst}: transport changed on a static channel",
                     field="transport",
                 )
-            compare(agreed, message.desc, src=src, dst=dst)
+            compare(
+                agreed,
+                message.desc,
+                src=src,
+                dst=dst,
+                names=("the channel's agreed layout", f"this {message.op.kind}"),
+            )
         except MismatchError as exc:
-            err = MismatchError(f"static channel changed: {exc}", field=exc.field)
+            err = MismatchError(
+                f"static channel changed: {exc} (once agreed, a channel keeps its layout for "
+                "every later message, static=False ones included: pass static=True only for a "
+                "layout that never changes between these two ranks)",
+                field=exc.field,
+            )
             channel.waiting.popleft()
             if message.static:
                 channel.static_candidates -= 1

@@ -413,30 +413,42 @@ def _check_buffer_types(items: Sequence[Any], what: str) -> None:
             )
 
 
-def compare(sender: Descriptor, receiver: Descriptor, *, src: int, dst: int) -> None:
+def compare(
+    sender: Descriptor,
+    receiver: Descriptor,
+    *,
+    src: int,
+    dst: int,
+    names: tuple[str, str] = ("sender", "receiver"),
+) -> None:
     """Raises :class:`MismatchError` naming the first field where sender and receiver differ.
 
     Both sides call this on the same pair of descriptors, so both raise the same error.
+    ``names`` say what the two descriptors are, when they are not the two sides' messages (a
+    static channel's agreed layout against a new message, say).
     """
     if sender == receiver:  # the common case, compared in C: no per-tensor loop
         return
     where = f"rank {src} -> rank {dst}"
+    first, second = names
     if len(sender) != len(receiver):
-        raise MismatchError(
-            f"{where}: sender sends {len(sender)} tensor(s), receiver expects {len(receiver)}",
-            field="count",
+        counts = (
+            f"sender sends {len(sender)} tensor(s), receiver expects {len(receiver)}"
+            if names == ("sender", "receiver")
+            else f"{first} has {len(sender)} tensor(s), {second} {len(receiver)}"
         )
+        raise MismatchError(f"{where}: {counts}", field="count")
     for i, ((s_dtype, s_shape), (r_dtype, r_shape)) in enumerate(
         zip(sender, receiver, strict=False)
     ):
         if s_dtype != r_dtype:
             raise MismatchError(
-                f"{where}: tensor {i} dtype differs: sender {s_dtype}, receiver {r_dtype}",
+                f"{where}: tensor {i} dtype differs: {first} {s_dtype}, {second} {r_dtype}",
                 field="dtype",
             )
         if s_shape != r_shape:
             raise MismatchError(
-                f"{where}: tensor {i} shape differs: sender {list(s_shape)}, receiver "
+                f"{where}: tensor {i} shape differs: {first} {list(s_shape)}, {second} "
                 f"{list(r_shape)}",
                 field="shape",
             )
