@@ -22,6 +22,9 @@ def checked_seconds(value: Any, what: str, *, zero_ok: bool = False) -> float:
         TypeError: not a number.
         ValueError: NaN, infinite, negative, or zero where that is not allowed.
     """
+    kind = type(value)
+    if (kind is float or kind is int) and (0 < value < math.inf or (zero_ok and value == 0)):
+        return float(value)  # the common case, on per-call paths: two comparisons
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
     seconds = float(value)

@@ -325,14 +325,22 @@ def _align(n: int) -> int:
     return (n + 63) & ~63
 
 
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with no conjugate or negative bit: ``x.conj()`` keeps ``x``'s bytes and a flag,
+    so moved as bytes it would arrive as ``x``. A copy only for such a view (asking costs a
+    fraction of resolving, which is a dispatched call even when there is nothing to do)."""
+    if tensor.is_neg() or tensor.is_conj():
+        return tensor.resolve_conj().resolve_neg()
+    return tensor
+
+
 def host_values(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in contiguous host memory, ready to travel as raw bytes: on the CPU,
-    contiguous, and with no conjugate or negative bit (``x.conj()`` keeps ``x``'s bytes and a
-    flag; moved as bytes it would arrive as ``x``). Copies only what needs it."""
-    tensor = tensor.detach()
+    """``tensor``'s values in contiguous host memory, ready to travel as raw bytes (see
+    :func:`resolved`). Copies only what needs it: every bare tensor a graph moves passes here."""
     if tensor.is_cuda:
-        tensor = tensor.cpu()
-    return tensor.resolve_conj().resolve_neg().contiguous()
+        tensor = tensor.detach().cpu()
+    tensor = resolved(tensor)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 class _TensorPickler(pickle.Pickler):

@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorferry import envs
-from tensorferry.graph._channel import Channel, GraphStopped, PeerDied, RemoteError, wait_until
+from tensorferry.graph._channel import (
+    Channel,
+    GraphStopped,
+    PeerDied,
+    RemoteError,
+    resolved,
+    wait_until,
+)
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
 from tensorferry.runtime._stream_switch import on_stream
 
@@ -590,7 +597,7 @@ class GpuOps:
             start = self._span_start(stream)
             for tensor in tensors:
                 # Links move bytes: a conjugate or negative view's are not its values.
-                tensor = tensor.resolve_conj().resolve_neg().contiguous()
+                tensor = resolved(tensor).contiguous()
                 tensor.record_stream(stream)
                 link.send(tensor, peer).wait()
             self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
