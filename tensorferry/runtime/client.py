@@ -186,16 +186,17 @@ class Client:
         """Like :meth:`stream` but returns the pooled :class:`Stream` lease."""
         self._check_open()
         dev = self._own_device(device)
-        if dev.type == "cpu":
-            return None
-        streams = self._streams[dev]
+        # Checked before the CPU's answer: a role or index that is wrong is wrong everywhere, and
+        # code tried on a CPU machine should not first fail on a GPU one.
         first = _ROLE_INDEX.get(role)
         if first is None:
             raise ValueError(f"role must be one of {sorted(_ROLE_INDEX)}, got {role!r}")
-        count = len(streams) - first if role == "device_to_device" else 1
-        if not 0 <= index < count:
-            raise ValueError(f"{role} has {count} stream(s); index {index} is invalid")
-        return streams[first + index]
+        count = self.config.streams_per_device - first if role == "device_to_device" else 1
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(f"{role} has {count} stream(s); index {index!r} is invalid")
+        if dev.type == "cpu":
+            return None
+        return self._streams[dev][first + index]
 
     def streams(self, device: Any) -> dict[str, list[Stream]]:
         """Every stream this client holds on ``device``, by role (empty for CPU devices)."""

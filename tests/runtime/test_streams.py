@@ -234,7 +234,15 @@ def test_unpooled_clients_create_and_destroy(two_fake_gpus, pool, factory):
 def test_cpu_client_has_no_streams_but_same_api():
     with tf.Client("cpu") as client:
         assert client.stream("cpu") is None
+        assert client.stream("cpu", "device_to_device", 7) is None  # the last of 14 - 6
         assert client.streams("cpu") == {}
+        # What is wrong on a GPU is wrong here too (it used to pass on the CPU and fail later).
+        with pytest.raises(ValueError, match="role must be one of"):
+            client.stream("cpu", "comptue")
+        with pytest.raises(ValueError, match="compute has 1 stream"):
+            client.stream("cpu", "compute", 1)
+        with pytest.raises(ValueError, match="device_to_device has 8 stream"):
+            client.stream("cpu", "device_to_device", 8)
     assert client.closed
 
 
