@@ -33,6 +33,14 @@ __all__ = [
 Descriptor = tuple[tuple[str, tuple[int, ...]], ...]
 
 
+# Quantized dtypes (their tensors carry a quantizer, not just bytes): refused like the tensors.
+_QUANTIZED = frozenset(
+    getattr(torch, name)
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """Shape and dtype of a tensor to receive; ``tf.recv`` allocates it on this rank's device.
@@ -58,6 +66,10 @@ class TensorSpec:
             raise ValueError(f"TensorSpec shape has a negative size: {tuple(shape)}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"TensorSpec dtype must be a torch.dtype, got {dtype!r}")
+        if dtype in _QUANTIZED:  # torch.empty of one fails inside torch, with an internal assert
+            raise TypeError(
+                f"TensorSpec dtype {dtype} is quantized: quantized tensors are not supported"
+            )
         object.__setattr__(self, "shape", tuple(shape))
         object.__setattr__(self, "dtype", dtype)
 

@@ -272,6 +272,9 @@ def test_tensor_spec():
         tf.TensorSpec((-1,))
     with pytest.raises(TypeError):
         tf.TensorSpec((2,), "float32")
+    # Quantized tensors are refused; a spec of one failed later, inside torch.empty.
+    with pytest.raises(TypeError, match="torch.qint8 is quantized"):
+        tf.TensorSpec((2,), torch.qint8)
 
 
 class _Index:
