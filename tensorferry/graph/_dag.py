@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tensorferry.graph._channel import named_arguments
 from tensorferry.graph._plan import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -200,6 +201,13 @@ class ClassMethodNode(DAGNode):
     def __init__(
         self, actor: ActorHandle, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
+        for what, value in named_arguments(args, kwargs.items()):
+            if not isinstance(value, DAGNode) and _holds_a_node(value):
+                raise TypeError(
+                    f"{actor.name}.{method}.bind(): {what} holds a graph node inside a "
+                    f"{type(value).__name__}; a node is resolved only when it is an argument "
+                    "itself: bind each node as its own argument"
+                )
         super().__init__([*args, *kwargs.values()])
         self.actor = actor
         self.method = method
@@ -220,7 +228,28 @@ class MultiOutputNode(DAGNode):
         if not isinstance(outputs, (list, tuple)):
             raise TypeError(f"MultiOutputNode takes a list of nodes, got {type(outputs).__name__}")
         self.outputs = list(outputs)
+        for i, node in enumerate(self.outputs):
+            if not isinstance(node, DAGNode):
+                raise TypeError(
+                    f"MultiOutputNode output {i} is a {type(node).__name__}, not a graph node "
+                    "(an actor method's .bind(...))"
+                )
         super().__init__(self.outputs)
 
     def __repr__(self) -> str:
         return f"MultiOutputNode({self.outputs!r})"
+
+
+def _holds_a_node(value: Any, seen: set[int] | None = None) -> bool:
+    """Whether a graph node sits anywhere inside the lists, tuples, sets and dicts of
+    ``value`` (where nothing would resolve it: it would travel as the node object itself)."""
+    if isinstance(value, DAGNode):
+        return True
+    if not isinstance(value, (list, tuple, set, frozenset, dict)):
+        return False
+    seen = set() if seen is None else seen
+    if id(value) in seen:  # a container that holds itself
+        return False
+    seen.add(id(value))
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return any(_holds_a_node(item, seen) for item in items)

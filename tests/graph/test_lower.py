@@ -112,6 +112,23 @@ def test_outputs_must_be_method_calls():
         lower(dag)
 
 
+def test_nodes_inside_containers_and_outputs_that_are_not_nodes_are_named():
+    # Nothing resolves a node inside a list: it would have travelled as the node object, and
+    # compile blamed the graph for reading no InputNode. A non-node output failed in lowering.
+    a = FakeActor("A")
+    with InputNode() as inp:
+        node = a.consume.bind(inp)
+        with pytest.raises(TypeError, match=r"A\.combine\.bind\(\): argument 0 holds .* list"):
+            a.combine.bind([inp, 1], 2)
+        with pytest.raises(TypeError, match=r"keyword argument 'b' holds a graph node .* dict"):
+            a.combine.bind(node, b={"deep": (node,)})
+        with pytest.raises(TypeError, match="MultiOutputNode output 1 is a int"):
+            MultiOutputNode([node, 3])
+        looped: list = [1]
+        looped.append(looped)  # a container holding itself is looked through once
+        a.combine.bind(node, looped)
+
+
 def test_edges_inputs_and_outputs():
     a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:1")
     with InputNode() as inp:

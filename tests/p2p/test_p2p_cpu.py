@@ -273,7 +273,7 @@ def test_tensor_spec():
     with pytest.raises(TypeError):
         tf.TensorSpec((2,), "float32")
     # Quantized tensors are refused; a spec of one failed later, inside torch.empty.
-    with pytest.raises(TypeError, match="torch.qint8 is quantized"):
+    with pytest.raises(TypeError, match=r"torch\.qint8 is quantized"):
         tf.TensorSpec((2,), torch.qint8)
 
 
