@@ -23,6 +23,7 @@ from typing import Any
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError
 from tensorferry.graph._dag import ClassMethodNode
+from tensorferry.graph._methods import check_method_name
 from tensorferry.graph._pipes import lazy_views_resolved
 from tensorferry.runtime._devices import parse_device
 
@@ -199,10 +200,7 @@ class ActorHandle:
 
     # ------------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> ActorMethod:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if not callable(getattr(self.actor_class, name, None)):
-            raise AttributeError(f"{self.actor_class.__name__} has no method {name!r}")
+        check_method_name(self.actor_class, name)
         return ActorMethod(self, name)
 
     # ------------------------------------------------------------------ lifetime

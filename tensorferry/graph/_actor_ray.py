@@ -18,6 +18,7 @@ from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._actor import ActorMethod
+from tensorferry.graph._methods import check_method_name
 from tensorferry.runtime._devices import parse_device
 
 __all__ = ["RayActorHandle", "require_ray", "spawn_ray_actor"]
@@ -168,10 +169,7 @@ class RayActorHandle:
 
     # ------------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> ActorMethod:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if not callable(getattr(self.actor_class, name, None)):
-            raise AttributeError(f"{self.actor_class.__name__} has no method {name!r}")
+        check_method_name(self.actor_class, name)
         return ActorMethod(self, name)  # type: ignore[arg-type]
 
     def _request(self, message: tuple, timeout: float) -> Any:

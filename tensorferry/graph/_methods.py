@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["actor_method"]
+__all__ = ["actor_method", "check_method_name"]
 
 _loops = threading.local()
 
@@ -37,3 +37,19 @@ def _loop() -> asyncio.AbstractEventLoop:
     if loop is None or loop.is_closed():
         loop = _loops.loop = asyncio.new_event_loop()
     return loop
+
+
+def check_method_name(actor_class: type, name: str) -> None:
+    """Raises ``AttributeError`` unless an actor handle exposes ``name`` as a method of
+    ``actor_class``. Names starting with ``_`` never are: Python and libraries probe handles
+    for such attributes (``__deepcopy__``, ``_repr_html_``) and must be told no at once; a
+    private method the class does define is named as such."""
+    if name.startswith("_"):
+        if not name.startswith("__") and callable(getattr(actor_class, name, None)):
+            raise AttributeError(
+                f"{actor_class.__name__}.{name} is private (its name starts with '_'): actor "
+                "handles expose public methods only"
+            )
+        raise AttributeError(name)
+    if not callable(getattr(actor_class, name, None)):
+        raise AttributeError(f"{actor_class.__name__} has no method {name!r}")

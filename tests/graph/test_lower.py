@@ -165,3 +165,22 @@ def test_compile_options_of_the_wrong_type_or_range_are_named():
             CompileOptions(**{name: value})
     options = CompileOptions(overlap_communication=True, submit_timeout=1, get_timeout=0.5)
     assert options.submit_timeout == 1 and options.overlap_communication
+
+
+def test_actor_handles_name_private_and_missing_methods():
+    from tensorferry.graph._methods import check_method_name
+
+    class Kind:
+        value = 3
+
+        def shown(self) -> None: ...
+
+        def _hidden(self) -> None: ...
+
+    check_method_name(Kind, "shown")
+    with pytest.raises(AttributeError, match=r"Kind\._hidden is private"):
+        check_method_name(Kind, "_hidden")  # it said only "_hidden"
+    with pytest.raises(AttributeError, match=r"^__deepcopy__$"):  # probes are told no at once
+        check_method_name(Kind, "__deepcopy__")
+    with pytest.raises(AttributeError, match="Kind has no method 'value'"):
+        check_method_name(Kind, "value")
