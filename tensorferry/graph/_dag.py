@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -240,16 +241,28 @@ class MultiOutputNode(DAGNode):
         return f"MultiOutputNode({self.outputs!r})"
 
 
-def _holds_a_node(value: Any, seen: set[int] | None = None) -> bool:
-    """Whether a graph node sits anywhere inside the lists, tuples, sets and dicts of
-    ``value`` (where nothing would resolve it: it would travel as the node object itself)."""
-    if isinstance(value, DAGNode):
-        return True
-    if not isinstance(value, (list, tuple, set, frozenset, dict)):
-        return False
-    seen = set() if seen is None else seen
-    if id(value) in seen:  # a container that holds itself
-        return False
-    seen.add(id(value))
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-    return any(_holds_a_node(item, seen) for item in items)
+def _holds_a_node(value: Any) -> bool:
+    """Whether a graph node sits inside the lists, tuples, sets and dicts of ``value`` (where
+    nothing would resolve it: it would travel as the node object itself). Looks at the first
+    ``_SCAN_LIMIT`` items only: a constant of a million numbers is bound once, but should not
+    cost a second to bind."""
+    walks: list[Iterator[Any]] = [iter((value,))]
+    seen: set[int] = set()
+    looked = 0
+    while walks and looked < _SCAN_LIMIT:
+        item = next(walks[-1], _DONE)
+        if item is _DONE:
+            walks.pop()
+            continue
+        looked += 1
+        if isinstance(item, DAGNode):
+            return True
+        if isinstance(item, (list, tuple, set, frozenset, dict)) and id(item) not in seen:
+            seen.add(id(item))  # a container that holds itself is looked through once
+            parts = (item.keys(), item.values()) if isinstance(item, dict) else (item,)
+            walks.append(itertools.chain(*parts))
+    return False
+
+
+_SCAN_LIMIT = 10_000
+_DONE = object()
