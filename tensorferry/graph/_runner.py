@@ -431,8 +431,10 @@ class ScheduleRunner:
         """``result``, or the error that replaces it when it breaks its node's
         ``direct_return`` or ``static_shape`` promise."""
         problem = edge_check(edge, result)
-        if problem is not None or not edge.static_shape:
-            return result if problem is None else problem
+        if problem is not None:
+            return problem
+        if not edge.static_shape:
+            return result
         layout = tensor_layout(result)
         first = self._layouts.setdefault(edge.src_task, layout)
         return result if layout == first else static_shape_error(edge, first, layout)
