@@ -375,8 +375,8 @@ class _ProbePickler(pickle.Pickler):
 _PLAIN = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
 
 
-class _LayoutPickler(pickle.Pickler):
-    """Pickles nothing worth keeping: notes the shape and dtype of each tensor in a value."""
+class _LayoutPickler(_ProbePickler):
+    """The probe's pass (tensors left out), noting the shape and dtype of each tensor met."""
 
     def __init__(self) -> None:
         super().__init__(io.BytesIO(), protocol=5)
@@ -384,12 +384,11 @@ class _LayoutPickler(pickle.Pickler):
         self._seen: set[int] = set()
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        if id(obj) not in self._seen:
-            self._seen.add(id(obj))
+        pid = super().persistent_id(obj)
+        if pid is not None and pid not in self._seen:
+            self._seen.add(pid)
             self.layout.append((tuple(obj.shape), obj.dtype))
-        return id(obj)
+        return pid
 
 
 def tensor_layout(value: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -681,7 +680,7 @@ class Channel:
             ctypes.memmove(out.data_ptr(), seg.address + start, nbytes)
         else:
             source = torch.frombuffer(seg.map, dtype=torch.uint8, count=nbytes, offset=start)
-            out.reshape(-1).view(torch.uint8).copy_(source)
+            as_bytes(out).copy_(source)
             del source
         return out
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tensorferry.graph._channel import resolved
+
 __all__ = ["lazy_views_resolved"]
 
 
@@ -28,9 +30,9 @@ class _Pickler(ForkingPickler):
         self.copies: list[torch.Tensor] = []
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or not (obj.is_conj() or obj.is_neg()):
+        values = resolved(obj) if isinstance(obj, torch.Tensor) else obj
+        if values is obj:
             return NotImplemented
-        values = obj.resolve_conj().resolve_neg()
         self.copies.append(values)
         reduce = self.dispatch_table.get(type(values))
         return reduce(values) if reduce is not None else values.__reduce_ex__(5)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -130,12 +129,10 @@ class CompletionPool:
         """
         if inline and then is not None:
             raise ValueError("inline completion takes no `then` (it would run on the poller)")
-        # Per transfer: the library's own finite floats pass one comparison; anything else
-        # (NaN, which never times out, infinity, a string) gets the full check and its error.
-        if timeout is not None and (type(timeout) is not float or not 0 <= timeout < math.inf):
+        # NaN would never time out, infinity overflows a wait: both refused (quick for floats).
+        if timeout is not None:
             timeout = checked_seconds(timeout, "timeout", zero_ok=True)
-        if type(delay) is not float or not 0 <= delay < math.inf:
-            delay = checked_seconds(delay, "delay", zero_ok=True)
+        delay = checked_seconds(delay, "delay", zero_ok=True)
         future: Future = Future()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
