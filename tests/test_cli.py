@@ -157,3 +157,37 @@ def test_bad_lists_are_one_line_before_anything_starts(argv, text):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert text in str(exc.value.code)
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["bench", "toy", "--device", "cuda"], "--device cuda needs 2 CUDA devices"),
+        (["bench", "batch", "--device", "cuda"], "--device cuda needs 2 CUDA devices"),
+        (["bench", "sendrecv"], "tensorferry bench sendrecv needs 2 CUDA devices"),
+        (["bench", "allgather", "--transports", "gloo,nccl"], "nccl moves CUDA tensors"),
+        (["bench", "overlap", "--transports", "auto,ce"], "--transports auto,ce needs 2 CUDA"),
+    ],
+)
+def test_a_benchmark_that_needs_gpus_this_machine_lacks_says_so_before_anything_starts(
+    argv, text, monkeypatch
+):
+    import torch
+
+    import tensorferry.graph
+    import tensorferry.p2p._launch
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank, actor or launcher was started")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(tensorferry.p2p._launch, "run_world", started)
+    monkeypatch.setattr(tensorferry.graph, "actor", started)
+    monkeypatch.setattr(subprocess, "call", started)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    message = str(exc.value.code)
+    assert text in message
+    assert "this machine has 0" in message or "0 CUDA devices here" in message

@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tensorferry.bench._devices import require_transports_for
     from tensorferry.bench._report import report
     from tensorferry.bench.sendrecv import parse_sizes
     from tensorferry.p2p._context import _import_optional_transports
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [name for name in transports if name not in known]
     if unknown:
         raise SystemExit(f"--transports: unknown {unknown}; registered: {', '.join(known)}")
+    require_transports_for("cuda" if use_cuda else "cpu", transports, "--transports")
     config = {"sizes": sizes, "transports": transports, "iters": args.iters}
     results = run_world(
         _worker, config, world=world, backend="nccl" if use_cuda else "gloo", timeout=300

@@ -51,12 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tensorferry.bench._devices import require_cuda_devices
     from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
     use_cuda = args.device == "cuda" or (
         args.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= 2
     )
+    if use_cuda:
+        require_cuda_devices(2, "--device cuda")
     if args.count < 1 or args.bytes < 4 or args.bytes % 4:
         raise SystemExit("--count must be >= 1 and --bytes a positive multiple of 4")
     config = {

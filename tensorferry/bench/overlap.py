@@ -216,6 +216,7 @@ def _handwritten_cpu(size: int, branches: int, iters: int, warmup: int) -> list[
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tensorferry.bench._devices import cuda_device_count, require_cuda_devices
     from tensorferry.bench._report import report
     from tensorferry.graph import InputNode, MultiOutputNode, actor
     from tensorferry.graph.demo import DemoReceiver, DemoSender, _check
@@ -230,8 +231,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(transports) - {"auto", "nccl", "ce", "nvlink"})
     if unknown or not transports:
         raise SystemExit(f"--transports: unknown {unknown or 'empty list'}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    on_gpu = gpus >= 2
+    on_gpu = cuda_device_count() >= 2
+    if not on_gpu and set(transports) != {"auto"}:  # GPU edges: nccl, ce and nvlink
+        require_cuda_devices(2, f"--transports {','.join(transports)}")
     size = args.size or (10_000 if on_gpu else 384)
     iters = args.iters or (30 if on_gpu else 8)
     dtype = torch.float16 if on_gpu else torch.float32

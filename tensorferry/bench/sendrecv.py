@@ -22,6 +22,7 @@ import subprocess
 import sys
 from typing import Any
 
+from tensorferry.bench._devices import require_cuda_devices
 from tensorferry.cli._args import positive_float
 
 DEFAULT_SIZES = "256,4K,64K,1M,8M,64M,256M,1G"
@@ -81,6 +82,7 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check(args)
     if "RANK" not in os.environ:
+        require_cuda_devices(2, "tensorferry bench sendrecv")  # every variant moves CUDA tensors
         # Not under torchrun: start two ranks of ourselves.
         argv = [
             sys.executable,

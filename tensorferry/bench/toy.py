@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tensorferry.bench._devices import require_cuda_devices
     from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
@@ -72,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     use_cuda = args.device == "cuda" or (
         args.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= 2
     )
-    if use_cuda and torch.cuda.device_count() < 2:
-        raise SystemExit("--device cuda needs 2 CUDA devices")
+    if use_cuda:
+        require_cuda_devices(2, "--device cuda")
     config = {
         "programs": programs,
         "modes": modes,

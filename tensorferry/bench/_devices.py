@@ -1,0 +1,45 @@
+"""What a benchmark asks of this machine's GPUs, checked before any process starts.
+
+A benchmark that spawns ranks or actors and only then finds no GPU for them fails in each
+process, with a traceback per rank; these checks make that one line, naming the flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["cuda_device_count", "require_cuda_devices", "require_transports_for"]
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def require_cuda_devices(count: int, what: str) -> None:
+    """Raises ``SystemExit`` naming ``what`` unless this machine has ``count`` CUDA devices."""
+    have = cuda_device_count()
+    if have < count:
+        raise SystemExit(f"{what} needs {count} CUDA devices; this machine has {have}")
+
+
+def require_transports_for(device_type: str, names: Iterable[str], flag: str) -> None:
+    """Raises ``SystemExit`` when one of ``names`` (p2p transports; ``auto`` always passes)
+    cannot move ``device_type`` tensors, the kind this run uses.
+
+    Transports registered by a class say which tensors they move; those registered through
+    another factory are taken as they are (their own error comes later, in the ranks)."""
+    from tensorferry.p2p._context import _import_optional_transports
+    from tensorferry.p2p._transport import registered_transports
+
+    _import_optional_transports()  # as tf.init does in the ranks
+    factories = registered_transports()
+    for name in names:
+        factory = factories.get(name)
+        moves = getattr(factory, "device_type", None) if isinstance(factory, type) else None
+        if name != "auto" and moves is not None and moves != device_type:
+            raise SystemExit(
+                f"{flag}: {name} moves {moves.upper()} tensors, and this run's are "
+                f"{device_type.upper()} tensors ({cuda_device_count()} CUDA devices here)"
+            )
