@@ -220,6 +220,12 @@ class CompiledGraphRef:
     def __repr__(self) -> str:
         return f"CompiledGraphRef(execution {self.index})"
 
+    def __del__(self) -> None:
+        # Nobody can get() this result any more: the graph need not keep it (a loop that
+        # executes and drops its refs would otherwise keep every result it never read).
+        if not self._done:
+            self._graph._forget(self.index)
+
 
 class CompiledGraphFuture:
     """Awaitable result of :meth:`CompiledGraph.execute_async`."""
@@ -278,6 +284,10 @@ class CompiledGraph:
         self._submitted = 0
         self._read = 0
         self._results: dict[int, dict[int, Any]] = {}
+        # Executions whose refs were dropped unread: their outputs are dropped once read (see
+        # _forget). Added to without the lock (a ref's __del__ may run while this thread holds
+        # it); set.add and set.discard are atomic.
+        self._forgotten: set[int] = set()
         self._broken: BaseException | None = None
         self._closed = False
         self._profile: list = []
@@ -415,6 +425,27 @@ class CompiledGraph:
             raise
         self._results[self._read] = outputs
         self._read += 1
+        if self._forgotten:
+            self._drop_forgotten()
+
+    def _forget(self, index: int) -> None:
+        """Execution ``index``'s ref was dropped unread: its outputs are not kept. Never waits
+        for the lock (a ref may be collected while this thread holds it, in the middle of
+        ``execute``): what was read is dropped now if the lock is free, else at the next read."""
+        self._forgotten.add(index)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_forgotten()
+            finally:
+                self._lock.release()
+
+    def _drop_forgotten(self) -> None:
+        # Under the lock. list() copies the set in one step: a ref collected meanwhile (on
+        # another thread, or on this one by the garbage collector) cannot change it under us.
+        for gone in list(self._forgotten):
+            if gone < self._read:
+                self._forgotten.discard(gone)
+                self._results.pop(gone, None)
 
     def _result(self, index: int, timeout: float | None) -> Any:
         timeout = self.options.get_timeout if timeout is None else timeout

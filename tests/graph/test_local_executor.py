@@ -99,6 +99,30 @@ def test_many_executions_in_flight(trio, overlap):
         graph.teardown(kill_actors=False)
 
 
+def test_results_of_dropped_refs_are_not_kept(trio):
+    """A loop that executes and keeps only some refs: the graph keeps no result nobody can get
+    (it kept every one it had read), and the refs kept still get theirs, in any order."""
+    a, b, _ = trio
+    with InputNode() as inp:
+        dag = b.add.bind(a.add.bind(inp))
+    graph = dag.compile(max_inflight=3)
+    try:
+        kept = {}
+        for i in range(60):
+            ref = graph.execute(torch.full((16,), float(i)))
+            if i % 7 == 0:
+                kept[i] = ref  # the others are dropped at once, unread
+            assert len(graph._results) <= len(kept), i  # only results a kept ref may get
+        del ref  # the last one
+        for i in sorted(kept, reverse=True):
+            assert torch.equal(kept[i].get(timeout=10), torch.full((16,), i + 11.0))
+        last = graph.execute(torch.zeros(16)).get(timeout=10)  # reads every execution before
+        assert torch.equal(last, torch.full((16,), 11.0))
+        assert graph._results == {} and graph._forgotten == set()
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_actor_error_reaches_get_and_graph_keeps_working(trio):
     a, b, _ = trio
     with InputNode() as inp:
