@@ -21,7 +21,7 @@ import weakref
 from typing import Any
 
 from tensorferry._seconds import checked_seconds
-from tensorferry.errors import ActorDiedError, ActorError
+from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._dag import ClassMethodNode
 from tensorferry.graph._methods import check_method_name
 from tensorferry.graph._pipes import lazy_views_resolved
@@ -50,6 +50,12 @@ def normalise_device(device: Any) -> str:
     if not 0 <= index < count:
         raise ValueError(f"cuda:{index} does not exist here ({count} CUDA device(s) visible)")
     return f"cuda:{index}"
+
+
+class _NoAnswer(ActorDiedError):
+    """An actor process did not answer in time. Still an :class:`ActorDiedError` for the start,
+    graph set-up and teardown that wait for one (they treat the actor as lost); a direct call
+    raises :class:`TransferTimeoutError` instead, since the actor goes on."""
 
 
 def actor(cls: type) -> ActorClass:
@@ -170,6 +176,8 @@ class ActorMethod:
         Raises:
             ActorError: the method raised.
             ActorDiedError: the actor is dead.
+            TransferTimeoutError: no answer within ``timeout``. The actor goes on with the call
+                (later calls wait for it) and its result is dropped.
             RuntimeError: a compiled graph is running on this actor.
         """
         timeout = checked_seconds(timeout, f"{self._handle.name}.{self._name}.call(): timeout")
@@ -190,6 +198,8 @@ class ActorHandle:
         self._process: Any = None
         self._conn: Any = None
         self._lock = threading.Lock()
+        # Answers still to come to requests given up on (timed out): see _receive.
+        self._owed = 0
         self.graph: Any = None
         """The compiled graph running on this actor, if any."""
 
@@ -255,7 +265,17 @@ class ActorHandle:
             raise ActorError(f"{self.name}: constructor raised:\n{reply[1]}")
 
     def _receive(self, timeout: float, *, what: str) -> tuple:
+        """The actor's answer to the last request. The actor answers every request in order,
+        so answers to requests given up on earlier (:attr:`_owed`) come first: they are read
+        and dropped, within the same ``timeout``. Giving up on this one adds it to them."""
         deadline = time.monotonic() + timeout
+        while True:
+            reply = self._next_reply(deadline, timeout, what)
+            if not self._owed:
+                return reply
+            self._owed -= 1
+
+    def _next_reply(self, deadline: float, timeout: float, what: str) -> tuple:
         while not self._conn.poll(0.05):
             if not self._process.is_alive():
                 raise ActorDiedError(
@@ -263,7 +283,8 @@ class ActorHandle:
                     f"(exit code {self._process.exitcode})"
                 )
             if time.monotonic() > deadline:
-                raise ActorDiedError(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
+                self._owed += 1  # its answer still comes, and is not the next request's
+                raise _NoAnswer(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
         try:
             return self._conn.recv()
         except (EOFError, OSError):
@@ -277,7 +298,13 @@ class ActorHandle:
             )
         with self._lock:
             self._send(message)
-            reply = self._receive(timeout, what=message[0])
+            try:
+                reply = self._receive(timeout, what=message[0])
+            except _NoAnswer:
+                raise TransferTimeoutError(
+                    f"actor {self.name}.{message[1]} did not answer in {timeout:.3g} s; the "
+                    "actor goes on with the call, and its result will be dropped"
+                ) from None
         if reply[0] == "error":
             raise ActorError(f"{self.name}.{message[1]} raised:\n{reply[1]}")
         if reply[0] == "unsent":

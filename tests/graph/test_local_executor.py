@@ -208,6 +208,33 @@ def test_direct_calls_and_busy_actor(trio):
     assert a.count.call() > 0
 
 
+def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_answers():
+    """The actor goes on with a call its caller gave up on and answers it later: that answer
+    must not be taken for the next call's (every later call returned the one before's)."""
+    calc = CalcActor.spawn(1.0, name="late")
+    try:
+        with pytest.raises(tf.TransferTimeoutError, match=r"late\.slow did not answer"):
+            calc.slow.call(torch.full((2,), 42.0), 1.0, timeout=0.2)
+        assert calc.is_alive()
+        for i in range(3):
+            x = torch.randn(2)
+            assert torch.equal(calc.add.call(x), x + 1.0), i
+        with pytest.raises(tf.TransferTimeoutError):
+            calc.slow.call(torch.full((2,), 7.0), 1.0, timeout=0.2)
+        with InputNode() as inp:
+            dag = calc.mul.bind(inp, 3.0)
+        graph = dag.compile()  # its set-up answer comes after the late one
+        try:
+            x = torch.randn(4)
+            assert torch.equal(graph.execute(x).get(timeout=10), x * 3.0)
+        finally:
+            graph.teardown(kill_actors=False)
+        x = torch.randn(2)
+        assert torch.equal(calc.add.call(x), x + 1.0)
+    finally:
+        calc.kill()
+
+
 def test_constructor_error_is_an_actor_error():
     with pytest.raises(tf.ActorError, match="this actor cannot start"):
         actor(Broken).spawn()
