@@ -16,7 +16,9 @@ _MIB = 1 << 20
 
 
 class ProgressBar:
-    """A one-line text progress bar (``[#####.....] 5/10 label``), redrawn in place."""
+    """A one-line text progress bar (``[#####.....] 5/10 label``), redrawn in place on a
+    terminal. Elsewhere (a log file, a pipe) it writes one plain line per new label and one at
+    the end, since redrawing would leave every frame on a single line there."""
 
     def __init__(self, total: int, *, width: int = 30, stream: TextIO | None = None) -> None:
         if total < 1:
@@ -25,14 +27,21 @@ class ProgressBar:
         self.width = width
         self.done = 0
         self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.redraws = bool(isatty()) if callable(isatty) else False
+        self._label: str | None = None
 
     def advance(self, label: str = "") -> None:
         self.done = min(self.total, self.done + 1)
         filled = round(self.width * self.done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label:<24}")
-        if self.done == self.total:
-            self.stream.write("\n")
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {label}"
+        if self.redraws:
+            self.stream.write(f"\r{line:<{self.width + 40}}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        elif label != self._label or self.done == self.total:
+            self.stream.write(line.rstrip() + "\n")
+        self._label = label
         self.stream.flush()
 
 

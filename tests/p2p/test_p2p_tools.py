@@ -11,12 +11,25 @@ from tensorferry.cli.main import main
 from tensorferry.p2p.demo import ProgressBar, run_p2p_demo
 
 
-def test_progress_bar():
-    stream = io.StringIO()
-    bar = ProgressBar(4, width=8, stream=stream)
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_redraws_on_a_terminal_and_writes_lines_elsewhere():
+    terminal = _Terminal()
+    bar = ProgressBar(4, width=8, stream=terminal)
     for _ in range(4):
         bar.advance("x")
-    assert "[########] 4/4" in stream.getvalue() and stream.getvalue().endswith("\n")
+    text = terminal.getvalue()
+    assert text.count("\r") == 4 and text.count("\n") == 1 and text.endswith("\n")
+    assert "[########] 4/4 x" in text
+    log = io.StringIO()  # a file or a pipe: a line per new label and one at the end
+    bar = ProgressBar(4, width=8, stream=log)
+    for label in ("a", "a", "b", "b"):
+        bar.advance(label)
+    lines = log.getvalue().splitlines()
+    assert lines == ["[##......] 1/4 a", "[######..] 3/4 b", "[########] 4/4 b"]
     with pytest.raises(ValueError):
         ProgressBar(0)
 
