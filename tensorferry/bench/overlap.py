@@ -27,6 +27,7 @@ import collections
 import itertools
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -213,6 +214,12 @@ def _handwritten_cpu(size: int, branches: int, iters: int, warmup: int) -> list[
     return samples
 
 
+def _progress(version: str, inflight: int, seconds: list[float]) -> None:
+    """One line per timed version (stderr): a run of minutes on GPUs shows how far it got."""
+    median = statistics.median(seconds) * 1e3
+    print(f"overlap: {version}, {inflight} in flight: {median:.2f} ms", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -265,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                         _check(graph.execute(0).get(timeout=300), 0, size, dtype, reference)
                         key = (transport, "on" if overlap else "off", inflight)
                         times[key] = _time_graph(graph, iters, args.warmup, inflight)
+                        _progress(f"graph ({transport}), overlap {key[1]}", inflight, times[key])
                         last = args.warmup + iters + 1  # checked again after the timed runs
                         _check(graph.execute(last).get(timeout=300), last, size, dtype, reference)
                     finally:
@@ -278,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         hand = ("-", "hand", inflight)
         if floor is None:
             times[hand] = _handwritten_gpu(size, args.branches, iters, args.warmup, inflight)
+            _progress("hand-written streams", inflight, times[hand])
         else:
             times[hand] = floor
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}

@@ -19,6 +19,7 @@ both modes run the same compute. Times are the max over ranks, from a barrier to
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -125,7 +126,11 @@ def _worker(rank: int, world: int, config: dict) -> dict:
             t0 = time.perf_counter()
             transfers = fn(rank, ctx_device, config, uncached=mode == "uncached")
             _barrier(rank, ctx_device)
-            results[program][mode] = {"seconds": time.perf_counter() - t0, "transfers": transfers}
+            seconds = time.perf_counter() - t0
+            results[program][mode] = {"seconds": seconds, "transfers": transfers}
+            if rank == 0:  # one line per timed run: a long (uncached) run shows how far it got
+                line = f"toy: {program} {mode}: {seconds:.4f} s (rank 0)"
+                print(line, file=sys.stderr, flush=True)
     return results
 
 

@@ -50,7 +50,7 @@ def test_p2p_demo_rejects_bad_arguments():
         run_p2p_demo(device="cpu", sizes=[3])
 
 
-def test_bench_toy_cpu(tmp_path, capsys):
+def test_bench_toy_cpu(tmp_path, capfd):
     code = main(
         [
             "bench",
@@ -70,9 +70,11 @@ def test_bench_toy_cpu(tmp_path, capsys):
         ]
     )
     assert code == 0
-    text = capsys.readouterr().out
+    captured = capfd.readouterr()  # at the descriptors: the ranks' progress lines too
     for program in ("basic_overlap", "overlap", "pp"):
-        assert program in text
+        assert program in captured.out
+        for mode in ("cached", "uncached"):  # as each run ends, on stderr
+            assert f"toy: {program} {mode}: " in captured.err
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".csv", ".md"]
 
 
