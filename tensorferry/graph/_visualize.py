@@ -107,10 +107,19 @@ def picture_path(path: str | Path) -> Path:
     format (:data:`PICTURE_FORMATS`), else ``path`` with ``.png`` added. Added, not swapped:
     ``run.1`` is a name, and replacing its "suffix" would write ``run.png`` instead, over
     another run's picture."""
-    out = Path(path)
+    out = _file_path(path)
     if out.suffix.lower() in PICTURE_FORMATS:
         return out
     return out.with_name(out.name + ".png")
+
+
+def _file_path(path: str | Path) -> Path:
+    """``path`` as a file to write; an existing folder is refused (a base name beside it, its
+    own name plus ``.png``, is not where anyone looks)."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder: give a file name, such as {out / 'schedule.png'}")
+    return out
 
 
 def write_schedule(graph: GraphSpec, schedules: Schedules, path: str | Path) -> tuple[Path, Path]:
@@ -120,7 +129,7 @@ def write_schedule(graph: GraphSpec, schedules: Schedules, path: str | Path) -> 
     it; ending in ``.dot``, that file and a PNG beside it; anything else is a base name:
     ``<path>.dot`` and ``<path>.png``.
     """
-    out = Path(path)
+    out = _file_path(path)
     if out.suffix.lower() == ".dot":
         dot_path, picture = out, out.with_suffix(".png")
     else:
@@ -258,6 +267,9 @@ def write_timeline(records: list, path: str | Path, *, last: int | None = None) 
     """
     from matplotlib.patches import Patch
 
+    if last is not None and (type(last) is not int or last < 1):
+        raise ValueError(f"last must be a positive number of executions, got {last!r}")
+    out = picture_path(path)  # before the drawing: a folder given as the path is refused
     if not records:
         raise ValueError("no profile records: compile with profile=True and execute first")
     if last is not None:
@@ -305,7 +317,6 @@ def write_timeline(records: list, path: str | Path, *, last: int | None = None) 
     handles = [Patch(color=c, label=k) for k, c in kind_colors.items()]
     handles.append(Patch(color="#fff3b0", label="communication overlapping compute"))
     figure.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    out = picture_path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
     return out

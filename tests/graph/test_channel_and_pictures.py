@@ -176,3 +176,25 @@ def test_timeline_picture(tmp_path):
     assert named == tmp_path / "run.2.png" and named.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="profile=True"):
         write_timeline([], tmp_path / "none.png")
+    assert write_timeline(records, tmp_path / "last.png", last=1).exists()
+    for last in (0, -1, True, 1.5):  # min() of nothing raised from inside, for 0 and -1
+        with pytest.raises(ValueError, match="last must be a positive number"):
+            write_timeline(records, tmp_path / "bad.png", last=last)
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_a_folder_given_as_a_picture_path_is_refused(tmp_path):
+    """It wrote ``<folder>.dot`` and ``<folder>.png`` beside the folder."""
+    s, r = FakeActor("S", "cuda:0"), FakeActor("R", "cuda:1")
+    with InputNode() as inp:
+        dag = r.consume.bind(s.produce.bind(inp).with_transport("nccl"))
+    graph = lower(dag)
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="is a folder: give a file name"):
+        write_schedule(graph, build_schedules(graph, overlap=True), folder)
+    records = [("S", 0, 0, "COMPUTE", "COMPUTE x", "main", 0.0, 0.001)]
+    with pytest.raises(ValueError, match="is a folder: give a file name"):
+        write_timeline(records, folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pictures"]
+    assert list(folder.iterdir()) == []
