@@ -97,22 +97,23 @@ class LocalExecutor(ExecutorBase):
         problem = unpicklable_constant(self.graph)
         if problem is not None:  # before anything is created or sent
             raise GraphCompileError(problem)
-        self._control = Control(f"{self.prefix}c", create=True)
-        for edge in self.graph.edges:
-            size = _META_SLOT if edge.rendezvous else self._buffer
-            # A static GPU edge carries two messages per execution (the sender's announcement,
-            # then its outcome; see tensorferry.graph._gpu).
-            slots = self._max_inflight * (2 if edge.rendezvous and edge.static_shape else 1)
-            Channel.create(self._channel_name(edge.edge_id), slots=slots, slot_size=size + 256)
-        nccl = self._nccl_setups()
+        try:
+            profile_channels = self._make_segments()
+            nccl = self._nccl_setups()
+        except BaseException as exc:
+            # Nothing was sent yet: what was made goes (segments outlive this process).
+            self.teardown(timeout=10.0, kill_actors=False)
+            if isinstance(exc, OSError):
+                raise GraphCompileError(
+                    f"the graph's shared-memory channels could not be made: {exc} (each data "
+                    f"edge takes {self._max_inflight} slot(s) of buffer_size_bytes="
+                    f"{self._buffer}; /dev/shm holds them)"
+                ) from exc
+            raise
         sent: list[str] = []
         unsent: Exception | None = None
         for index, name in enumerate(self._names):
-            profile_channel = None
-            if self._profile:
-                profile_channel = f"{self.prefix}p{index}"
-                Channel.create(profile_channel, slots=4, slot_size=_PROFILE_SLOT)
-                self._profiles.append(Channel(profile_channel, self._control))
+            profile_channel = profile_channels[index] if self._profile else None
             plan = ActorRunPlan(
                 graph=self.graph,
                 actor=name,
@@ -167,6 +168,24 @@ class LocalExecutor(ExecutorBase):
             target=self._watch, name=f"tensorferry-watchdog-{self.prefix}", daemon=True
         )
         self._watchdog.start()
+
+    def _make_segments(self) -> list[str]:
+        """Creates the control block and every channel; returns the profile channels' names
+        (one per actor, when profiling)."""
+        self._control = Control(f"{self.prefix}c", create=True)
+        for edge in self.graph.edges:
+            size = _META_SLOT if edge.rendezvous else self._buffer
+            # A static GPU edge carries two messages per execution (the sender's announcement,
+            # then its outcome; see tensorferry.graph._gpu).
+            slots = self._max_inflight * (2 if edge.rendezvous and edge.static_shape else 1)
+            Channel.create(self._channel_name(edge.edge_id), slots=slots, slot_size=size + 256)
+        names = []
+        if self._profile:
+            for index in range(len(self._names)):
+                names.append(f"{self.prefix}p{index}")
+                Channel.create(names[-1], slots=4, slot_size=_PROFILE_SLOT)
+                self._profiles.append(Channel(names[-1], self._control))
+        return names
 
     def _nccl_setups(self) -> dict[str, Any]:
         gpu_edges = [e for e in self.graph.edges if e.transport in RENDEZVOUS_TRANSPORTS]

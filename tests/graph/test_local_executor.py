@@ -486,6 +486,40 @@ def test_a_plan_that_cannot_be_sent_stops_the_actors_that_got_theirs(trio, monke
         graph.teardown(kill_actors=False)
 
 
+@pytest.mark.parametrize("profile", [False, True])
+def test_shared_memory_that_cannot_be_made_fails_compile_and_leaves_no_segment(
+    trio, monkeypatch, profile
+):
+    """The segments made before the failing one stayed in /dev/shm after the driver ended
+    (a buffer_size_bytes too large for the machine, or a full /dev/shm)."""
+    from tensorferry.graph import _executor_local
+
+    a, b, _ = trio
+    real_create = _executor_local.Channel.create
+    made: list[str] = []
+
+    def second_fails(name, **kwargs):
+        if made:
+            raise OSError(12, "Cannot allocate memory")
+        made.append(name)
+        return real_create(name, **kwargs)
+
+    monkeypatch.setattr(_executor_local.Channel, "create", staticmethod(second_fails))
+    with InputNode() as inp:
+        dag = b.add.bind(a.mul.bind(inp))
+    with pytest.raises(tf.GraphCompileError, match=r"Cannot allocate memory.*buffer_size_bytes"):
+        dag.compile(profile=profile)
+    monkeypatch.undo()
+    assert no_segments(made[0].rsplit("e", 1)[0])  # the graph's prefix, then e<edge id>
+    assert a.graph is None and b.graph is None
+    x = torch.randn(4)
+    graph = dag.compile(profile=profile)
+    try:
+        assert torch.equal(graph.execute(x).get(timeout=30), x * 2.0 + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothing():
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(TypeError, match=r"Calc\.spawn\(\): argument 0 \(lock\) cannot be pickled"):
