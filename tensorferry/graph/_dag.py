@@ -81,10 +81,14 @@ class DAGNode:
 
         Raises:
             ValueError: an unknown transport.
+            TypeError: ``static_shape`` or ``direct_return`` is not a bool.
         """
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self._hint = TransportHint(transport, bool(static_shape), bool(direct_return))
+        for flag, value in (("static_shape", static_shape), ("direct_return", direct_return)):
+            if not isinstance(value, bool):  # "no" is true: a promise nobody meant to make
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        self._hint = TransportHint(transport, static_shape, direct_return)
         return self
 
     # ------------------------------------------------------------------ compile

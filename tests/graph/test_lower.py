@@ -103,6 +103,18 @@ def test_unknown_transport_is_a_value_error():
         a.consume.bind(inp).with_transport("carrier-pigeon")
 
 
+@pytest.mark.parametrize("flag", ["static_shape", "direct_return"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_transport_promises_must_be_bools(flag, value):
+    """``static_shape="no"`` was taken as a promise (any non-empty string is true)."""
+    a = FakeActor("A")
+    with InputNode() as inp:
+        node = a.consume.bind(inp)
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got {value!r}"):
+        node.with_transport("auto", **{flag: value})
+    assert node.with_transport("auto", **{flag: True}) is node
+
+
 def test_outputs_must_be_method_calls():
     a = FakeActor("A")
     with InputNode() as inp:
