@@ -128,6 +128,11 @@ class PeerDied(Exception):
         self.index = index
 
 
+class _NoRoom(Exception):
+    """A message's larger segment could not be made (``/dev/shm`` is full); nothing of the
+    message was written."""
+
+
 class RemoteError:
     """An exception raised by an actor method, carried to the driver in place of the result."""
 
@@ -151,11 +156,17 @@ def _map(name: str, *, create: bool, size: int = 0) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, size)
-        else:
-            size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size)
+        if not create:
+            return mmap.mmap(fd, os.fstat(fd).st_size)
+        try:
+            # Reserved now, not on first touch: a segment larger than what /dev/shm has left
+            # (64 MiB in a default Docker container) fails here with ENOSPC, where a sparse one
+            # (ftruncate) killed the process that wrote into it with SIGBUS.
+            os.posix_fallocate(fd, 0, size)
+            return mmap.mmap(fd, size)
+        except OSError:
+            os.unlink(path)
+            raise
     finally:
         os.close(fd)
 
@@ -549,12 +560,18 @@ class Channel:
             TransferTimeoutError: no slot freed within ``timeout``.
             GraphStopped, PeerDied: the graph is ending.
         """
-        if type(value) is torch.Tensor and value.layout is torch.strided:
-            self._write_tensor(value, timeout)
-        elif isinstance(value, RemoteError):
-            self._write_bytes(_KIND_ERROR, pickle.dumps(value), timeout)
-        else:
-            self._write_object(value, timeout)
+        try:
+            if type(value) is torch.Tensor and value.layout is torch.strided:
+                self._write_tensor(value, timeout)
+            elif isinstance(value, RemoteError):
+                self._write_bytes(_KIND_ERROR, pickle.dumps(value), timeout)
+            else:
+                self._write_object(value, timeout)
+        except _NoRoom as exc:
+            # Nothing of the message was written: its reader gets this error in its place, as
+            # for a method that raised, and the graph goes on.
+            error = RemoteError("the graph's shared memory (/dev/shm)", str(exc), "")
+            self._write_bytes(_KIND_ERROR, pickle.dumps(error), timeout)
 
     def _write_tensor(self, tensor: torch.Tensor, timeout: float) -> None:
         flags = _FLAG_WAS_CUDA if tensor.is_cuda else 0
@@ -617,7 +634,14 @@ class Channel:
             slot_size *= 2
         self._generation += 1
         name = f"{self._base}g{self._generation}"
-        new = _Segment(name, slots=seg.slots, slot_size=slot_size)
+        try:
+            new = _Segment(name, slots=seg.slots, slot_size=slot_size)
+        except OSError as exc:
+            raise _NoRoom(
+                f"OSError: no room for a {nbytes}-byte message ({seg.slots} slot(s) of "
+                f"{slot_size} bytes): {exc.strerror}; give /dev/shm more room (docker run "
+                "--shm-size=...) or move less at once"
+            ) from exc
         payload = name.encode()
         off = seg.slot(seq)
         _HEAD.pack_into(seg.map, off, _KIND_RELOCATE, len(payload), 0)

@@ -477,10 +477,8 @@ class CompiledGraph:
         for task_id in self.graph.outputs:
             value = outputs[self.graph.output_edge(task_id).edge_id]
             if isinstance(value, RemoteError):
-                raise ActorError(
-                    f"{value.where} raised {value.message}\n--- remote traceback ---\n"
-                    f"{value.traceback}"
-                )
+                trace = f"\n--- remote traceback ---\n{value.traceback}" if value.traceback else ""
+                raise ActorError(f"{value.where} raised {value.message}{trace}")
             values.append(value)
         return values if self.graph.multi_output else values[0]
 

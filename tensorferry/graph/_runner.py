@@ -384,7 +384,9 @@ class ScheduleRunner:
         if where == "local":
             return values[key]
         value = inbox[key]
-        return value if index is None else value[index]
+        # The driver's inputs for this actor travel as one tuple, or as the error that took
+        # its place (one /dev/shm had no room for): then every input is that error.
+        return value if index is None or isinstance(value, RemoteError) else value[index]
 
     def _compute(self, execution: int, op: Operation, inbox: dict, values: dict) -> Any:
         task = self.graph.task(op.task_id)

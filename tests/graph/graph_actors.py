@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 import time
@@ -69,6 +70,27 @@ class Calc:
     def lazy_views(self, x: torch.Tensor) -> dict:
         """Views whose conjugation or negation is a flag over ``x``'s memory."""
         return {"conj": x.conj(), "neg": x[:1].conj().imag, "both": [x.conj(), x]}
+
+    def ones(self, n: int) -> torch.Tensor:
+        return torch.ones(n)
+
+    def cramp_shared_memory(self, limit: int) -> None:
+        """From now on, in this process, shared-memory segments over ``limit`` bytes cannot be
+        made, as in a container whose /dev/shm is nearly full."""
+        from tensorferry.graph import _channel
+
+        _channel._map = cramped_map(_channel._map, limit)
+
+
+def cramped_map(real_map, limit: int):
+    """``_channel._map`` refusing to create segments over ``limit`` bytes (ENOSPC)."""
+
+    def cramped(name: str, *, create: bool, size: int = 0):
+        if create and size > limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_map(name, create=create, size=size)
+
+    return cramped
 
 
 class Broken:

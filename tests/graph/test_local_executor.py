@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from channel_values import LoadsBadly, every_raw_dtype, same_bytes
-from graph_actors import Broken, Calc, check_unsendable_results
+from graph_actors import Broken, Calc, check_unsendable_results, cramped_map
 from killed_driver import kill_a_driver, no_segments
 
 import tensorferry as tf
@@ -518,6 +518,33 @@ def test_shared_memory_that_cannot_be_made_fails_compile_and_leaves_no_segment(
         assert torch.equal(graph.execute(x).get(timeout=30), x * 2.0 + 10.0)
     finally:
         graph.teardown(kill_actors=False)
+
+
+def test_a_message_shared_memory_has_no_room_for_fails_its_execution_only(monkeypatch):
+    """A nearly full /dev/shm (64 MiB in a default Docker container): a large message's
+    segment was made sparse, and the process writing into it died of SIGBUS, the driver
+    itself for an input. Now its reader gets an error in its place."""
+    from tensorferry.graph import _channel
+
+    calc = CalcActor.spawn(1.0, name="cramped")
+    try:
+        calc.cramp_shared_memory.call(4 << 20)  # in the actor: its results
+        monkeypatch.setattr(_channel, "_map", cramped_map(_channel._map, 4 << 20))  # inputs
+        with InputNode() as inp:
+            dag = MultiOutputNode([calc.ones.bind(inp[0]), calc.add.bind(inp[1])])
+        graph = dag.compile(buffer_size_bytes=1 << 20)
+        try:
+            big, small = 2_000_000, 4  # 8 MB and 16 bytes of float32
+            for n, x in ((big, torch.zeros(small)), (small, torch.zeros(big))):
+                with pytest.raises(tf.ActorError, match=r"no room for a 80000\d\d-byte message"):
+                    graph.execute(n, x).get(timeout=30)
+                ones, plus_one = graph.execute(small, torch.zeros(small)).get(timeout=30)
+                assert torch.equal(ones, torch.ones(small)) and torch.equal(plus_one, ones)
+        finally:
+            graph.teardown(kill_actors=False)
+        assert calc.is_alive()
+    finally:
+        calc.kill()
 
 
 def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothing():
