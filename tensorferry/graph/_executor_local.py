@@ -238,7 +238,13 @@ class LocalExecutor(ExecutorBase):
 
     def dead_error(self, index: int | None = None) -> ActorDiedError:
         if self._dead is None and index is not None:
-            self._dead = f"actor {self._names[index]} died"
+            name = self._names[index]
+            self._dead = (
+                f"actor {name} died"
+                if not self.handles[name].is_alive()
+                else f"actor {name} stopped running the graph: its loop failed (teardown logs "
+                "the traceback)"
+            )
         return ActorDiedError(self._dead or "an actor of the graph died")
 
     # ------------------------------------------------------------------ executions

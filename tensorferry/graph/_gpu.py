@@ -490,7 +490,7 @@ class GpuOps:
             start = self._span_start(stream)
             try:
                 result = method(*args, **kwargs)
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit too: see ScheduleRunner._compute
                 result = remote_error(task.actor, task.label, exc)
             self._span_end(execution, op, "compute", start, stream)
             done = torch.cuda.Event()

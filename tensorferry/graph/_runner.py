@@ -410,7 +410,9 @@ class ScheduleRunner:
         start = time.perf_counter()
         try:
             result = self._methods[task.task_id](*args, **kwargs)
-        except Exception as exc:
+        except BaseException as exc:
+            # SystemExit and KeyboardInterrupt from a method are its errors too: raised out of
+            # here they ended the actor's loop, and get() waited out its whole timeout.
             result = remote_error(task.actor, task.label, exc)
         self.record(execution, op, "main", start)
         return self._sendable(task, result)

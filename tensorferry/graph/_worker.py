@@ -108,6 +108,9 @@ def _run_graph(conn: Any, instance: Any, plan: Any) -> None:
         why = runner.run()
     except BaseException:
         why = "failed:\n" + traceback.format_exc()
+        # This actor's part of the graph is over: the driver's and the other actors' waits
+        # end now (ActorDiedError), not at their timeouts. Teardown logs why.
+        runner.control.mark_dead(plan.index)
     finally:
         orphaned = runner.control.driver_gone
         runner.close()

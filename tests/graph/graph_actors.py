@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sys
 import threading
 import time
 
@@ -73,6 +74,21 @@ class Calc:
 
     def ones(self, n: int) -> torch.Tensor:
         return torch.ones(n)
+
+    def exit_if(self, x: torch.Tensor, how: str) -> object:
+        """Raises what is not an ``Exception``, or returns a result whose pickling does."""
+        if how == "sys.exit":
+            sys.exit(3)
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        if how == "unpicklable":
+            return _ExitsWhenPickled()
+        return x
+
+
+class _ExitsWhenPickled:
+    def __reduce__(self):
+        raise SystemExit("pickling this exits")
 
     def cramp_shared_memory(self, limit: int) -> None:
         """From now on, in this process, shared-memory segments over ``limit`` bytes cannot be

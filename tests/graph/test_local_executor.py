@@ -144,6 +144,43 @@ def test_actor_error_reaches_get_and_graph_keeps_working(trio):
         graph.teardown(kill_actors=False)
 
 
+@pytest.mark.parametrize("how, raised", [("sys.exit", "SystemExit: 3"), ("interrupt", "KeyboardI")])
+def test_a_method_raising_what_is_not_an_exception_fails_its_execution_only(trio, how, raised):
+    """sys.exit() or KeyboardInterrupt in a method ended the actor's loop: get() waited out its
+    whole timeout, and so did every later execution."""
+    a, _, _ = trio
+    with InputNode() as inp:
+        dag = a.exit_if.bind(inp[0], inp[1])
+    graph = dag.compile(get_timeout=60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(tf.ActorError, match=f"exit_if#0 raised {raised}"):
+            graph.execute(torch.zeros(2), how).get()
+        assert time.monotonic() - started < 10
+        x = torch.randn(2)
+        assert torch.equal(graph.execute(x, "no").get(timeout=10), x)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+def test_an_actor_whose_loop_fails_ends_gets_at_once(trio, caplog):
+    """Outside its methods (here: pickling its result raises SystemExit), an actor's loop can
+    still fail; the driver's waits then end at once instead of at their timeouts."""
+    a, _, _ = trio
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.exit_if.bind(inp[0], inp[1])])
+    graph = dag.compile(get_timeout=60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(tf.ActorDiedError, match="calc0 stopped running the graph"):
+            graph.execute(torch.zeros(2), "unpicklable").get()
+        assert time.monotonic() - started < 10
+    finally:
+        graph.teardown(kill_actors=False)
+    assert "pickling this exits" in caplog.text  # teardown logs why
+    assert a.getpid.call() == a.pid  # the process goes on, ready for direct calls and graphs
+
+
 def test_structures_and_large_tensors(trio):
     a, b, _ = trio
     with InputNode() as inp:
