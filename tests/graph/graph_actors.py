@@ -85,11 +85,6 @@ class Calc:
             return _ExitsWhenPickled()
         return x
 
-
-class _ExitsWhenPickled:
-    def __reduce__(self):
-        raise SystemExit("pickling this exits")
-
     def cramp_shared_memory(self, limit: int) -> None:
         """From now on, in this process, shared-memory segments over ``limit`` bytes cannot be
         made, as in a container whose /dev/shm is nearly full."""
@@ -203,3 +198,8 @@ def check_unsendable_results(graph, through, *, numel: int, timeout: float) -> N
             direct, passed_on = ref.get(timeout=timeout)
             assert torch.equal(direct.cpu(), x), "the result that went to the driver"
             assert torch.equal(passed_on, through(x)), "the result that went through an actor"
+
+
+class _ExitsWhenPickled:
+    def __reduce__(self):
+        raise SystemExit("pickling this exits")
