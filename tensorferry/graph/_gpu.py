@@ -542,7 +542,14 @@ class GpuOps:
             pickler = _CudaPickler(buffer)
             pickler.dump(value)
             skeleton, tensors = buffer.getvalue(), pickler.tensors
-        tensors = [t if t.is_cuda else t.to(self.device) for t in tensors]
+        device = self.device
+        if any(t.device != device for t in tensors):
+            # Host tensors, or another GPU's (a method may use more devices than its actor's):
+            # the links move this device's memory. Copied on the sending stream, so the send
+            # below follows the copy; a tensor of another GPU sent as it was read the wrong
+            # device's memory.
+            with on_stream(self._sending_stream):
+                tensors = [t if t.device == device else t.to(device) for t in tensors]
         meta = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
         if edge.static_shape and edge.edge_id in self._static:
             if self._static[edge.edge_id][1] != meta[1]:

@@ -118,6 +118,12 @@ class GpuCalc:
     def make(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.device) * 2
 
+    def make_elsewhere(self, x: torch.Tensor) -> torch.Tensor:
+        """``make``'s result, but on the other GPU of a two-GPU machine: a method may use
+        devices other than its actor's."""
+        other = torch.device("cuda", 1 - self.device.index)
+        return x.to(other) * 2
+
     def make_pair(self, x: torch.Tensor) -> dict:
         x = x.to(self.device)
         return {"a": x, "b": [x + 1, "tag"]}

@@ -77,6 +77,27 @@ def test_gpu_edge_results(pair, transport, overlap, max_inflight):
 
 @pytest.mark.multigpu
 @needs_two
+@pytest.mark.parametrize("transport", ["nccl", "ce", "nvlink"])
+def test_a_result_on_another_gpu_than_its_actors_crosses_a_gpu_edge(pair, transport):
+    """The links move the actor's device's memory: a tensor of the other GPU went out as it
+    was, read through the wrong device."""
+    a, b = pair
+    with InputNode() as inp:
+        made = a.make_elsewhere.bind(inp[0])
+        dag = MultiOutputNode([b.scale.bind(made.with_transport(transport), inp[1]), made])
+    graph = dag.compile(overlap_communication=True, max_inflight=2)
+    try:
+        for k in range(6):
+            x = torch.randn(4099)
+            scaled, made_value = graph.execute(x, float(k)).get(timeout=60)
+            assert_same(made_value, x * 2, "the result itself, at the driver")
+            assert_same(scaled, x * 2 * float(k), f"scaled by {k} on the other actor")
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
 def test_nccl_and_copy_engine_edges_in_one_graph(pair):
     a, b = pair
     with InputNode() as inp:
