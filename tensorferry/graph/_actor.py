@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import weakref
@@ -56,6 +57,24 @@ class _NoAnswer(ActorDiedError):
     """An actor process did not answer in time. Still an :class:`ActorDiedError` for the start,
     graph set-up and teardown that wait for one (they treat the actor as lost); a direct call
     raises :class:`TransferTimeoutError` instead, since the actor goes on."""
+
+
+def _unimportable(cls: type) -> str | None:
+    """Why a local actor process could not import ``cls`` by name, or ``None``. A class of a
+    script's ``__main__`` is found there: the process runs the script as its own main module
+    (under ``if __name__ == "__main__":`` nothing starts twice). A notebook, the REPL,
+    ``python -c`` and standard input have no file to run, and the process died at start."""
+    if cls.__module__ != "__main__":
+        return None
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path and os.path.isfile(path):
+        return None
+    return (
+        f"{cls.__qualname__} is defined in the __main__ of a notebook, the REPL, python -c or "
+        "standard input: a local actor process imports its class by name and cannot find it "
+        "there. Define the class in a module file and import it, or spawn it with "
+        "executor='ray', which sends classes by value"
+    )
 
 
 def actor(cls: type) -> ActorClass:
@@ -147,6 +166,9 @@ class ActorClass:
         given = [key for key, value in ray_only.items() if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to Ray actors (executor='ray')")
+        problem = _unimportable(self.cls)
+        if problem is not None:
+            raise TypeError(problem)
         device = normalise_device("cpu" if device is None else device)
         handle = ActorHandle(self.cls, device, name)
         handle._start(args, kwargs, start_timeout)

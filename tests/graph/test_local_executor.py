@@ -584,6 +584,20 @@ def test_a_message_shared_memory_has_no_room_for_fails_its_execution_only(monkey
         calc.kill()
 
 
+def test_a_class_of_an_interactive_main_is_refused_before_anything_starts(monkeypatch):
+    """A notebook's, the REPL's, ``python -c``'s: the actor process found no file to run as
+    its ``__main__`` and died at start (``ActorDiedError``, the cause only in its stderr)."""
+    import sys
+    import types
+
+    Notebook = type("Notebook", (), {"__module__": "__main__"})  # as a notebook cell makes it
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # no __file__
+    children = multiprocessing.active_children()
+    with pytest.raises(TypeError, match="Notebook is defined in the __main__ of a notebook"):
+        actor(Notebook).spawn()
+    assert multiprocessing.active_children() == children
+
+
 def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothing():
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(TypeError, match=r"Calc\.spawn\(\): argument 0 \(lock\) cannot be pickled"):
