@@ -43,19 +43,23 @@ class WaitStep:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Step:
-    op: Operation
-    execution: int
+# One step of an actor's run: an operation of one execution.
+_Step = tuple[Operation, int]
 
 
-def _unroll(graph: GraphSpec, schedules: Schedules, executions: int, max_inflight: int):
-    """Each actor's operations over ``executions`` executions; the driver keeps a window open."""
-    unrolled: dict[str, list[_Step]] = {}
+def _unroll(
+    graph: GraphSpec, schedules: Schedules, executions: int, max_inflight: int
+) -> dict[str, tuple[tuple[Operation, ...], list[_Step] | None]]:
+    """Each actor's run over ``executions`` executions, as ``(ops, steps)``.
+
+    An actor repeats its ``ops``: its step ``p`` is ``ops[p % len(ops)]`` of execution
+    ``p // len(ops)``, never listed (the overlap pass simulates once per move it tries, and
+    listing every step was most of compile's time for long graphs). The driver keeps a window
+    of executions open, so its ``steps`` are listed."""
+    unrolled: dict[str, tuple[tuple[Operation, ...], list[_Step] | None]] = {}
     for actor, ops in schedules.items():
-        if actor == DRIVER:
-            continue
-        unrolled[actor] = [_Step(op, e) for e in range(executions) for op in ops]
+        if actor != DRIVER:
+            unrolled[actor] = (tuple(ops), None)
     driver_ops = schedules.get(DRIVER, ())
     writes = [op for op in driver_ops if op.kind is OpKind.WRITE]
     reads = [op for op in driver_ops if op.kind is OpKind.READ]
@@ -64,12 +68,12 @@ def _unroll(graph: GraphSpec, schedules: Schedules, executions: int, max_infligh
     next_read = 0
     for e in range(executions):
         while e - next_read >= max_inflight:
-            steps.extend(_Step(op, next_read) for op in reads)
+            steps.extend((op, next_read) for op in reads)
             next_read += 1
-        steps.extend(_Step(op, e) for op in writes)
+        steps.extend((op, e) for op in writes)
     for e in range(next_read, executions):
-        steps.extend(_Step(op, e) for op in reads)
-    unrolled[DRIVER] = steps
+        steps.extend((op, e) for op in reads)
+    unrolled[DRIVER] = (tuple(driver_ops), steps)
     return unrolled
 
 
@@ -101,21 +105,28 @@ def find_deadlock(
     runs = executions if executions is not None else max_inflight + 2
     unrolled = _unroll(graph, schedules, runs, max_inflight)
     pos = dict.fromkeys(unrolled, 0)
+    ends = {
+        actor: len(steps) if steps is not None else len(ops) * runs
+        for actor, (ops, steps) in unrolled.items()
+    }
     # Messages written and read per (edge, execution) are counted per edge: channels are FIFO.
     written: dict[int, int] = {}
     read: dict[int, int] = {}
 
     def current(actor: str) -> _Step | None:
-        steps = unrolled.get(actor)
-        if steps is None or pos[actor] >= len(steps):
+        at = pos.get(actor)
+        if at is None or at >= ends[actor]:
             return None
-        return steps[pos[actor]]
+        ops, steps = unrolled[actor]
+        if steps is not None:
+            return steps[at]
+        return ops[at % len(ops)], at // len(ops)
 
     def try_fire(actor: str) -> bool:
         step = current(actor)
         if step is None:
             return False
-        op = step.op
+        op, execution = step
         if op.kind is OpKind.COMPUTE:
             pos[actor] += 1
             return True
@@ -127,9 +138,9 @@ def find_deadlock(
             wanted = OpKind.READ if op.kind is OpKind.WRITE else OpKind.WRITE
             if (
                 other is not None
-                and other.op.edge_id == op.edge_id
-                and other.op.kind is wanted
-                and other.execution == step.execution
+                and other[0].edge_id == op.edge_id
+                and other[0].kind is wanted
+                and other[1] == execution
             ):
                 pos[actor] += 1
                 pos[peer] += 1
@@ -159,8 +170,7 @@ def find_deadlock(
     return _wait_chain(graph, blocked[0], current)
 
 
-def _waits_for(graph: GraphSpec, actor: str, step: _Step) -> str:
-    op = step.op
+def _waits_for(graph: GraphSpec, actor: str, op: Operation) -> str:
     if op.kind is OpKind.COMPUTE:  # pragma: no cover - a COMPUTE never blocks
         raise AssertionError("a COMPUTE cannot block")
     assert op.edge_id is not None
@@ -176,9 +186,10 @@ def _wait_chain(graph: GraphSpec, start: str, current) -> list[WaitStep]:
         step = current(actor)
         if step is None:  # waits for an actor that finished: the chain ends there
             break
+        op, execution = step
         seen[actor] = len(chain)
-        target = _waits_for(graph, actor, step)
-        chain.append(WaitStep(actor, step.execution, graph.describe(step.op), target))
+        target = _waits_for(graph, actor, op)
+        chain.append(WaitStep(actor, execution, graph.describe(op), target))
         actor = target
     if actor is not None and actor in seen:
         return chain[seen[actor] :]

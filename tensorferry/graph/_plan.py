@@ -209,13 +209,12 @@ class Operation:
     moved: bool = False
     """The overlap pass moved this operation ahead of computation it used to follow."""
 
+    def step_key(self) -> tuple:
+        """Which step of the actor's schedule this is, whatever its place or marks."""
+        return (self.actor, self.kind, self.task_id, self.edge_id)
+
     def same_step(self, other: Operation) -> bool:
-        return (self.actor, self.kind, self.task_id, self.edge_id) == (
-            other.actor,
-            other.kind,
-            other.task_id,
-            other.edge_id,
-        )
+        return self.step_key() == other.step_key()
 
 
 Schedules = dict[str, tuple[Operation, ...]]

@@ -61,10 +61,6 @@ def default_schedules(graph: GraphSpec) -> Schedules:
     return schedules
 
 
-def _computes_before(ops: list[Operation] | tuple[Operation, ...], index: int) -> int:
-    return sum(1 for op in ops[:index] if op.kind is OpKind.COMPUTE)
-
-
 def _write_target(graph: GraphSpec, ops: list[Operation], index: int) -> int:
     """Where a WRITE goes when sent as soon as its data is ready: after its COMPUTE and any
     WRITEs already placed there (their order is kept)."""
@@ -136,12 +132,19 @@ def moved_operations(base: Schedules, changed: Schedules) -> Schedules:
     """``changed`` with ``moved`` set on operations that now precede a COMPUTE they followed."""
     result: Schedules = {}
     for actor, ops in changed.items():
-        old = list(base.get(actor, ()))
+        # How many COMPUTEs come before each step, in the old order and in the new: counted
+        # once per schedule, not once per step (quadratic for graphs of hundreds of steps).
+        computes_before_old = {}
+        computes = 0
+        for op in base.get(actor, ()):
+            computes_before_old.setdefault(op.step_key(), computes)
+            computes += op.kind is OpKind.COMPUTE
         marked = []
-        for index, op in enumerate(ops):
-            old_index = next(i for i, o in enumerate(old) if o.same_step(op))
-            moved = _computes_before(ops, index) < _computes_before(old, old_index)
+        computes = 0
+        for op in ops:
+            moved = computes < computes_before_old[op.step_key()]
             marked.append(replace(op, moved=moved))
+            computes += op.kind is OpKind.COMPUTE
         result[actor] = tuple(marked)
     return result
 
