@@ -112,6 +112,8 @@ def find_deadlock(
     # Messages written and read per (edge, execution) are counted per edge: channels are FIFO.
     written: dict[int, int] = {}
     read: dict[int, int] = {}
+    # Looked up once here, not per simulated step (the overlap pass simulates once per move).
+    rendezvous = {e.edge_id: e for e in graph.edges if e.rendezvous}
 
     def current(actor: str) -> _Step | None:
         at = pos.get(actor)
@@ -130,15 +132,16 @@ def find_deadlock(
         if op.kind is OpKind.COMPUTE:
             pos[actor] += 1
             return True
-        assert op.edge_id is not None
-        edge = graph.edge(op.edge_id)
-        if edge.rendezvous:
+        edge_id = op.edge_id
+        assert edge_id is not None
+        edge = rendezvous.get(edge_id)
+        if edge is not None:
             peer = edge.peer_of(actor)
             other = current(peer)
             wanted = OpKind.READ if op.kind is OpKind.WRITE else OpKind.WRITE
             if (
                 other is not None
-                and other[0].edge_id == op.edge_id
+                and other[0].edge_id == edge_id
                 and other[0].kind is wanted
                 and other[1] == execution
             ):
@@ -147,13 +150,13 @@ def find_deadlock(
                 return True
             return False
         if op.kind is OpKind.WRITE:
-            if written.get(edge.edge_id, 0) - read.get(edge.edge_id, 0) >= capacity:
+            if written.get(edge_id, 0) - read.get(edge_id, 0) >= capacity:
                 return False
-            written[edge.edge_id] = written.get(edge.edge_id, 0) + 1
+            written[edge_id] = written.get(edge_id, 0) + 1
             pos[actor] += 1
             return True
-        if written.get(edge.edge_id, 0) > read.get(edge.edge_id, 0):
-            read[edge.edge_id] = read.get(edge.edge_id, 0) + 1
+        if written.get(edge_id, 0) > read.get(edge_id, 0):
+            read[edge_id] = read.get(edge_id, 0) + 1
             pos[actor] += 1
             return True
         return False
