@@ -543,7 +543,11 @@ class GpuOps:
             pickler.dump(value)
             skeleton, tensors = buffer.getvalue(), pickler.tensors
         device = self.device
-        if any(t.device != device for t in tensors):
+        if self.overlap:
+            # Sent from its own stream while this actor's next methods run: a tensor the actor
+            # keeps (its weights) and changes in place later would be read mid-change.
+            tensors, done = self._snapshot(tensors)
+        elif any(t.device != device for t in tensors):
             # Host tensors, or another GPU's (a method may use more devices than its actor's):
             # the links move this device's memory. Copied on the sending stream, so the send
             # below follows the copy; a tensor of another GPU sent as it was read the wrong
@@ -562,6 +566,23 @@ class GpuOps:
             self._static[edge.edge_id] = meta
             channel.write(meta, timeout=_FOREVER)
         self._send(execution, op, edge, tensors, done)
+
+    def _snapshot(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """Copies of ``tensors`` on this device, made on the compute stream: after the method
+        that made them, before this actor's next methods, which may change the originals while
+        the send stream is still reading them (``scripts/inplace_result_probe.py``: with three
+        executions in flight, 28-29 of 30 arrived mixed). One device copy per tensor sent;
+        returns the copies and the event after them."""
+        stream = self.compute_stream
+        with on_stream(stream):
+            copies = []
+            for tensor in tensors:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+                copy.copy_(tensor)  # its values: from any device, conjugate views resolved
+                copies.append(copy)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return copies, copied
 
     def _fail_send(
         self,

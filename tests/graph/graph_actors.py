@@ -118,6 +118,17 @@ class GpuCalc:
     def make(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.device) * 2
 
+    def fill_kept(self, k: float, numel: int) -> torch.Tensor:
+        """Fills a tensor this actor keeps with ``k``, in place, and returns it (a trainer's
+        weights, synced each step)."""
+        kept = getattr(self, "_kept", None)
+        if kept is None or kept.numel() != numel:
+            kept = self._kept = torch.empty(numel, device=self.device)
+        return kept.fill_(k)
+
+    def extremes(self, t: torch.Tensor) -> tuple:
+        return (t.min().item(), t.max().item())
+
     def make_elsewhere(self, x: torch.Tensor) -> torch.Tensor:
         """``make``'s result, but on the other GPU of a two-GPU machine: a method may use
         devices other than its actor's."""

@@ -98,6 +98,25 @@ def test_a_result_on_another_gpu_than_its_actors_crosses_a_gpu_edge(pair, transp
 
 @pytest.mark.multigpu
 @needs_two
+@pytest.mark.parametrize("transport", ["nccl", "ce"])
+def test_a_kept_tensor_changed_by_the_next_execution_arrives_as_it_was_returned(pair, transport):
+    """With overlap on, a send runs on its own stream while the actor's next methods run: a
+    tensor the actor keeps and fills again in place arrived mixed with the next execution's
+    values (28-29 of 30 executions, ``scripts/inplace_result_probe.py``)."""
+    a, b = pair
+    with InputNode() as inp:
+        dag = b.extremes.bind(a.fill_kept.bind(inp, 32 << 20).with_transport(transport))
+    graph = dag.compile(overlap_communication=True, max_inflight=3)
+    try:
+        refs = [graph.execute(float(k)) for k in range(1, 21)]
+        got = [ref.get(timeout=120) for ref in refs]
+        assert got == [(float(k), float(k)) for k in range(1, 21)]
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.multigpu
+@needs_two
 def test_nccl_and_copy_engine_edges_in_one_graph(pair):
     a, b = pair
     with InputNode() as inp:
