@@ -126,6 +126,9 @@ class _CpuComm:
         self._consumed = 0  # executions the compute thread has finished
         self._failure: BaseException | None = None
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
+        # Results handed to the send thread, and written by it (see sent_all).
+        self._queued = 0
+        self._written = 0
         self._threads = [
             threading.Thread(target=self._guard(self._receive_loop), name="tf-recv", daemon=True),
             threading.Thread(target=self._guard(self._send_loop), name="tf-send", daemon=True),
@@ -172,6 +175,10 @@ class _CpuComm:
             channel = runner.writers[op.edge_id]
             channel.write(value, timeout=_FOREVER)
             runner.record(execution, op, "send", channel.ready_at)
+            del value, item  # the method's object: the compute thread may change it now
+            with self._cond:
+                self._written += 1
+                self._cond.notify_all()
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -189,7 +196,20 @@ class _CpuComm:
     def send(self, execution: int, op: Operation, value: Any) -> None:
         if self._failure is not None:
             raise self._failure
+        self._queued += 1
         self._sends.put((execution, op, value))
+
+    def sent_all(self) -> None:
+        """Waits until every result handed over so far has been written. Called before each
+        method: a result the actor keeps (its weights) and changes in place in a later method
+        was written mid-change otherwise (4 of 20 executions arrived mixed with three in
+        flight). The receive thread still reads ahead."""
+        if self._written == self._queued:
+            return
+        with self._cond:
+            while self._written != self._queued:
+                self._check()
+                self._cond.wait(0.01)
 
     def finished(self, execution: int) -> None:
         with self._cond:
@@ -334,6 +354,8 @@ class ScheduleRunner:
                     self.record(execution, op, "main", channel.ready_at)
             elif op.kind is OpKind.COMPUTE:
                 assert op.task_id is not None
+                if comm is not None:
+                    comm.sent_all()
                 values[op.task_id] = self._compute(execution, op, inbox, values)
             else:
                 assert op.edge_id is not None

@@ -75,6 +75,17 @@ class Calc:
     def ones(self, n: int) -> torch.Tensor:
         return torch.ones(n)
 
+    def fill_kept(self, k: float, numel: int) -> torch.Tensor:
+        """Fills a tensor this actor keeps with ``k``, in place, and returns it (a trainer's
+        weights, synced each step)."""
+        kept = getattr(self, "_kept", None)
+        if kept is None or kept.numel() != numel:
+            kept = self._kept = torch.empty(numel)
+        return kept.fill_(k)
+
+    def extremes(self, t: torch.Tensor) -> tuple:
+        return (t.min().item(), t.max().item())
+
     def exit_if(self, x: torch.Tensor, how: str) -> object:
         """Raises what is not an ``Exception``, or returns a result whose pickling does."""
         if how == "sys.exit":
