@@ -487,8 +487,8 @@ def test_timeouts_that_could_never_end_are_refused_and_nothing_changes(trio):
                 ref.get(timeout=endless)
             with pytest.raises(ValueError, match="timeout must be"):
                 graph.teardown(timeout=endless)
-        assert torch.equal(ref.get(timeout=30), x + 11.0)  # the graph still runs
-        assert torch.equal(graph.execute(x).get(timeout=30), x + 11.0)
+        assert torch.equal(ref.get(timeout=30), (x + 1.0) + 10.0)  # the graph still runs
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
     finally:
         graph.teardown(kill_actors=False)
     assert torch.equal(a.add.call(x, timeout=30), x + 1.0)
