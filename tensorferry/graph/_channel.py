@@ -347,9 +347,14 @@ def resolved(tensor: torch.Tensor) -> torch.Tensor:
 
 def host_values(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values in contiguous host memory, ready to travel as raw bytes (see
-    :func:`resolved`). Copies only what needs it: every bare tensor a graph moves passes here."""
+    :func:`resolved`). Copies only what needs it: every bare tensor a graph moves passes here.
+
+    Detached: a tensor arrives as data, never requiring grad, as over the GPU edges (autograd
+    does not cross processes; a receiver that wants a gradient asks for one itself)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.is_cuda:
-        tensor = tensor.detach().cpu()
+        tensor = tensor.cpu()
     tensor = resolved(tensor)
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
@@ -366,7 +371,7 @@ class _TensorPickler(pickle.Pickler):
         if type(obj) is not torch.Tensor or obj.layout is not torch.strided:
             return None
         code = _DTYPE_CODE.get(obj.dtype)
-        if code is None or obj.requires_grad:
+        if code is None:
             return None
         index = self._seen.get(id(obj))
         if index is None:
@@ -577,7 +582,7 @@ class Channel:
         flags = _FLAG_WAS_CUDA if tensor.is_cuda else 0
         code = _DTYPE_CODE.get(tensor.dtype)
         ndim = tensor.dim()
-        if code is None or ndim > _MAX_NDIM or tensor.requires_grad:
+        if code is None or ndim > _MAX_NDIM:
             self._write_object(tensor, timeout)
             return
         tensor = host_values(tensor)

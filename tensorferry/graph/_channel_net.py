@@ -130,12 +130,7 @@ def _blob_entry(tensor: torch.Tensor, was_cuda: bool) -> bytes:
 
 def _encode(value: Any) -> list[memoryview | bytes]:
     """The frame of one message, as buffers to send in order."""
-    if (
-        type(value) is torch.Tensor
-        and value.layout is torch.strided
-        and value.dtype in _DTYPE_CODE
-        and not value.requires_grad
-    ):
+    if type(value) is torch.Tensor and value.layout is torch.strided and value.dtype in _DTYPE_CODE:
         was_cuda = value.is_cuda
         tensor = host_values(value)
         head = _HEAD.pack(_KIND_TENSOR, 1, 0) + _blob_entry(tensor, was_cuda)

@@ -59,6 +59,18 @@ class Calc:
     def getpid(self) -> int:
         return os.getpid()
 
+    def forward(self, x: torch.Tensor, shape: str) -> object:
+        """Results that require grad: a weight (a leaf) and an output computed from it."""
+        weight = torch.full_like(x, self.offset).requires_grad_()
+        out = x * weight
+        return out if shape == "bare" else {"out": out, "weight": weight, "sizes": [x.numel()]}
+
+    def needs_grad(self, value: object) -> list[bool]:
+        """Which tensors of ``value`` arrived requiring grad."""
+        if isinstance(value, torch.Tensor):
+            return [value.requires_grad]
+        return [value["out"].requires_grad, value["weight"].requires_grad]
+
     def count(self) -> int:
         return self.calls
 

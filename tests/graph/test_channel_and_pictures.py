@@ -61,6 +61,31 @@ def tcp_edge():
 
 
 @pytest.mark.parametrize("channel", ["shm", "tcp"])
+def test_tensors_that_require_grad_arrive_detached(ring, tcp_edge, channel):
+    # As over the GPU edges: autograd does not cross processes, so what arrives is data.
+    writer, reader = (ring[1], ring[2]) if channel == "shm" else tcp_edge
+    weight = torch.randn(6, requires_grad=True)
+    out = weight * 3  # computed from it: not a leaf
+    for value in (
+        weight,
+        out,
+        {"w": weight, "out": [out, "label"]},
+        torch.randn(100_000) * weight[0],
+    ):
+        writer.write(value, timeout=1)
+        got = reader.read(timeout=1)
+        pairs = (
+            [(got, value)]
+            if isinstance(value, torch.Tensor)
+            else [(got["w"], weight), (got["out"][0], out)]
+        )
+        for g, want in pairs:
+            assert type(g) is torch.Tensor and not g.requires_grad
+            assert torch.equal(g, want.detach())
+    assert weight.requires_grad and out.grad_fn is not None  # the sender's own are untouched
+
+
+@pytest.mark.parametrize("channel", ["shm", "tcp"])
 def test_conjugate_and_negative_views_arrive_as_their_values(ring, tcp_edge, channel):
     # Their memory holds x; the flag that conjugates or negates it is not in the bytes.
     writer, reader = (ring[1], ring[2]) if channel == "shm" else tcp_edge

@@ -330,6 +330,27 @@ def test_tensors_of_every_dtype_travel_bit_for_bit(trio):
         assert all(same_bytes(g, t) for g, t in zip(got, tensors, strict=True))
 
 
+@pytest.mark.parametrize("shape", ["bare", "structure"])
+def test_tensors_that_require_grad_arrive_as_data_as_over_gpu_edges(trio, shape):
+    a, b, _ = trio
+    with InputNode() as inp:
+        made = a.forward.bind(inp, shape)
+        dag = MultiOutputNode([made, b.needs_grad.bind(made)])
+    graph = dag.compile()
+    try:
+        for n in (5, 300_000):  # in the ring's slot, then relocated
+            x = torch.randn(n)
+            got, seen_by_b = graph.execute(x).get(timeout=30)
+            out = got if shape == "bare" else got["out"]
+            assert torch.equal(out, x * 1.0) and not out.requires_grad
+            if shape == "structure":
+                assert torch.equal(got["weight"], torch.ones(n)) and not got["weight"].requires_grad
+                assert got["sizes"] == [n]
+            assert seen_by_b == [False] * (1 if shape == "bare" else 2)
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_a_value_that_cannot_be_rebuilt_fails_its_execution_only(trio):
     a, b, _ = trio
     x = torch.randn(3)
