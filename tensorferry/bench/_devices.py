@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tensorferry.runtime._devices import cuda_device_count
+
 __all__ = ["cuda_device_count", "require_cuda_devices", "require_transports_for"]
-
-
-def cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def require_cuda_devices(count: int, what: str) -> None:

@@ -44,16 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from tensorferry.bench._devices import require_transports_for
+    from tensorferry.bench._devices import cuda_device_count, require_transports_for
     from tensorferry.bench._report import report
     from tensorferry.bench.sendrecv import parse_sizes
     from tensorferry.p2p._context import _import_optional_transports
     from tensorferry.p2p._launch import run_world
     from tensorferry.p2p._transport import registered_transports
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count()
     use_cuda = gpus >= 2
     world = args.world or (gpus if use_cuda else 4)
     if world < 2:

@@ -49,15 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from tensorferry.bench._devices import require_cuda_devices
+    from tensorferry.bench._devices import cuda_device_count, require_cuda_devices
     from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
-    use_cuda = args.device == "cuda" or (
-        args.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    )
+    use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_device_count() >= 2)
     if use_cuda:
         require_cuda_devices(2, "--device cuda")
     if args.count < 1 or args.bytes < 4 or args.bytes % 4:

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from tensorferry.bench._devices import cuda_device_count
     from tensorferry.bench._report import report
     from tensorferry.graph import InputNode, actor
 
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         f"every wait spins {_spin_note()} before it sleeps (TENSORFERRY_SPIN_US, at least 200 us); "
         "a wait that outlasts the spin adds a wake-up, which dominates on virtual machines",
     ]
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count()
     if gpus >= 2:
         s = EchoActor.spawn("cuda:0", device=0, name="gpu0")
         r = EchoActor.spawn("cuda:1", device=1, name="gpu1")

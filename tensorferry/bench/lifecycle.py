@@ -27,10 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _devices(spec: str) -> list:
-    import torch
+    from tensorferry.bench._devices import cuda_device_count
 
     if spec == "all":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = cuda_device_count()
         return list(range(count)) or ["cpu"]
     return [int(d) if d.isdigit() else d for d in spec.split(",")]
 

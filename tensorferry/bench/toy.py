@@ -58,9 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from tensorferry.bench._devices import require_cuda_devices
+    from tensorferry.bench._devices import cuda_device_count, require_cuda_devices
     from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
@@ -71,9 +69,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - {"cached", "uncached"}:
         raise SystemExit(f"--modes must be a subset of cached,uncached, got {args.modes}")
-    use_cuda = args.device == "cuda" or (
-        args.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    )
+    use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_device_count() >= 2)
     if use_cuda:
         require_cuda_devices(2, "--device cuda")
     config = {

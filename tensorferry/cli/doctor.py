@@ -96,7 +96,9 @@ def transport_report() -> dict[str, str | None]:
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from tensorferry.runtime._devices import cuda_device_count
+
+    cuda = cuda_device_count()
     report: dict[str, str | None] = {}
     if not dist.is_available():
         reason = "this torch build has no torch.distributed"
@@ -141,7 +143,9 @@ def transport_report() -> dict[str, str | None]:
 def _collect() -> dict:
     import torch
 
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from tensorferry.runtime._devices import cuda_device_count
+
+    cuda = cuda_device_count()
     info: dict = {
         "python": platform.python_version(),
         "torch": torch.__version__,

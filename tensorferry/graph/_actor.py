@@ -26,7 +26,7 @@ from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._dag import ClassMethodNode
 from tensorferry.graph._methods import check_method_name
 from tensorferry.graph._pipes import lazy_views_resolved
-from tensorferry.runtime._devices import parse_device
+from tensorferry.runtime._devices import cuda_device_count, parse_device
 
 __all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
 
@@ -41,13 +41,11 @@ def normalise_device(device: Any) -> str:
         ValueError: not a CPU or CUDA device, or a CUDA index this machine does not have.
         TypeError: not a device at all.
     """
-    import torch
-
     device = parse_device(device)  # actors run on "cpu" or "cuda:N"
     if device.type == "cpu":
         return "cpu"
     index = 0 if device.index is None else device.index
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()
     if not 0 <= index < count:
         raise ValueError(f"cuda:{index} does not exist here ({count} CUDA device(s) visible)")
     return f"cuda:{index}"

@@ -125,8 +125,10 @@ def _local_device(device: str) -> str:
         return device
     import torch
 
+    from tensorferry.runtime._devices import cuda_device_count
+
     index = int(device.split(":")[1])
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()
     if index >= count:
         raise ValueError(
             f"device {device} does not exist in this actor: Ray gave it {count} GPU(s) "

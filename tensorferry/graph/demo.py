@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tensorferry.runtime._devices import cuda_device_count
+
 __all__ = ["DemoSender", "DemoReceiver", "run_graph_demo", "expected_result"]
 
 
@@ -112,7 +114,7 @@ def run_graph_demo(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count()
     on_gpu = gpus >= 2
     dtype = torch.float16 if on_gpu else torch.float32
     size = size or (8192 if on_gpu else 512)

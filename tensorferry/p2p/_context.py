@@ -32,6 +32,7 @@ from tensorferry.p2p._transport import (
     registered_transports,
     registry_version,
 )
+from tensorferry.runtime._devices import cuda_device_count
 from tensorferry.runtime._events import record_on_stream, recycle, stream_wait
 from tensorferry.runtime._stream_switch import on_stream
 
@@ -477,7 +478,7 @@ def _given_device(device: Any, backend: str) -> tuple[torch.device, str]:
     if device.type == "cuda":
         if backend == "gloo":
             raise ValueError(f"backend='gloo' keeps this process on the CPU, got device {device}")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = cuda_device_count()
         index = 0 if device.index is None else device.index
         if not 0 <= index < count:
             raise ValueError(f"device {device} does not exist: this process sees {count} GPU(s)")
@@ -502,12 +503,11 @@ def _env_int(name: str, method: str) -> int:
 
 
 def _pick_device(backend: str, rank: int) -> tuple[torch.device, str]:
-    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if backend == "nccl" and not has_cuda:
+    count = cuda_device_count()
+    if backend == "nccl" and not count:
         raise ValueError("backend='nccl' needs CUDA, and this process sees no CUDA device")
-    if backend == "gloo" or not has_cuda:
+    if backend == "gloo" or not count:
         return torch.device("cpu"), "gloo"
-    count = torch.cuda.device_count()
     local = int(os.environ.get("LOCAL_RANK", rank % count))
     if not 0 <= local < count:
         raise ValueError(f"LOCAL_RANK={local} but this process sees {count} CUDA device(s)")

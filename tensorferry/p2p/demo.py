@@ -74,15 +74,14 @@ def run_p2p_demo(
         RuntimeError: a worker failed (a byte differed, a transfer failed); the message
             carries its traceback.
     """
-    import torch
-
     from tensorferry.p2p._launch import run_world
+    from tensorferry.runtime._devices import cuda_device_count
 
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    two_gpus = cuda_device_count() >= 2
     if device == "cuda" and not two_gpus:
         raise ValueError("device='cuda' needs two CUDA devices")
     use_cuda = device == "cuda" or (device == "auto" and two_gpus)

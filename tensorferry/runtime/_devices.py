@@ -1,5 +1,5 @@
-"""Reading a device argument: every layer accepts an int (a CUDA index), a string or a
-``torch.device``, and only CPU and CUDA devices."""
+"""Devices: reading a device argument, and counting this process's CUDA devices. Every layer
+accepts an int (a CUDA index), a string or a ``torch.device``, and only CPU and CUDA devices."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["parse_device"]
+__all__ = ["cuda_device_count", "parse_device"]
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process sees: 0 without a usable CUDA (a CPU build, or no driver),
+    where ``torch.cuda.device_count()`` alone may still count devices."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def parse_device(value: Any, *, what: str = "device") -> torch.device:

@@ -17,7 +17,7 @@ import torch
 
 from tensorferry.errors import ClientClosedError
 from tensorferry.runtime import _registry
-from tensorferry.runtime._devices import parse_device
+from tensorferry.runtime._devices import cuda_device_count, parse_device
 from tensorferry.runtime._streams import PRIORITIES, Stream, StreamKey, StreamPool
 
 __all__ = ["Client", "ClientConfig", "STREAM_ROLES"]
@@ -87,7 +87,7 @@ def _cached_devices(devices: Any) -> tuple[torch.device, ...]:
 
 def _normalise_devices(devices: Any) -> list[torch.device]:
     if devices is None:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = cuda_device_count()
         return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
     if isinstance(devices, (int, str, torch.device)):
         devices = [devices]
@@ -100,7 +100,7 @@ def _normalise_devices(devices: Any) -> list[torch.device]:
         if entry.type == "cuda":
             index = 0 if entry.index is None else entry.index
             if count is None:
-                count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                count = cuda_device_count()
             if index < 0 or index >= count:
                 raise ValueError(
                     f"devices: cuda:{index} is out of range (this process sees {count} CUDA "
