@@ -95,6 +95,13 @@ class Calc:
             kept = self._kept = torch.empty(numel)
         return kept.fill_(k)
 
+    def add_in_place(self, t: torch.Tensor) -> None:
+        """Changes what it was given, in place, and keeps it."""
+        self._given = t.add_(self.offset)
+
+    def given(self) -> torch.Tensor:
+        return self._given
+
     def extremes(self, t: torch.Tensor) -> tuple:
         return (t.min().item(), t.max().item())
 

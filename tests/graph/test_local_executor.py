@@ -247,17 +247,19 @@ def test_get_timeout_then_result(trio):
 def test_direct_calls_and_busy_actor(trio):
     a, _, _ = trio
     assert a.getpid.call() == a.pid
+    calls = a.count.call()
     with InputNode() as inp:
         dag = a.add.bind(inp)
     graph = dag.compile()
     try:
+        assert torch.equal(graph.execute(torch.ones(2)).get(timeout=30), torch.full((2,), 2.0))
         with pytest.raises(RuntimeError, match="already runs a compiled graph"):
             a.add.bind(InputNode()).compile()
         with pytest.raises(RuntimeError, match="runs a compiled graph"):
             a.count.call()
     finally:
         graph.teardown(kill_actors=False)
-    assert a.count.call() > 0
+    assert a.count.call() == calls + 1  # it answers again, the graph's call counted
 
 
 def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_answers():
@@ -488,6 +490,45 @@ def test_a_conjugate_view_given_to_spawn_arrives_as_its_values():
     handle = CalcActor.spawn(x.conj())
     try:
         assert torch.equal(handle.get_offset.call(), x.conj().resolve_conj())
+    finally:
+        handle.kill()
+
+
+def test_direct_calls_and_spawn_hand_over_copies_not_the_senders_memory():
+    """torch's multiprocessing pickling moves a CPU tensor into shared memory and hands the
+    receiver that memory: the caller's tensor and the actor's were one, both ways."""
+    weights = torch.randn(5)
+    handle = CalcActor.spawn(weights)  # its offset
+    try:
+        sent = weights.clone()
+        weights.add_(100.0)  # the driver changes what it gave spawn
+        assert torch.equal(handle.get_offset.call(), sent)
+        synced = handle.fill_kept.call(1.0, 4)  # a tensor the actor keeps, filled in place
+        handle.fill_kept.call(2.0, 4)
+        assert torch.equal(synced, torch.ones(4))
+        arg = torch.randn(5)
+        before = arg.clone()
+        handle.add_in_place.call(arg)
+        assert torch.equal(arg, before)  # the actor changed its copy only
+        assert torch.equal(handle.given.call(), before + sent)
+        big = torch.randn(1000)
+        assert torch.equal(handle.echo.call(big[10:20:3]), big[10:20:3])  # a view: its values
+        huge = torch.randn(5 << 20)  # over the size copied by memmove
+        assert torch.equal(handle.echo.call(huge), huge)
+        assert handle.echo.call(torch.ones(0, 3)).shape == (0, 3)
+        tensors = every_raw_dtype()
+        assert all(
+            same_bytes(g, t) for g, t in zip(handle.echo.call(tensors), tensors, strict=True)
+        )
+        # What makes a weight a weight comes along.
+        param = torch.nn.Parameter(torch.randn(3))
+        got = handle.echo.call({"w": param, "leaf": param.detach().requires_grad_()})
+        assert type(got["w"]) is torch.nn.Parameter and got["w"].requires_grad
+        assert got["leaf"].requires_grad and got["leaf"].is_leaf
+        assert torch.equal(got["w"], param) and torch.equal(got["leaf"], param)
+        with pytest.raises(TypeError, match="detach"):  # torch's refusal: autograd stays home
+            handle.echo.call(param * 2)
+        assert torch.equal(handle.echo.call(param.detach() * 2), param.detach() * 2)
     finally:
         handle.kill()
 
