@@ -1,13 +1,13 @@
 """What the driver and an actor send each other through their pipe (constructor arguments,
 direct calls, their results): pickled as ``multiprocessing`` pickles it, torch's tensor sharing
-included, except that a CPU tensor travels as a copy of its values.
+included, except that a CPU tensor travels as a copy of its values: inside the message up to
+``_INLINE_MAX`` bytes, else in shared memory.
 
 Why a copy: torch's reductions for ``multiprocessing`` move a tensor's storage into shared memory
 and hand the receiver that same memory. The sender's tensor and the receiver's were then one:
 a weight returned by ``handle.get.call()`` changed in the driver as the actor trained on, and
-an argument changed in place by the actor changed in the caller. Graph edges always copied. The
-copy is made straight into shared memory, so a tensor sent once costs what it did (torch's
-sharing copied it there too); one sent again, which torch had shared already, now costs a copy.
+an argument changed in place by the actor changed in the caller. Graph edges always copied. A
+large tensor's copy is made straight into shared memory, one copy as torch's sharing made.
 
 Why values: those reductions send a tensor's storage and geometry but not its conjugate or
 negative bit, so ``handle.f.call(x.conj())`` ran ``f`` on ``x``. Such a view keeps the original's
@@ -28,8 +28,16 @@ from typing import Any
 import torch
 
 from tensorferry.graph._channel import _MEMMOVE_MAX, host_values, resolved
+from tensorferry.p2p._packing import as_bytes
 
 __all__ = ["lazy_views_resolved"]
+
+
+# Up to this many bytes a CPU tensor travels inside the message. Above, in shared memory, whose
+# descriptor the receiver keeps open while it keeps the tensor: a driver keeping a thousand
+# small results of calls ran out of descriptors under the usual limit of 1024, and the pipe
+# to that actor broke ("received 0 items of ancdata").
+_INLINE_MAX = 1 << 20
 
 
 class _Pickler(ForkingPickler):
@@ -40,38 +48,53 @@ class _Pickler(ForkingPickler):
         self.copies: list[torch.Tensor] = []
 
     def reducer_override(self, obj: Any) -> Any:
-        values = _travelling(obj) if isinstance(obj, torch.Tensor) else obj
-        if values is obj:
+        if not isinstance(obj, torch.Tensor):
             return NotImplemented
-        self.copies.append(values)
-        reduce = self.dispatch_table.get(type(values))
-        return reduce(values) if reduce is not None else values.__reduce_ex__(5)
+        kind = type(obj)
+        if (
+            obj.is_cuda
+            or (kind is not torch.Tensor and kind is not torch.nn.Parameter)
+            or obj.layout is not torch.strided
+            or (obj.requires_grad and not obj.is_leaf)
+        ):
+            # Shared as torch shares it (CUDA tensors, sparse ones, other subclasses), or
+            # refused by torch with an error that says to detach it (an output requiring grad).
+            values = resolved(obj)
+            return NotImplemented if values is obj else self._shared(values)
+        values = host_values(obj)  # contiguous and detached; a lazy view's values
+        parameter = kind is torch.nn.Parameter
+        nbytes = values.numel() * values.element_size()
+        if nbytes <= _INLINE_MAX:
+            data = as_bytes(values).numpy().tobytes()
+            shape = tuple(values.shape)
+            return _inline_tensor, (data, values.dtype, shape, obj.requires_grad, parameter)
+        copy = _empty_shared(values)
+        if nbytes <= _MEMMOVE_MAX:  # torch's copy would wake its threads for this
+            ctypes.memmove(copy.data_ptr(), values.data_ptr(), nbytes)
+        else:
+            copy.copy_(values)
+        if parameter:
+            return self._shared(torch.nn.Parameter(copy, requires_grad=obj.requires_grad))
+        return self._shared(copy.requires_grad_(obj.requires_grad))
+
+    def _shared(self, tensor: torch.Tensor) -> Any:
+        """torch's own reduction of ``tensor``, made here in another's place."""
+        self.copies.append(tensor)
+        reduce = self.dispatch_table.get(type(tensor))
+        return reduce(tensor) if reduce is not None else tensor.__reduce_ex__(5)
 
 
-def _travelling(tensor: torch.Tensor) -> torch.Tensor:
-    """What goes into the pipe in ``tensor``'s place (see the module's docstring): for a CPU
-    tensor or ``Parameter``, a copy of its values made straight into shared memory, a leaf's
-    ``requires_grad`` and a ``Parameter``'s type kept. Otherwise ``tensor`` itself, its lazy
-    views resolved: CUDA tensors, sparse tensors, other subclasses, and outputs that require
-    grad (which torch refuses with an error saying to detach them)."""
-    kind = type(tensor)
-    if (
-        tensor.is_cuda
-        or (kind is not torch.Tensor and kind is not torch.nn.Parameter)
-        or tensor.layout is not torch.strided
-        or (tensor.requires_grad and not tensor.is_leaf)
-    ):
-        return resolved(tensor)
-    values = host_values(tensor)  # contiguous and detached; a lazy view's values
-    copy = _empty_shared(values)
-    nbytes = values.numel() * values.element_size()
-    if 0 < nbytes <= _MEMMOVE_MAX:  # torch's copy would wake its threads for this
-        ctypes.memmove(copy.data_ptr(), values.data_ptr(), nbytes)
-    elif nbytes:
-        copy.copy_(values)
-    if kind is torch.nn.Parameter:
-        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    return copy.requires_grad_(tensor.requires_grad)
+def _inline_tensor(
+    data: bytes, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, parameter: bool
+) -> torch.Tensor:
+    """A tensor that travelled inside its message, in memory of its own (not the message's)."""
+    raw = torch.empty(len(data), dtype=torch.uint8)
+    if data:
+        ctypes.memmove(raw.data_ptr(), data, len(data))
+    tensor = raw.view(dtype).view(shape)  # (torch warns making some dtypes directly)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
 
 
 def _empty_shared(like: torch.Tensor) -> torch.Tensor:
@@ -79,10 +102,10 @@ def _empty_shared(like: torch.Tensor) -> torch.Tensor:
     shares it as it is. (``share_memory_()`` on a new tensor would copy it once more.)"""
     nbytes = like.numel() * like.element_size()
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # private to torch
-    if nbytes == 0 or new_shared is None:
+    if new_shared is None:
         return torch.empty(like.shape, dtype=like.dtype).share_memory_()
     raw = torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes), 0, (nbytes,))
-    return raw.view(like.dtype).view(like.shape)  # (torch warns making some dtypes directly)
+    return raw.view(like.dtype).view(like.shape)
 
 
 class _Resolved:

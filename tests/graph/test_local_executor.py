@@ -533,6 +533,25 @@ def test_direct_calls_and_spawn_hand_over_copies_not_the_senders_memory():
         handle.kill()
 
 
+def test_results_of_calls_kept_by_the_hundred_hold_no_descriptors(trio):
+    """A tensor shared by torch keeps a file descriptor open in its receiver: a driver keeping
+    a thousand small results ran out under the usual limit of 1024, and the pipe broke."""
+    import resource
+
+    a = trio[0]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 64, hard))
+    try:
+        kept = [a.ones.call(4) for _ in range(300)]
+        kept += [a.echo.call(torch.full((3,), float(i))) for i in range(300)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert all(torch.equal(t, torch.ones(4)) for t in kept[:300])
+    assert all(torch.equal(t, torch.full((3,), float(i))) for i, t in enumerate(kept[300:]))
+    assert torch.equal(a.add.call(torch.zeros(2)), torch.ones(2))  # the pipe still works
+
+
 def test_timeouts_that_could_never_end_are_refused_and_nothing_changes(trio):
     a, b, _ = trio
     x = torch.randn(3)
