@@ -95,6 +95,9 @@ _DTYPE_NAMES = (
 )  # fmt: skip
 _DTYPES: list[torch.dtype | None] = [getattr(torch, name, None) for name in _DTYPE_NAMES]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES) if dtype is not None}
+# Tensors that travel as their bytes: plain ones, and Parameters, which arrive as plain tensors
+# as over GPU edges (see host_values). Other subclasses are pickled whole.
+RAW_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def dtype_of(code: int) -> torch.dtype:
@@ -368,7 +371,7 @@ class _TensorPickler(pickle.Pickler):
         self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is not torch.Tensor or obj.layout is not torch.strided:
+        if type(obj) not in RAW_TENSOR_TYPES or obj.layout is not torch.strided:
             return None
         code = _DTYPE_CODE.get(obj.dtype)
         if code is None:
@@ -566,7 +569,7 @@ class Channel:
             GraphStopped, PeerDied: the graph is ending.
         """
         try:
-            if type(value) is torch.Tensor and value.layout is torch.strided:
+            if type(value) in RAW_TENSOR_TYPES and value.layout is torch.strided:
                 self._write_tensor(value, timeout)
             elif isinstance(value, RemoteError):
                 self._write_bytes(_KIND_ERROR, pickle.dumps(value), timeout)

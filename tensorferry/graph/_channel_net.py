@@ -47,6 +47,7 @@ import torch
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.graph._channel import (
     _DTYPE_CODE,
+    RAW_TENSOR_TYPES,
     GraphStopped,
     PeerDied,
     _TensorPickler,
@@ -130,7 +131,11 @@ def _blob_entry(tensor: torch.Tensor, was_cuda: bool) -> bytes:
 
 def _encode(value: Any) -> list[memoryview | bytes]:
     """The frame of one message, as buffers to send in order."""
-    if type(value) is torch.Tensor and value.layout is torch.strided and value.dtype in _DTYPE_CODE:
+    if (
+        type(value) in RAW_TENSOR_TYPES
+        and value.layout is torch.strided
+        and value.dtype in _DTYPE_CODE
+    ):
         was_cuda = value.is_cuda
         tensor = host_values(value)
         head = _HEAD.pack(_KIND_TENSOR, 1, 0) + _blob_entry(tensor, was_cuda)

@@ -60,16 +60,24 @@ class Calc:
         return os.getpid()
 
     def forward(self, x: torch.Tensor, shape: str) -> object:
-        """Results that require grad: a weight (a leaf) and an output computed from it."""
+        """Results that require grad: a weight (a leaf, or a ``Parameter``) and an output
+        computed from it."""
         weight = torch.full_like(x, self.offset).requires_grad_()
         out = x * weight
-        return out if shape == "bare" else {"out": out, "weight": weight, "sizes": [x.numel()]}
+        if shape == "bare":
+            return out
+        if shape == "parameter":
+            return torch.nn.Parameter(x.clone())
+        return {"out": out, "weight": weight, "param": torch.nn.Parameter(x), "sizes": [x.numel()]}
 
     def needs_grad(self, value: object) -> list[bool]:
-        """Which tensors of ``value`` arrived requiring grad."""
+        """Which tensors of ``value`` arrived requiring grad, or as a subclass."""
         if isinstance(value, torch.Tensor):
-            return [value.requires_grad]
-        return [value["out"].requires_grad, value["weight"].requires_grad]
+            return [value.requires_grad or type(value) is not torch.Tensor]
+        return [
+            t.requires_grad or type(t) is not torch.Tensor
+            for t in (value["out"], value["weight"], value["param"])
+        ]
 
     def count(self) -> int:
         return self.calls

@@ -66,9 +66,11 @@ def test_tensors_that_require_grad_arrive_detached(ring, tcp_edge, channel):
     writer, reader = (ring[1], ring[2]) if channel == "shm" else tcp_edge
     weight = torch.randn(6, requires_grad=True)
     out = weight * 3  # computed from it: not a leaf
+    param = torch.nn.Parameter(torch.randn(6))  # arrives as a plain tensor, as over GPU edges
     for value in (
         weight,
         out,
+        param,
         {"w": weight, "out": [out, "label"]},
         torch.randn(100_000) * weight[0],
     ):

@@ -332,7 +332,7 @@ def test_tensors_of_every_dtype_travel_bit_for_bit(trio):
         assert all(same_bytes(g, t) for g, t in zip(got, tensors, strict=True))
 
 
-@pytest.mark.parametrize("shape", ["bare", "structure"])
+@pytest.mark.parametrize("shape", ["bare", "parameter", "structure"])
 def test_tensors_that_require_grad_arrive_as_data_as_over_gpu_edges(trio, shape):
     a, b, _ = trio
     with InputNode() as inp:
@@ -343,12 +343,15 @@ def test_tensors_that_require_grad_arrive_as_data_as_over_gpu_edges(trio, shape)
         for n in (5, 300_000):  # in the ring's slot, then relocated
             x = torch.randn(n)
             got, seen_by_b = graph.execute(x).get(timeout=30)
-            out = got if shape == "bare" else got["out"]
-            assert torch.equal(out, x * 1.0) and not out.requires_grad
+            out = got if shape != "structure" else got["out"]
+            assert type(out) is torch.Tensor and not out.requires_grad
+            assert torch.equal(out, x * 1.0)
             if shape == "structure":
-                assert torch.equal(got["weight"], torch.ones(n)) and not got["weight"].requires_grad
+                for key, want in (("weight", torch.ones(n)), ("param", x)):
+                    assert type(got[key]) is torch.Tensor and not got[key].requires_grad
+                    assert torch.equal(got[key], want)
                 assert got["sizes"] == [n]
-            assert seen_by_b == [False] * (1 if shape == "bare" else 2)
+            assert seen_by_b == [False] * (3 if shape == "structure" else 1)
     finally:
         graph.teardown(kill_actors=False)
 
