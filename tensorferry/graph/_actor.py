@@ -277,6 +277,13 @@ class ActorHandle:
         _live.add(self)
         try:
             reply = self._receive(timeout, what="start")
+        except _NoAnswer:
+            self.kill(timeout=1.0)
+            raise ActorDiedError(
+                f"actor {self.name} did not start within start_timeout={timeout:.3g} s (its "
+                "constructor included) and was stopped; a constructor that takes longer (loading "
+                "a model, say) needs a larger start_timeout"
+            ) from None
         except BaseException:
             self.kill(timeout=1.0)
             raise

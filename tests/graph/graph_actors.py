@@ -147,6 +147,11 @@ class Broken:
         raise RuntimeError("this actor cannot start")
 
 
+class SlowStart:
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 class GpuCalc:
     """GPU-side methods; ``device`` is the actor's CUDA device."""
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from channel_values import LoadsBadly, every_raw_dtype, same_bytes
-from graph_actors import Broken, Calc, check_unsendable_results, cramped_map
+from graph_actors import Broken, Calc, SlowStart, check_unsendable_results, cramped_map
 from killed_driver import kill_a_driver, no_segments
 
 import tensorferry as tf
@@ -287,6 +287,16 @@ def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_an
         assert torch.equal(calc.add.call(x), x + 1.0)
     finally:
         calc.kill()
+
+
+def test_a_constructor_slower_than_start_timeout_names_it_and_leaves_no_process():
+    started = time.monotonic()
+    with pytest.raises(tf.ActorDiedError, match=r"start_timeout=1 s .* needs a larger") as caught:
+        actor(SlowStart).spawn(60.0, start_timeout=1, name="slow-start")
+    assert time.monotonic() - started < 10
+    assert type(caught.value) is tf.ActorDiedError  # not an internal subclass
+    children = [child.name for child in multiprocessing.active_children()]
+    assert "tensorferry-actor-slow-start" not in children, children
 
 
 def test_constructor_error_is_an_actor_error():
