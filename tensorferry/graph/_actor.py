@@ -323,15 +323,25 @@ class ActorHandle:
             raise RuntimeError(
                 f"actor {self.name} runs a compiled graph; tear it down before calling directly"
             )
-        with self._lock:
+        deadline = time.monotonic() + timeout
+        # Another thread's call holds the pipe until it is answered: waited for within this
+        # call's timeout too (it was not: a call of 1 s behind one of 5 s returned after 5).
+        if not self._lock.acquire(timeout=timeout):
+            raise TransferTimeoutError(
+                f"actor {self.name}.{message[1]} was not called: for {timeout:.3g} s the actor "
+                "was busy with another thread's call to it"
+            )
+        try:
             self._send(message)
             try:
-                reply = self._receive(timeout, what=message[0])
+                reply = self._receive(max(0.0, deadline - time.monotonic()), what=message[0])
             except _NoAnswer:
                 raise TransferTimeoutError(
                     f"actor {self.name}.{message[1]} did not answer in {timeout:.3g} s; the "
                     "actor goes on with the call, and its result will be dropped"
                 ) from None
+        finally:
+            self._lock.release()
         if reply[0] == "error":
             raise ActorError(f"{self.name}.{message[1]} raised:\n{reply[1]}")
         if reply[0] == "unsent":

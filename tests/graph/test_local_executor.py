@@ -262,6 +262,23 @@ def test_direct_calls_and_busy_actor(trio):
     assert a.count.call() == calls + 1  # it answers again, the graph's call counted
 
 
+def test_a_call_behind_another_threads_call_keeps_its_own_timeout():
+    calc = CalcActor.spawn(1.0, name="busy")
+    try:
+        slow = threading.Thread(target=calc.slow.call, args=(torch.ones(1), 4.0))
+        slow.start()
+        time.sleep(0.5)  # the slow call holds the actor
+        started = time.monotonic()
+        with pytest.raises(tf.TransferTimeoutError, match=r"busy\.add was not called: for 0\.5 s"):
+            calc.add.call(torch.ones(1), timeout=0.5)
+        assert time.monotonic() - started < 2.0  # not the slow call's 4 s
+        slow.join()
+        x = torch.randn(3)
+        assert torch.equal(calc.add.call(x, timeout=10), x + 1.0)  # nothing was left owed
+    finally:
+        calc.kill()
+
+
 def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_answers():
     """The actor goes on with a call its caller gave up on and answers it later: that answer
     must not be taken for the next call's (every later call returned the one before's)."""
