@@ -24,7 +24,7 @@ from typing import Any
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._dag import ClassMethodNode
-from tensorferry.graph._methods import check_method_name
+from tensorferry.graph._methods import check_method_name, signature_mismatch
 from tensorferry.graph._pipes import lazy_views_resolved
 from tensorferry.runtime._devices import cuda_device_count, parse_device
 
@@ -135,6 +135,7 @@ class ActorClass:
             kill the same way.
 
         Raises:
+            TypeError: the arguments do not fit the constructor's signature (nothing started).
             ActorError: the constructor raised (with the remote traceback).
             ActorDiedError: the actor died or did not start in time.
             ValueError: an unknown executor, or Ray options for a local actor.
@@ -142,6 +143,9 @@ class ActorClass:
         """
         name = name or f"{self.cls.__name__}-{next(_names)}"
         start_timeout = checked_seconds(start_timeout, "start_timeout")
+        problem = signature_mismatch(self.cls, "__init__", args, kwargs)
+        if problem is not None:  # before a process starts (seconds) only to raise it there
+            raise TypeError(f"{self.cls.__name__}.spawn(): arguments do not fit {problem}")
         if executor == "ray":
             from tensorferry.graph._actor_ray import spawn_ray_actor
 
@@ -194,13 +198,18 @@ class ActorMethod:
         """Calls the method now, outside any graph, and returns its result (pickled).
 
         Raises:
+            TypeError: the arguments do not fit the method's signature (nothing was sent).
             ActorError: the method raised.
             ActorDiedError: the actor is dead.
             TransferTimeoutError: no answer within ``timeout``. The actor goes on with the call
                 (later calls wait for it) and its result is dropped.
             RuntimeError: a compiled graph is running on this actor.
         """
-        timeout = checked_seconds(timeout, f"{self._handle.name}.{self._name}.call(): timeout")
+        where = f"{self._handle.name}.{self._name}.call()"
+        timeout = checked_seconds(timeout, f"{where}: timeout")
+        problem = signature_mismatch(self._handle.actor_class, self._name, args, kwargs)
+        if problem is not None:
+            raise TypeError(f"{where}: arguments do not fit {problem}")
         return self._handle._request(("call", self._name, args, kwargs), timeout)
 
 

@@ -32,6 +32,7 @@ from tensorferry.graph._dag import (
     MultiOutputNode,
     TransportHint,
 )
+from tensorferry.graph._methods import signature_mismatch
 from tensorferry.graph._plan import (
     DRIVER,
     ActorSpec,
@@ -143,20 +144,11 @@ def _check_signature(node: ClassMethodNode) -> None:
     func = inspect.getattr_static(cls, node.method, None)
     if func is None or not callable(getattr(cls, node.method)):
         raise GraphCompileError(f"{node!r}: {cls.__name__} has no method {node.method!r}")
-    try:
-        signature = inspect.signature(getattr(cls, node.method))
-    except (TypeError, ValueError):  # builtins without a signature: nothing to check
-        return
-    params = list(signature.parameters.values())
-    if not isinstance(func, staticmethod) and params:
-        params = params[1:]  # self (or cls)
-    try:
-        signature.replace(parameters=params).bind(*node.args, **node.kwargs)
-    except TypeError as exc:
+    problem = signature_mismatch(cls, node.method, node.args, node.kwargs)
+    if problem is not None:
         raise GraphCompileError(
-            f"{node.actor.name}.{node.method}: arguments do not match its signature "
-            f"{signature}: {exc}"
-        ) from None
+            f"{node.actor.name}.{node.method}: arguments do not match its signature {problem}"
+        )
 
 
 def _arg_ref(value: Any, task_ids: dict[int, int], where: str) -> ArgRef:

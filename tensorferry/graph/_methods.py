@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["actor_method", "check_method_name"]
+__all__ = ["actor_method", "check_method_name", "signature_mismatch"]
 
 _loops = threading.local()
 
@@ -53,3 +53,32 @@ def check_method_name(actor_class: type, name: str) -> None:
         raise AttributeError(name)
     if not callable(getattr(actor_class, name, None)):
         raise AttributeError(f"{actor_class.__name__} has no method {name!r}")
+
+
+def signature_mismatch(actor_class: type, name: str, args: tuple, kwargs: dict) -> str | None:
+    """Why ``name`` of ``actor_class`` cannot take ``args`` and ``kwargs``: its signature (without
+    ``self``) and what does not fit it. ``None`` when they fit, or when there is no signature to
+    check (some builtins). ``name="__init__"`` checks the constructor."""
+    signature = _signature(actor_class, name)
+    if signature is None:
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"{signature}: {exc}"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(actor_class: type, name: str) -> inspect.Signature | None:
+    try:
+        if name == "__init__":
+            return inspect.signature(actor_class)
+        method = inspect.getattr_static(actor_class, name)
+        signature = inspect.signature(getattr(actor_class, name))
+    except (TypeError, ValueError):
+        return None
+    if isinstance(method, (staticmethod, classmethod)):  # no self (a classmethod is bound)
+        return signature
+    params = list(signature.parameters.values())
+    return signature.replace(parameters=params[1:])

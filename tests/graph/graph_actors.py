@@ -147,6 +147,13 @@ class Broken:
         raise RuntimeError("this actor cannot start")
 
 
+class Keeps:
+    """Keeps what it is given (a constructor taking any arguments)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
 class SlowStart:
     def __init__(self, seconds: float) -> None:
         time.sleep(seconds)

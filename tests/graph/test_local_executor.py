@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from channel_values import LoadsBadly, every_raw_dtype, same_bytes
-from graph_actors import Broken, Calc, SlowStart, check_unsendable_results, cramped_map
+from graph_actors import Broken, Calc, Keeps, SlowStart, check_unsendable_results, cramped_map
 from killed_driver import kill_a_driver, no_segments
 
 import tensorferry as tf
@@ -277,6 +277,22 @@ def test_a_call_behind_another_threads_call_keeps_its_own_timeout():
         assert torch.equal(calc.add.call(x, timeout=10), x + 1.0)  # nothing was left owed
     finally:
         calc.kill()
+
+
+def test_arguments_that_do_not_fit_are_refused_before_anything_is_sent_or_started(trio):
+    a = trio[0]
+    with pytest.raises(TypeError, match=r"calc0\.add\.call\(\): .*too many positional"):
+        a.add.call(torch.ones(1), torch.ones(1))
+    with pytest.raises(TypeError, match=r"calc0\.mul\.call\(\): .*unexpected keyword .*fctor"):
+        a.mul.call(torch.ones(1), fctor=2.0)
+    x = torch.randn(2)
+    assert torch.equal(a.mul.call(x, factor=3.0), x * 3.0)  # nothing was left owed
+    started = time.monotonic()
+    with pytest.raises(TypeError, match=r"Calc\.spawn\(\): .*unexpected keyword .*ofset"):
+        CalcActor.spawn(ofset=1.0, name="never-started")
+    assert time.monotonic() - started < 1.0  # refused before a process started
+    children = [child.name for child in multiprocessing.active_children()]
+    assert "tensorferry-actor-never-started" not in children
 
 
 def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_answers():
@@ -734,7 +750,7 @@ def test_spawn_with_an_argument_that_cannot_be_pickled_names_it_and_starts_nothi
     # A multiprocessing object pickles while the process is spawned: never the one blamed.
     event = multiprocessing.get_context("spawn").Event()
     with pytest.raises(TypeError, match=r"keyword argument 'offset' \(lock\)"):
-        CalcActor.spawn(event, offset=threading.Lock())
+        actor(Keeps).spawn(event, offset=threading.Lock())
     handle = CalcActor.spawn(2.0)
     try:
         assert torch.equal(handle.add.call(torch.ones(3)), torch.full((3,), 3.0))

@@ -71,6 +71,27 @@ def test_missing_and_unknown_arguments_are_rejected():
         lower(dag)
 
 
+class _Kinds:
+    @staticmethod
+    def scale(x, factor):
+        return x * factor
+
+    @classmethod
+    def shift(cls, x, by):
+        return x + by
+
+
+def test_static_and_class_methods_are_checked_without_dropping_an_argument():
+    a = FakeActor("A", cls=_Kinds)
+    for method in ("scale", "shift"):
+        with InputNode() as inp:
+            lower(getattr(a, method).bind(inp, 2.0))  # both arguments: fits
+        with InputNode() as inp:
+            dag = getattr(a, method).bind(inp)
+        with pytest.raises(GraphCompileError, match=rf"A\.{method}: .*missing a required"):
+            lower(dag)
+
+
 def test_graph_without_input_is_rejected():
     a = FakeActor("A")
     dag = a.consume.bind(5)
