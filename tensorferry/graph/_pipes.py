@@ -1,13 +1,14 @@
 """What the driver and an actor send each other through their pipe (constructor arguments,
 direct calls, their results): pickled as ``multiprocessing`` pickles it, torch's tensor sharing
 included, except that a CPU tensor travels as a copy of its values: inside the message up to
-``_INLINE_MAX`` bytes, else in shared memory.
+``_INLINE_MAX`` bytes, else through shared memory that the receiver holds no descriptor for.
 
 Why a copy: torch's reductions for ``multiprocessing`` move a tensor's storage into shared memory
 and hand the receiver that same memory. The sender's tensor and the receiver's were then one:
 a weight returned by ``handle.get.call()`` changed in the driver as the actor trained on, and
 an argument changed in place by the actor changed in the caller. Graph edges always copied. A
-large tensor's copy is made straight into shared memory, one copy as torch's sharing made.
+large tensor's copy is made straight into shared memory, one copy as torch's sharing made. The
+receiver maps that memory again without keeping torch's file descriptor open.
 
 Why values: those reductions send a tensor's storage and geometry but not its conjugate or
 negative bit, so ``handle.f.call(x.conj())`` ran ``f`` on ``x``. Such a view keeps the original's
@@ -33,10 +34,11 @@ from tensorferry.p2p._packing import as_bytes
 __all__ = ["lazy_views_resolved"]
 
 
-# Up to this many bytes a CPU tensor travels inside the message. Above, in shared memory, whose
-# descriptor the receiver keeps open while it keeps the tensor: a driver keeping a thousand
-# small results of calls ran out of descriptors under the usual limit of 1024, and the pipe
-# to that actor broke ("received 0 items of ancdata").
+# Up to this many bytes a CPU tensor travels inside the message; above, through shared memory,
+# which the receiver maps again without a descriptor. torch's own sharing left the receiver
+# holding a file descriptor for as long as it kept the tensor: a driver keeping a thousand
+# results of calls ran out of them under the usual limit of 1024, and the pipe to that actor
+# broke ("received 0 items of ancdata").
 _INLINE_MAX = 1 << 20
 
 
@@ -46,9 +48,10 @@ class _Pickler(ForkingPickler):
         # The copies made here: torch shares their memory by descriptor, which a process being
         # spawned inherits only at its start, after the pickling. They must live until then.
         self.copies: list[torch.Tensor] = []
+        self._own: set[int] = set()  # ids of those copies: torch reduces them as they are
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
+        if not isinstance(obj, torch.Tensor) or id(obj) in self._own:
             return NotImplemented
         kind = type(obj)
         if (
@@ -60,41 +63,81 @@ class _Pickler(ForkingPickler):
             # Shared as torch shares it (CUDA tensors, sparse ones, other subclasses), or
             # refused by torch with an error that says to detach it (an output requiring grad).
             values = resolved(obj)
-            return NotImplemented if values is obj else self._shared(values)
+            if values is obj:
+                return NotImplemented
+            self._keep(values)
+            reduce = self.dispatch_table.get(type(values))
+            return reduce(values) if reduce is not None else values.__reduce_ex__(5)
         values = host_values(obj)  # contiguous and detached; a lazy view's values
-        parameter = kind is torch.nn.Parameter
+        how = (obj.requires_grad, kind is torch.nn.Parameter)
         nbytes = values.numel() * values.element_size()
         if nbytes <= _INLINE_MAX:
             data = as_bytes(values).numpy().tobytes()
-            shape = tuple(values.shape)
-            return _inline_tensor, (data, values.dtype, shape, obj.requires_grad, parameter)
-        copy = _empty_shared(values)
-        if nbytes <= _MEMMOVE_MAX:  # torch's copy would wake its threads for this
-            ctypes.memmove(copy.data_ptr(), values.data_ptr(), nbytes)
-        else:
-            copy.copy_(values)
-        if parameter:
-            return self._shared(torch.nn.Parameter(copy, requires_grad=obj.requires_grad))
-        return self._shared(copy.requires_grad_(obj.requires_grad))
+            return _inline_tensor, (data, values.dtype, tuple(values.shape), *how)
+        shared = _empty_shared(values)
+        _copy_values(shared, values)
+        self._keep(shared)
+        return _private_tensor, (shared, *how)
 
-    def _shared(self, tensor: torch.Tensor) -> Any:
-        """torch's own reduction of ``tensor``, made here in another's place."""
-        self.copies.append(tensor)
-        reduce = self.dispatch_table.get(type(tensor))
-        return reduce(tensor) if reduce is not None else tensor.__reduce_ex__(5)
+    def _keep(self, copy: torch.Tensor) -> None:
+        self.copies.append(copy)
+        self._own.add(id(copy))
+
+
+def _copy_values(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies contiguous ``source`` into contiguous ``target`` of the same size."""
+    nbytes = source.numel() * source.element_size()
+    if nbytes <= _MEMMOVE_MAX:  # torch's copy would wake its threads for this
+        ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
+    else:
+        target.copy_(source)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """A new contiguous tensor (made as bytes: torch warns making some dtypes directly)."""
+    return torch.empty(nbytes, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _as_sent(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
 
 
 def _inline_tensor(
     data: bytes, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, parameter: bool
 ) -> torch.Tensor:
     """A tensor that travelled inside its message, in memory of its own (not the message's)."""
-    raw = torch.empty(len(data), dtype=torch.uint8)
+    tensor = _empty(shape, dtype, len(data))
     if data:
-        ctypes.memmove(raw.data_ptr(), data, len(data))
-    tensor = raw.view(dtype).view(shape)  # (torch warns making some dtypes directly)
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad)
+        ctypes.memmove(tensor.data_ptr(), data, len(data))
+    return _as_sent(tensor, requires_grad, parameter)
+
+
+def _private_tensor(shared: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A tensor that travelled through shared memory, without the file descriptor torch's
+    rebuilt tensor holds: the memory is mapped again from it (no copy), or else copied out."""
+    tensor = _mapped_again(shared)
+    if tensor is None:
+        tensor = _empty(tuple(shared.shape), shared.dtype, shared.numel() * shared.element_size())
+        _copy_values(tensor, shared)
+    return _as_sent(tensor, requires_grad, parameter)
+
+
+def _mapped_again(shared: torch.Tensor) -> torch.Tensor | None:
+    """``shared``'s memory mapped once more through ``/proc/self/fd``, which holds no descriptor
+    once mapped; ``shared`` (and its descriptor) then go as nothing else refers to them.
+    ``None`` where that cannot be done (not Linux, a torch without these calls)."""
+    storage = shared.untyped_storage()
+    if not storage.is_shared() or shared.storage_offset() != 0:
+        return None
+    try:
+        fd, size = storage._share_fd_cpu_()  # private to torch: the descriptor it holds
+        raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+    except (AttributeError, RuntimeError, OSError):
+        return None
+    nbytes = shared.numel() * shared.element_size()
+    return raw[:nbytes].view(shared.dtype).view(shared.shape)
 
 
 def _empty_shared(like: torch.Tensor) -> torch.Tensor:
@@ -103,7 +146,7 @@ def _empty_shared(like: torch.Tensor) -> torch.Tensor:
     nbytes = like.numel() * like.element_size()
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # private to torch
     if new_shared is None:
-        return torch.empty(like.shape, dtype=like.dtype).share_memory_()
+        return _empty(tuple(like.shape), like.dtype, nbytes).share_memory_()
     raw = torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes), 0, (nbytes,))
     return raw.view(like.dtype).view(like.shape)
 

@@ -591,10 +591,12 @@ def test_results_of_calls_kept_by_the_hundred_hold_no_descriptors(trio):
     try:
         kept = [a.ones.call(4) for _ in range(300)]
         kept += [a.echo.call(torch.full((3,), float(i))) for i in range(300)]
+        large = [a.ones.call(400_000) for _ in range(100)]  # 1.6 MB: through shared memory
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert all(torch.equal(t, torch.ones(4)) for t in kept[:300])
     assert all(torch.equal(t, torch.full((3,), float(i))) for i, t in enumerate(kept[300:]))
+    assert all(torch.equal(t, torch.ones(400_000)) for t in large)
     assert torch.equal(a.add.call(torch.zeros(2)), torch.ones(2))  # the pipe still works
 
 
