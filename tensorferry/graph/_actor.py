@@ -25,7 +25,7 @@ from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._dag import ClassMethodNode
 from tensorferry.graph._methods import check_method_name, signature_mismatch
-from tensorferry.graph._pipes import lazy_views_resolved
+from tensorferry.graph._pipes import pipe_message
 from tensorferry.runtime._devices import cuda_device_count, parse_device
 
 __all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
@@ -264,8 +264,8 @@ class ActorHandle:
             args=(
                 child,
                 class_ref,
-                lazy_views_resolved(args),
-                lazy_views_resolved(kwargs),
+                pipe_message(args),
+                pipe_message(kwargs),
                 self.device,
                 self.name,
             ),
@@ -373,7 +373,7 @@ class ActorHandle:
             raise ActorDiedError(f"actor {self.name} is not running")
         try:
             # Pickles the whole message before it writes a byte.
-            self._conn.send(lazy_views_resolved(message))
+            self._conn.send(pipe_message(message))
         except (BrokenPipeError, OSError):
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
         except Exception as exc:

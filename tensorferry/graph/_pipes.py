@@ -31,7 +31,7 @@ import torch
 from tensorferry.graph._channel import _MEMMOVE_MAX, host_values, resolved
 from tensorferry.p2p._packing import as_bytes
 
-__all__ = ["lazy_views_resolved"]
+__all__ = ["pipe_message"]
 
 
 # Up to this many bytes a CPU tensor travels inside the message; above, through shared memory,
@@ -43,6 +43,8 @@ _INLINE_MAX = 1 << 20
 
 
 class _Pickler(ForkingPickler):
+    """``multiprocessing``'s pickler, with CPU tensors copied (see the module's docstring)."""
+
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         # The copies made here: torch shares their memory by descriptor, which a process being
@@ -151,8 +153,8 @@ def _empty_shared(like: torch.Tensor) -> torch.Tensor:
     return raw.view(like.dtype).view(like.shape)
 
 
-class _Resolved:
-    """Pickles ``value`` with its lazy views resolved, inside the pickling of whatever holds it:
+class _PipeMessage:
+    """Pickles ``value`` as :class:`_Pickler` does, inside the pickling of whatever holds it:
     objects that pickle only while a process is spawned (``multiprocessing`` locks) still do."""
 
     __slots__ = ("_copies", "value")
@@ -169,7 +171,7 @@ class _Resolved:
         return pickle.loads, (buffer.getvalue(),)
 
 
-def lazy_views_resolved(value: Any) -> Any:
-    """``value``, to hand to a pipe or a process: it unpickles as ``value`` itself, its
-    conjugate and negative views as tensors holding their values."""
-    return _Resolved(value)
+def pipe_message(value: Any) -> Any:
+    """``value``, to hand to a pipe or a process: it unpickles as ``value``, its CPU tensors as
+    copies of their values (see the module's docstring)."""
+    return _PipeMessage(value)

@@ -21,7 +21,7 @@ import traceback
 from typing import Any
 
 from tensorferry.graph._methods import actor_method
-from tensorferry.graph._pipes import lazy_views_resolved
+from tensorferry.graph._pipes import pipe_message
 
 __all__ = ["actor_main", "resolve_class"]
 
@@ -87,7 +87,7 @@ def _reply_result(conn: Any, result: Any) -> None:
     """Replies with a direct call's result; one that does not pickle becomes the caller's error,
     and the actor goes on (the pipe pickles the whole reply before it writes a byte)."""
     try:
-        conn.send(lazy_views_resolved(("ok", result)))
+        conn.send(pipe_message(("ok", result)))
     except OSError:
         raise  # the driver is gone: the process ends
     except Exception as exc:

@@ -267,7 +267,9 @@ def test_a_call_behind_another_threads_call_keeps_its_own_timeout():
     try:
         slow = threading.Thread(target=calc.slow.call, args=(torch.ones(1), 4.0))
         slow.start()
-        time.sleep(0.5)  # the slow call holds the actor
+        deadline = time.monotonic() + 3.0
+        while not calc._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the slow call holds the actor (a loaded machine is slow)
         started = time.monotonic()
         with pytest.raises(tf.TransferTimeoutError, match=r"busy\.add was not called: for 0\.5 s"):
             calc.add.call(torch.ones(1), timeout=0.5)

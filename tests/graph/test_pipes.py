@@ -11,11 +11,11 @@ import pytest
 import torch
 from channel_values import every_raw_dtype, same_bytes
 
-from tensorferry.graph._pipes import _INLINE_MAX, _private_tensor, lazy_views_resolved
+from tensorferry.graph._pipes import _INLINE_MAX, _private_tensor, pipe_message
 
 
 def _through_pipe(value):
-    return pickle.loads(ForkingPickler.dumps(lazy_views_resolved(value)))
+    return pickle.loads(ForkingPickler.dumps(pipe_message(value)))
 
 
 def _descriptors() -> int:
