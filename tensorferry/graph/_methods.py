@@ -76,7 +76,7 @@ def _signature(actor_class: type, name: str) -> inspect.Signature | None:
             return inspect.signature(actor_class)
         method = inspect.getattr_static(actor_class, name)
         signature = inspect.signature(getattr(actor_class, name))
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):  # no such method, or no signature to read
         return None
     if isinstance(method, (staticmethod, classmethod)):  # no self (a classmethod is bound)
         return signature
