@@ -13,12 +13,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
 import sys
 import threading
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from tensorferry._seconds import checked_seconds
@@ -27,6 +29,8 @@ from tensorferry.graph._dag import ClassMethodNode
 from tensorferry.graph._methods import check_method_name, signature_mismatch
 from tensorferry.graph._pipes import pipe_message
 from tensorferry.runtime._devices import cuda_device_count, parse_device
+
+log = logging.getLogger(__name__)
 
 __all__ = ["actor", "ActorClass", "ActorHandle", "ActorMethod", "normalise_device"]
 
@@ -312,19 +316,39 @@ class ActorHandle:
             self._owed -= 1
 
     def _next_reply(self, deadline: float, timeout: float, what: str) -> tuple:
-        while not self._conn.poll(0.05):
-            if not self._process.is_alive():
-                raise ActorDiedError(
-                    f"actor {self.name} (pid {self.pid}) died during {what} "
-                    f"(exit code {self._process.exitcode})"
-                )
-            if time.monotonic() > deadline:
-                self._owed += 1  # its answer still comes, and is not the next request's
-                raise _NoAnswer(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
+        try:
+            while not self._conn.poll(0.05):
+                if not self._process.is_alive():
+                    raise ActorDiedError(
+                        f"actor {self.name} (pid {self.pid}) died during {what} "
+                        f"(exit code {self._process.exitcode})"
+                    )
+                if time.monotonic() > deadline:
+                    raise _NoAnswer(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
+        except BaseException as exc:
+            # Given up on (a timeout), or interrupted (Ctrl-C) while waiting: the answer still
+            # comes, and is not the next request's (every later call returned the one before's).
+            if isinstance(exc, _NoAnswer) or not isinstance(exc, ActorDiedError):
+                self._owed += 1
+            raise
         try:
             return self._conn.recv()
         except (EOFError, OSError):
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died during {what}") from None
+        except BaseException:
+            self._broken_pipe("reading")
+            raise
+
+    def _broken_pipe(self, doing: str) -> None:
+        """A message was cut off part-way (an interrupt while ``doing`` it): the rest would be
+        read as the next message, on one side or the other. The actor cannot be used again."""
+        log.warning(
+            "actor %s: interrupted while %s a message to or from it; it is stopped, since "
+            "its pipe is no longer in step",
+            self.name,
+            doing,
+        )
+        self.kill(timeout=1.0)
 
     def _request(self, message: tuple, timeout: float) -> Any:
         self._check_owner()
@@ -372,15 +396,19 @@ class ActorHandle:
         if not self.is_alive():
             raise ActorDiedError(f"actor {self.name} is not running")
         try:
-            # Pickles the whole message before it writes a byte.
-            self._conn.send(pipe_message(message))
-        except (BrokenPipeError, OSError):
-            raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+            data = ForkingPickler.dumps(pipe_message(message))  # all of it before a byte goes
         except Exception as exc:
             if message[0] != "call":
                 raise
             _, method, args, kwargs = message
             raise _unpicklable(f"{self.name}.{method}()", args, kwargs, exc) from exc
+        try:
+            self._conn.send_bytes(data)
+        except (BrokenPipeError, OSError):
+            raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+        except BaseException:
+            self._broken_pipe("sending")
+            raise
 
     def kill(self, timeout: float = 5.0) -> None:
         """Ends the actor process: asks it to exit, then terminates, then kills it.

@@ -297,6 +297,47 @@ def test_arguments_that_do_not_fit_are_refused_before_anything_is_sent_or_starte
     assert "tensorferry-actor-never-started" not in children
 
 
+class _Interrupted(BaseException):
+    """Raised by a signal handler, as Ctrl-C raises KeyboardInterrupt (not an Exception)."""
+
+
+def test_a_direct_call_interrupted_while_it_waits_leaves_later_calls_their_own_answers():
+    calc = CalcActor.spawn(1.0, name="interrupted")
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(_Interrupted):
+            calc.slow.call(torch.full((2,), 42.0), 4.0)  # (slack for a loaded machine)
+        for i in range(2):  # the slow call's late answer (42s) is dropped, not returned
+            x = torch.randn(2)
+            assert torch.equal(calc.add.call(x, timeout=10), x + 1.0), i
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        calc.kill()
+
+
+def test_a_message_cut_off_part_way_stops_the_actor_rather_than_misread_the_pipe(monkeypatch):
+    calc = CalcActor.spawn(1.0, name="cut-off")
+    try:
+
+        def cut_off(data):
+            raise _Interrupted  # as an interrupt between two writes of one message
+
+        monkeypatch.setattr(calc._conn, "send_bytes", cut_off)
+        with pytest.raises(_Interrupted):
+            calc.add.call(torch.ones(2))
+        monkeypatch.undo()
+        assert not calc.is_alive()
+        with pytest.raises(tf.ActorDiedError):
+            calc.add.call(torch.ones(2))
+    finally:
+        calc.kill()
+
+
 def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_answers():
     """The actor goes on with a call its caller gave up on and answers it later: that answer
     must not be taken for the next call's (every later call returned the one before's)."""
