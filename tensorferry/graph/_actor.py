@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -332,12 +333,16 @@ class ActorHandle:
                 self._owed += 1
             raise
         try:
-            return self._conn.recv()
+            data = self._conn.recv_bytes()
         except (EOFError, OSError):
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died during {what}") from None
         except BaseException:
             self._broken_pipe("reading")
             raise
+        try:
+            return ForkingPickler.loads(data)
+        except Exception:  # read whole, so the pipe is in step: only this answer is lost
+            return ("unloadable", traceback.format_exc())
 
     def _broken_pipe(self, doing: str) -> None:
         """A message was cut off part-way (an interrupt while ``doing`` it): the rest would be
@@ -377,6 +382,11 @@ class ActorHandle:
             self._lock.release()
         if reply[0] == "error":
             raise ActorError(f"{self.name}.{message[1]} raised:\n{reply[1]}")
+        if reply[0] == "unloadable":
+            raise ActorError(
+                f"{self.name}.{message[1]} returned a value that cannot be rebuilt in this "
+                f"process (the actor goes on):\n{reply[1]}"
+            )
         if reply[0] == "unsent":
             raise ActorError(
                 f"{self.name}.{message[1]} returned a value that cannot be pickled, so it "

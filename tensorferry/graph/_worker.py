@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from tensorferry.graph._methods import actor_method
@@ -65,9 +66,21 @@ def actor_main(
     conn.send(("started",))
     while True:
         try:
-            message = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the driver is gone
+        try:
+            message = ForkingPickler.loads(data)
+        except BaseException:
+            # An argument this process cannot rebuild (its class is not importable here, say):
+            # that call fails, and the actor goes on, the message having been read whole.
+            conn.send(
+                (
+                    "error",
+                    "the message could not be rebuilt in the actor:\n" + traceback.format_exc(),
+                )
+            )
+            continue
         command = message[0]
         if command == "exit":
             return

@@ -103,6 +103,12 @@ class Calc:
             kept = self._kept = torch.empty(numel)
         return kept.fill_(k)
 
+    def loads_badly(self) -> object:
+        """A result that pickles here and cannot be rebuilt where it arrives."""
+        from channel_values import LoadsBadly
+
+        return [LoadsBadly()]
+
     def add_in_place(self, t: torch.Tensor) -> None:
         """Changes what it was given, in place, and keeps it."""
         self._given = t.add_(self.offset)

@@ -297,6 +297,16 @@ def test_arguments_that_do_not_fit_are_refused_before_anything_is_sent_or_starte
     assert "tensorferry-actor-never-started" not in children
 
 
+def test_a_call_whose_argument_or_result_cannot_be_rebuilt_fails_alone(trio):
+    a = trio[0]
+    with pytest.raises(tf.ActorError, match=r"(?s)could not be rebuilt in the actor.*on purpose"):
+        a.echo.call(LoadsBadly())  # this ended the actor's process
+    with pytest.raises(tf.ActorError, match=r"(?s)cannot be rebuilt in this process.*on purpose"):
+        a.loads_badly.call()
+    x = torch.randn(3)
+    assert torch.equal(a.add.call(x), x + 1.0)  # the same actor, each call its own answer
+
+
 class _Interrupted(BaseException):
     """Raised by a signal handler, as Ctrl-C raises KeyboardInterrupt (not an Exception)."""
 
