@@ -28,7 +28,7 @@ from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._dag import ClassMethodNode
 from tensorferry.graph._methods import check_method_name, signature_mismatch
-from tensorferry.graph._pipes import pipe_message
+from tensorferry.graph._pipes import pipe_message, spawn_message
 from tensorferry.runtime._devices import cuda_device_count, parse_device
 
 log = logging.getLogger(__name__)
@@ -269,8 +269,7 @@ class ActorHandle:
             args=(
                 child,
                 class_ref,
-                pipe_message(args),
-                pipe_message(kwargs),
+                spawn_message((args, kwargs)),
                 self.device,
                 self.name,
             ),
@@ -303,7 +302,7 @@ class ActorHandle:
             raise
         if reply[0] == "error":
             self.kill(timeout=1.0)
-            raise ActorError(f"{self.name}: constructor raised:\n{reply[1]}")
+            raise ActorError(f"{self.name}: {reply[1]}")
 
     def _receive(self, timeout: float, *, what: str) -> tuple:
         """The actor's answer to the last request. The actor answers every request in order,

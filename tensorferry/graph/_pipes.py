@@ -31,7 +31,7 @@ import torch
 from tensorferry.graph._channel import _MEMMOVE_MAX, host_values, resolved
 from tensorferry.p2p._packing import as_bytes
 
-__all__ = ["pipe_message"]
+__all__ = ["Unloaded", "pipe_message", "spawn_message"]
 
 
 # Up to this many bytes a CPU tensor travels inside the message; above, through shared memory,
@@ -155,12 +155,14 @@ def _empty_shared(like: torch.Tensor) -> torch.Tensor:
 
 class _PipeMessage:
     """Pickles ``value`` as :class:`_Pickler` does, inside the pickling of whatever holds it:
-    objects that pickle only while a process is spawned (``multiprocessing`` locks) still do."""
+    objects that pickle only while a process is spawned (``multiprocessing`` locks) still do.
+    ``deferred``: it unpickles as an :class:`Unloaded` message instead of the value."""
 
-    __slots__ = ("_copies", "value")
+    __slots__ = ("_copies", "_deferred", "value")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, *, deferred: bool = False) -> None:
         self.value = value
+        self._deferred = deferred
         self._copies: list[torch.Tensor] = []
 
     def __reduce__(self) -> tuple:
@@ -168,7 +170,27 @@ class _PipeMessage:
         pickler = _Pickler(buffer)
         pickler.dump(self.value)
         self._copies = pickler.copies  # as long as this wrapper: a Process keeps its arguments
-        return pickle.loads, (buffer.getvalue(),)
+        return (Unloaded if self._deferred else pickle.loads), (buffer.getvalue(),)
+
+
+class Unloaded:
+    """A value that arrived pickled, loaded when :meth:`load` is called: a process being
+    spawned loads its arguments before it runs a line of ours, and one that cannot be rebuilt
+    there ended it with the cause on its stderr only."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def load(self) -> Any:
+        return pickle.loads(self._data)
+
+
+def spawn_message(value: Any) -> Any:
+    """``value``, to hand to a process being spawned: as :func:`pipe_message`, but it arrives as
+    an :class:`Unloaded` message, loaded where an error in it can be answered."""
+    return _PipeMessage(value, deferred=True)
 
 
 def pipe_message(value: Any) -> Any:

@@ -22,7 +22,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from tensorferry.graph._methods import actor_method
-from tensorferry.graph._pipes import pipe_message
+from tensorferry.graph._pipes import Unloaded, pipe_message
 
 __all__ = ["actor_main", "resolve_class"]
 
@@ -48,20 +48,26 @@ def _pin(device: str) -> None:
 def actor_main(
     conn: Any,
     class_ref: tuple[str, str],
-    args: tuple,
-    kwargs: dict,
+    arguments: Unloaded,
     device: str,
     name: str,
 ) -> None:
-    """Entry point of the actor process (see module doc)."""
+    """Entry point of the actor process (see module doc). ``arguments``: the constructor's
+    ``(args, kwargs)``."""
     from tensorferry.runtime._spin import precise_sleeps
 
     precise_sleeps()  # this process's waits sleep in short steps (see graph._channel)
     try:
+        args, kwargs = arguments.load()
+    except BaseException:
+        why = "the constructor's arguments could not be rebuilt in the actor:\n"
+        conn.send(("error", why + traceback.format_exc()))
+        return
+    try:
         _pin(device)
         instance = resolve_class(class_ref)(*args, **kwargs)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send(("error", "constructor raised:\n" + traceback.format_exc()))
         return
     conn.send(("started",))
     while True:

@@ -305,6 +305,13 @@ def test_a_call_whose_argument_or_result_cannot_be_rebuilt_fails_alone(trio):
         a.loads_badly.call()
     x = torch.randn(3)
     assert torch.equal(a.add.call(x), x + 1.0)  # the same actor, each call its own answer
+    # The process died of it at start, before any of our code ran: the cause was on its stderr.
+    why = r"(?s)unbuildable: the constructor's arguments could not be rebuilt .*on purpose"
+    with pytest.raises(tf.ActorError, match=why):
+        CalcActor.spawn(LoadsBadly(), name="unbuildable")
+    assert "tensorferry-actor-unbuildable" not in [
+        c.name for c in multiprocessing.active_children()
+    ]
 
 
 class _Interrupted(BaseException):
