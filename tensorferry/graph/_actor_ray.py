@@ -186,8 +186,12 @@ class RayActorHandle:
             raise TransferTimeoutError(
                 f"actor {self.name}.{method} did not answer in {timeout:.3g} s"
             ) from None
-        except ray.exceptions.RayError as exc:
+        except ray.exceptions.RayActorError as exc:
             raise ActorDiedError(f"actor {self.name} died: {exc}") from None
+        except ray.exceptions.RayError as exc:
+            # The call failed, not the actor: an argument the actor could not rebuild, or a
+            # result this process cannot (it was reported as the actor's death).
+            raise ActorError(f"{self.name}.{method} failed (the actor goes on): {exc}") from None
         if reply[0] == "error":
             raise ActorError(f"{self.name}.{method} raised:\n{reply[1]}")
         return reply[1]

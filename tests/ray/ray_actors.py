@@ -14,9 +14,23 @@ def on_node(node: str) -> dict:
     return {"executor": "ray", "num_cpus": 0.5, "resources": {node: 0.1}}
 
 
+def _refuse_to_load() -> None:
+    raise ValueError("this value cannot be rebuilt on purpose")
+
+
+class Unbuildable:
+    """Pickles, but cannot be unpickled, in any process."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
 class Calc:
     def __init__(self, offset: float = 0.0) -> None:
         self.offset = offset
+
+    def unbuildable(self) -> list:
+        return [Unbuildable()]
 
     def add(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.offset

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from ray_actors import Broken, Calc, FailsSetup, on_node
+from ray_actors import Broken, Calc, FailsSetup, Unbuildable, on_node
 
 import tensorferry as tf
 from tensorferry.graph import InputNode, MultiOutputNode, actor
@@ -215,6 +215,12 @@ def test_direct_calls_constructor_errors_and_executor_checks(calcs):
     _check_a_chain_runs(a, b, x, method="add_later")
     with pytest.raises(tf.ActorError, match="boom"):
         a.fail_if.call(x, True)
+    # A value the other side cannot rebuild fails its call only (it was called the actor's death).
+    with pytest.raises(tf.ActorError, match=r"(?s)echo failed \(the actor goes on\).*on purpose"):
+        a.echo.call(Unbuildable())
+    with pytest.raises(tf.ActorError, match=r"(?s)unbuildable failed .*on purpose"):
+        a.unbuildable.call()
+    assert torch.equal(a.add.call(x), x + 1.0)
     with pytest.raises(tf.ActorError, match="cannot start"):
         actor(Broken).spawn(**on_node("node_b"))
     with InputNode() as inp:
