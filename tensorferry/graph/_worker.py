@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import signal
 import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -56,6 +57,10 @@ def actor_main(
     ``(args, kwargs)``."""
     from tensorferry.runtime._spin import precise_sleeps
 
+    # Ctrl-C in a terminal reaches the whole job, actors included: their graph loops ended with
+    # KeyboardInterrupt while the driver, which caught it, went on. The driver decides: it
+    # stops its actors (and they end when it does).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     precise_sleeps()  # this process's waits sleep in short steps (see graph._channel)
     try:
         args, kwargs = arguments.load()

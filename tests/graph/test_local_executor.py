@@ -314,6 +314,24 @@ def test_a_call_whose_argument_or_result_cannot_be_rebuilt_fails_alone(trio):
     ]
 
 
+def test_ctrl_c_reaching_the_actors_leaves_graphs_and_calls_running(trio):
+    """Ctrl-C in a terminal signals the whole job: the actors' loops ended with it."""
+    a, b, _ = trio
+    with InputNode() as inp:
+        graph = b.add.bind(a.add.bind(inp)).compile()
+    try:
+        x = torch.randn(3)
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
+        for handle in (a, b):
+            os.kill(handle.pid, signal.SIGINT)  # while the graph waits for an input
+        time.sleep(0.5)
+        assert torch.equal(graph.execute(x).get(timeout=30), (x + 1.0) + 10.0)
+    finally:
+        graph.teardown(kill_actors=False)
+    threading.Timer(0.3, os.kill, (a.pid, signal.SIGINT)).start()  # while a method runs
+    assert torch.equal(a.slow.call(x, 1.0, timeout=30), x)
+
+
 class _Interrupted(BaseException):
     """Raised by a signal handler, as Ctrl-C raises KeyboardInterrupt (not an Exception)."""
 
