@@ -46,6 +46,10 @@ def _pin(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
+def _leave_to_the_driver(signum: int, frame: Any) -> None:
+    """SIGINT in an actor: nothing (see :func:`actor_main`)."""
+
+
 def actor_main(
     conn: Any,
     class_ref: tuple[str, str],
@@ -59,8 +63,9 @@ def actor_main(
 
     # Ctrl-C in a terminal reaches the whole job, actors included: their graph loops ended with
     # KeyboardInterrupt while the driver, which caught it, went on. The driver decides: it
-    # stops its actors (and they end when it does).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # stops its actors (and they end when it does). A handler that does nothing, not SIG_IGN,
+    # which programs a method starts would inherit.
+    signal.signal(signal.SIGINT, _leave_to_the_driver)
     precise_sleeps()  # this process's waits sleep in short steps (see graph._channel)
     try:
         args, kwargs = arguments.load()
