@@ -332,6 +332,23 @@ def test_ctrl_c_reaching_the_actors_leaves_graphs_and_calls_running(trio):
     assert torch.equal(a.slow.call(x, 1.0, timeout=30), x)
 
 
+def test_a_call_to_an_actor_still_busy_keeps_its_timeout_with_a_large_tensor():
+    """A message the pipe cannot hold blocks its writer until the actor reads: a large tensor
+    inside the message held a call with timeout=1 for 5.5 s behind a call given up on."""
+    calc = CalcActor.spawn(1.0, name="backlog")
+    try:
+        with pytest.raises(tf.TransferTimeoutError):
+            calc.slow.call(torch.ones(1), 5.0, timeout=0.3)
+        started = time.monotonic()
+        with pytest.raises(tf.TransferTimeoutError, match="did not answer in 1 s"):
+            calc.echo.call(torch.randn(250_000), timeout=1.0)  # 1 MB
+        assert time.monotonic() - started < 3.0
+        x = torch.randn(250_000)
+        assert torch.equal(calc.echo.call(x, timeout=30), x)  # its own answer, after the owed
+    finally:
+        calc.kill()
+
+
 class _Interrupted(BaseException):
     """Raised by a signal handler, as Ctrl-C raises KeyboardInterrupt (not an Exception)."""
 
