@@ -28,7 +28,7 @@ def test_a_tensor_arrives_as_a_copy_holding_no_descriptor(numel):
     sent = torch.randn(numel)
     before = _descriptors()
     kept = [_through_pipe(sent) for _ in range(20)]
-    assert _descriptors() == before  # none held while the copies live
+    assert _descriptors() <= before  # none held while the copies live (others may close)
     got = kept[0]
     assert torch.equal(got, sent) and got.data_ptr() != sent.data_ptr()
     assert not sent.is_shared()  # the sender's own tensor was not moved into shared memory
