@@ -16,6 +16,10 @@ import itertools
 import logging
 import multiprocessing
 import os
+import select
+import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -60,6 +64,22 @@ class _NoAnswer(ActorDiedError):
     """An actor process did not answer in time. Still an :class:`ActorDiedError` for the start,
     graph set-up and teardown that wait for one (they treat the actor as lost); a direct call
     raises :class:`TransferTimeoutError` instead, since the actor goes on."""
+
+
+class _NotSent(Exception):
+    """Nothing of a message was written by its deadline: the pipe is as it was."""
+
+
+def _frame_header_size(n: int) -> int:
+    return 4 if n <= 0x7FFFFFFF else 12
+
+
+def _framed(data: bytes) -> list[memoryview]:
+    """``data`` framed as ``multiprocessing.Connection.send_bytes`` frames it (the actor reads
+    it with ``recv_bytes``): a 4-byte big-endian length, or -1 and an 8-byte one."""
+    n = len(data)
+    header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return [memoryview(header), memoryview(data)]
 
 
 def _unimportable(cls: type) -> str | None:
@@ -231,6 +251,9 @@ class ActorHandle:
         self._owner_pid = os.getpid()  # -1 in a process forked from the owner
         self._process: Any = None
         self._conn: Any = None
+        self._out: socket.socket | None = None  # the pipe's socket, for writes with a deadline
+        # Finishes writing a message a call gave up on part-way (see _send).
+        self._finisher: threading.Thread | None = None
         self._lock = threading.Lock()
         # Answers still to come to requests given up on (timed out): see _receive.
         self._owed = 0
@@ -287,6 +310,7 @@ class ActorHandle:
             raise _unpicklable(f"{self.actor_class.__name__}.spawn()", args, kwargs, exc) from exc
         child.close()
         self._conn = parent
+        self._out = socket.socket(fileno=os.dup(parent.fileno()))
         _live.add(self)
         try:
             reply = self._receive(timeout, what="start")
@@ -336,21 +360,21 @@ class ActorHandle:
         except (EOFError, OSError):
             raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died during {what}") from None
         except BaseException:
-            self._broken_pipe("reading")
+            self._read_cut_off()
             raise
         try:
             return ForkingPickler.loads(data)
         except Exception:  # read whole, so the pipe is in step: only this answer is lost
             return ("unloadable", traceback.format_exc())
 
-    def _broken_pipe(self, doing: str) -> None:
-        """A message was cut off part-way (an interrupt while ``doing`` it): the rest would be
-        read as the next message, on one side or the other. The actor cannot be used again."""
+    def _read_cut_off(self) -> None:
+        """An answer was read part-way when an interrupt came: the rest would be read as the
+        next answer. The actor cannot be used again. (A message written part-way is finished
+        in the background instead: see :meth:`_send`.)"""
         log.warning(
-            "actor %s: interrupted while %s a message to or from it; it is stopped, since "
-            "its pipe is no longer in step",
+            "actor %s: interrupted while reading an answer from it; it is stopped, since its "
+            "pipe is no longer in step",
             self.name,
-            doing,
         )
         self.kill(timeout=1.0)
 
@@ -369,9 +393,14 @@ class ActorHandle:
                 "was busy with another thread's call to it"
             )
         try:
-            self._send(message)
             try:
+                self._send(message, deadline)
                 reply = self._receive(max(0.0, deadline - time.monotonic()), what=message[0])
+            except _NotSent:
+                raise TransferTimeoutError(
+                    f"actor {self.name}.{message[1]} was not called: for {timeout:.3g} s the "
+                    "actor took no new message (it is still busy with calls given up on)"
+                ) from None
             except _NoAnswer:
                 raise TransferTimeoutError(
                     f"actor {self.name}.{message[1]} did not answer in {timeout:.3g} s; the "
@@ -400,7 +429,15 @@ class ActorHandle:
                 "from that one cannot use it"
             )
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, deadline: float | None = None) -> None:
+        """Writes ``message``, by ``deadline`` if given.
+
+        Raises:
+            _NotSent: nothing of it was written by ``deadline`` (the actor reads no new message
+                while it runs a call, and the pipe holds about 176 KiB).
+            _NoAnswer: part of it was written by ``deadline``: the rest is written in the
+                background, the actor will run it, and its answer is owed.
+        """
         self._check_owner()
         if not self.is_alive():
             raise ActorDiedError(f"actor {self.name} is not running")
@@ -411,13 +448,65 @@ class ActorHandle:
                 raise
             _, method, args, kwargs = message
             raise _unpicklable(f"{self.name}.{method}()", args, kwargs, exc) from exc
+        finisher = self._finisher
+        if finisher is not None:
+            finisher.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if finisher.is_alive():
+                raise _NotSent()
+        views = _framed(data)
         try:
-            self._conn.send_bytes(data)
-        except (BrokenPipeError, OSError):
-            raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+            self._write(views, deadline)
         except BaseException:
-            self._broken_pipe("sending")
+            if len(views) == 2 and views[0].nbytes == _frame_header_size(len(data)):
+                raise  # nothing of it went: the pipe is as it was
+            # Part of it went (the deadline passed, or an interrupt came): the rest follows in
+            # the background, so the pipe stays in step, and the actor will answer it.
+            self._owed += 1
+            self._finisher = threading.Thread(
+                target=self._write_rest, args=(views,), name=f"{self.name}-writer", daemon=True
+            )
+            self._finisher.start()
             raise
+
+    def _write(self, views: list[memoryview], deadline: float | None) -> None:
+        """Writes ``views`` (consuming them) until all went or ``deadline`` passed: then raises
+        :class:`_NotSent`, or :class:`_NoAnswer` if some went."""
+        out = self._out
+        assert out is not None
+        first = views[0].nbytes
+        while views:
+            # An interrupt (Ctrl-C) between a write and its counting would lose what went:
+            # SIGINT waits until both are done.
+            masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                try:
+                    sent = out.sendmsg(views, [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+                while sent and views:
+                    if sent >= views[0].nbytes:
+                        sent -= views.pop(0).nbytes
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+            if not views:
+                return
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                if len(views) == 2 and views[0].nbytes == first:
+                    raise _NotSent()
+                raise _NoAnswer(f"actor {self.name} took part of a message only")
+            if not self._process.is_alive():
+                raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died")
+            select.select([], [out], [], left)
+
+    def _write_rest(self, views: list[memoryview]) -> None:
+        with contextlib.suppress(Exception):  # the actor died, or was killed meanwhile
+            self._write(views, None)
 
     def kill(self, timeout: float = 5.0) -> None:
         """Ends the actor process: asks it to exit, then terminates, then kills it.
@@ -429,8 +518,11 @@ class ActorHandle:
             return  # never started, or not this process's actor
         deadline = time.monotonic() + max(timeout, 0.0)
         if process.is_alive():
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(("exit",))
+            finisher = self._finisher
+            if finisher is None or not finisher.is_alive():
+                # Asked to exit only if the message goes at once: the pipe may be full.
+                with contextlib.suppress(ActorDiedError, _NotSent, _NoAnswer, OSError):
+                    self._write(_framed(ForkingPickler.dumps(("exit",))), time.monotonic())
             process.join(max(0.0, (deadline - time.monotonic()) * 0.6))
         if process.is_alive():
             process.terminate()
@@ -439,6 +531,8 @@ class ActorHandle:
             process.kill()
             process.join(1.0)
         self._conn.close()
+        if self._out is not None:
+            self._out.close()
         _live.discard(self)
 
     def __repr__(self) -> str:

@@ -38,10 +38,10 @@ __all__ = ["Unloaded", "pipe_message", "spawn_message"]
 # which the receiver maps again without a descriptor. torch's own sharing left the receiver
 # holding a file descriptor for as long as it kept the tensor: a driver keeping a thousand
 # results of calls ran out of them under the usual limit of 1024, and the pipe to that actor
-# broke ("received 0 items of ancdata"). Small, because the pipe holds about 176 KiB: a call
-# to an actor still busy with an earlier one (given up on) blocks writing a message that does
-# not fit, past its timeout (1 MiB inside the message made such a call with timeout=1 take
-# 5.5 s; see ActorHandle._send).
+# broke ("received 0 items of ancdata"). Small, because the pipe holds about 176 KiB: a message
+# that fits is written whole at once even to an actor still busy with an earlier call (given
+# up on); one that does not waits for the actor, up to the call's timeout (see
+# ActorHandle._send; before that bound, 1 MiB inside made a call with timeout=1 take 5.5 s).
 _INLINE_MAX = 64 << 10
 
 

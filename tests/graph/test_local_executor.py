@@ -343,8 +343,20 @@ def test_a_call_to_an_actor_still_busy_keeps_its_timeout_with_a_large_tensor():
         with pytest.raises(tf.TransferTimeoutError, match="did not answer in 1 s"):
             calc.echo.call(torch.randn(250_000), timeout=1.0)  # 1 MB
         assert time.monotonic() - started < 3.0
+        for _ in range(2):  # more than the pipe holds: written part-way, then not at all
+            started = time.monotonic()
+            with pytest.raises(tf.TransferTimeoutError, match=r"did not answer|was not called"):
+                calc.echo.call(b"x" * 2_000_000, timeout=1.0)
+            assert time.monotonic() - started < 3.0
         x = torch.randn(250_000)
         assert torch.equal(calc.echo.call(x, timeout=30), x)  # its own answer, after the owed
+        with pytest.raises(tf.TransferTimeoutError):
+            calc.slow.call(torch.ones(1), 60.0, timeout=0.3)
+        with pytest.raises(tf.TransferTimeoutError):
+            calc.echo.call(b"y" * 2_000_000, timeout=0.5)  # the pipe is full again
+        started = time.monotonic()
+        calc.kill(timeout=2.0)
+        assert time.monotonic() - started < 5.0 and not calc.is_alive()
     finally:
         calc.kill()
 
@@ -372,21 +384,40 @@ def test_a_direct_call_interrupted_while_it_waits_leaves_later_calls_their_own_a
         calc.kill()
 
 
-def test_a_message_cut_off_part_way_stops_the_actor_rather_than_misread_the_pipe(monkeypatch):
+class _CutsOff:
+    """The pipe's socket, interrupted once part-way through a message: its first write takes
+    the first 2 bytes only, its second raises; then it writes as the socket does."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.writes = sock, 0
+
+    def sendmsg(self, views, *args):
+        self.writes += 1
+        if self.writes == 1:
+            return self.sock.sendmsg([views[0][:2]], *args)
+        if self.writes == 2:
+            raise _Interrupted
+        return self.sock.sendmsg(views, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_a_message_cut_off_part_way_is_finished_and_its_answer_dropped(monkeypatch):
+    """An interrupt between two writes of one message: the rest would have been read as the
+    next message's start. It is written in the background, and the next call gets its own
+    answer."""
     calc = CalcActor.spawn(1.0, name="cut-off")
     try:
-
-        def cut_off(data):
-            raise _Interrupted  # as an interrupt between two writes of one message
-
-        monkeypatch.setattr(calc._conn, "send_bytes", cut_off)
+        monkeypatch.setattr(calc, "_out", _CutsOff(calc._out))
         with pytest.raises(_Interrupted):
-            calc.add.call(torch.ones(2))
-        monkeypatch.undo()
-        assert not calc.is_alive()
-        with pytest.raises(tf.ActorDiedError):
-            calc.add.call(torch.ones(2))
+            calc.add.call(torch.full((2,), 42.0))
+        for i in range(2):
+            x = torch.randn(2)
+            assert torch.equal(calc.add.call(x, timeout=10), x + 1.0), i
+        assert calc.is_alive()
     finally:
+        monkeypatch.undo()
         calc.kill()
 
 
