@@ -70,8 +70,8 @@ class _NotSent(Exception):
     """Nothing of a message was written by its deadline: the pipe is as it was."""
 
 
-def _frame_header_size(n: int) -> int:
-    return 4 if n <= 0x7FFFFFFF else 12
+def _unwritten(views: list[memoryview]) -> int:
+    return sum(view.nbytes for view in views)
 
 
 def _framed(data: bytes) -> list[memoryview]:
@@ -454,10 +454,11 @@ class ActorHandle:
             if finisher.is_alive():
                 raise _NotSent()
         views = _framed(data)
+        total = _unwritten(views)
         try:
             self._write(views, deadline)
         except BaseException:
-            if len(views) == 2 and views[0].nbytes == _frame_header_size(len(data)):
+            if _unwritten(views) == total:
                 raise  # nothing of it went: the pipe is as it was
             # Part of it went (the deadline passed, or an interrupt came): the rest follows in
             # the background, so the pipe stays in step, and the actor will answer it.
@@ -473,7 +474,7 @@ class ActorHandle:
         :class:`_NotSent`, or :class:`_NoAnswer` if some went."""
         out = self._out
         assert out is not None
-        first = views[0].nbytes
+        total = _unwritten(views)
         while views:
             # An interrupt (Ctrl-C) between a write and its counting would lose what went:
             # SIGINT waits until both are done.
@@ -497,7 +498,7 @@ class ActorHandle:
                 return
             left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if left <= 0:
-                if len(views) == 2 and views[0].nbytes == first:
+                if _unwritten(views) == total:
                     raise _NotSent()
                 raise _NoAnswer(f"actor {self.name} took part of a message only")
             if not self._process.is_alive():
