@@ -14,8 +14,10 @@ Why values: those reductions send a tensor's storage and geometry but not its co
 negative bit, so ``handle.f.call(x.conj())`` ran ``f`` on ``x``. Such a view keeps the original's
 memory and a flag that operations apply as they read it; its copy holds its values.
 
-CUDA tensors are shared as torch shares them (their memory stays the sender's), with only their
-lazy views resolved.
+A CUDA tensor travels as a copy too, made on its device and shared by torch's CUDA IPC: the
+receiver maps the copy, never the sender's tensor (a trainer's weights returned by a call kept
+changing in the driver as the actor trained, as CPU tensors did). It costs one device copy per
+tensor and direction, and the copy's memory stays the sender's until the receiver drops it.
 """
 
 from __future__ import annotations
@@ -60,21 +62,20 @@ class _Pickler(ForkingPickler):
             return NotImplemented
         kind = type(obj)
         if (
-            obj.is_cuda
-            or (kind is not torch.Tensor and kind is not torch.nn.Parameter)
+            (kind is not torch.Tensor and kind is not torch.nn.Parameter)
             or obj.layout is not torch.strided
             or (obj.requires_grad and not obj.is_leaf)
         ):
-            # Shared as torch shares it (CUDA tensors, sparse ones, other subclasses), or
-            # refused by torch with an error that says to detach it (an output requiring grad).
+            # Shared as torch shares it (sparse tensors, other subclasses), or refused by torch
+            # with an error that says to detach it (an output requiring grad).
             values = resolved(obj)
             if values is obj:
                 return NotImplemented
-            self._keep(values)
-            reduce = self.dispatch_table.get(type(values))
-            return reduce(values) if reduce is not None else values.__reduce_ex__(5)
-        values = host_values(obj)  # contiguous and detached; a lazy view's values
+            return self._shared_as_torch_shares(values)
         how = (obj.requires_grad, kind is torch.nn.Parameter)
+        if obj.is_cuda:
+            return self._shared_as_torch_shares(_as_sent(_device_copy(obj), *how))
+        values = host_values(obj)  # contiguous and detached; a lazy view's values
         nbytes = values.numel() * values.element_size()
         if nbytes <= _INLINE_MAX:
             data = as_bytes(values).numpy().tobytes()
@@ -84,9 +85,22 @@ class _Pickler(ForkingPickler):
         self._keep(shared)
         return _private_tensor, (shared, *how)
 
+    def _shared_as_torch_shares(self, copy: torch.Tensor) -> Any:
+        """The reduction of ``copy``, made here, by torch's sharing (kept until sent)."""
+        self._keep(copy)
+        reduce = self.dispatch_table.get(type(copy))
+        return reduce(copy) if reduce is not None else copy.__reduce_ex__(5)
+
     def _keep(self, copy: torch.Tensor) -> None:
         self.copies.append(copy)
         self._own.add(id(copy))
+
+
+def _device_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor's values in device memory of their own, made on the current stream (torch's
+    sharing orders the receiver's reads after it): contiguous, detached, lazy views resolved."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return _empty(tuple(tensor.shape), tensor.dtype, nbytes, tensor.device).copy_(tensor.detach())
 
 
 def _copy_values(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -98,9 +112,11 @@ def _copy_values(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+def _empty(
+    shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, device: Any = None
+) -> torch.Tensor:
     """A new contiguous tensor (made as bytes: torch warns making some dtypes directly)."""
-    return torch.empty(nbytes, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device).view(dtype).view(shape)
 
 
 def _as_sent(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:

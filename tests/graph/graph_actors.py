@@ -168,11 +168,19 @@ class SlowStart:
 class GpuCalc:
     """GPU-side methods; ``device`` is the actor's CUDA device."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, given: torch.Tensor | None = None) -> None:
         self.device = torch.device(device)
+        self.given = given  # kept as it arrived: a copy, or the spawner's own memory?
 
     def make(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.device) * 2
+
+    def get_given(self) -> torch.Tensor | None:
+        return self.given
+
+    def add_in_place(self, t: torch.Tensor, k: float) -> None:
+        t.add_(k)
+        torch.cuda.synchronize(t.device)  # done before the call answers
 
     def fill_kept(self, k: float, numel: int) -> torch.Tensor:
         """Fills a tensor this actor keeps with ``k``, in place, and returns it (a trainer's

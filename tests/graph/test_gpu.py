@@ -239,6 +239,43 @@ def test_a_gpu_result_that_cannot_be_sent_fails_its_execution_only(pair, overlap
         graph.teardown(kill_actors=False)
 
 
+@needs_one
+def test_direct_calls_and_spawn_hand_over_cuda_copies_not_the_senders_memory():
+    """torch's CUDA sharing hands the receiver the sender's own device memory: weights returned
+    by a call changed in the driver as the actor filled them again, and an actor changing its
+    argument in place changed the caller's tensor. CPU tensors travel as copies; so do these."""
+    weights = torch.randn(5, device="cuda:0")
+    handle = Gpu.spawn("cuda:0", weights, device=0, name="copies")
+    try:
+        sent = weights.clone()
+        weights.add_(100.0)  # the driver changes what it gave spawn
+        assert_same(handle.get_given.call(), sent, "spawn's argument")
+        synced = handle.fill_kept.call(1.0, 4)  # a tensor the actor keeps, filled in place
+        handle.fill_kept.call(2.0, 4)
+        assert synced.is_cuda
+        assert_same(synced, torch.ones(4, device=synced.device), "an earlier call's result")
+        arg = torch.randn(1 << 20, device="cuda:0")
+        before = arg.clone()
+        handle.add_in_place.call(arg, 5.0)
+        assert_same(arg, before, "the caller's argument")
+        x = torch.randn(6, dtype=torch.complex64, device="cuda:0")
+        assert_same(handle.make.call(x.conj()), x.conj() * 2, "a conjugate view")
+        assert_same(handle.make.call(x[1::2]), x[1::2] * 2, "a strided view")
+        param = torch.nn.Parameter(torch.randn(3, device="cuda:0"))
+        got = handle.fail_if.call(param, False)  # returns its argument
+        assert type(got) is torch.nn.Parameter and got.requires_grad and got.is_cuda
+        expected = param.detach().clone()
+        with torch.no_grad():
+            param.add_(1.0)
+        assert_same(got.detach(), expected, "a parameter sent and returned")
+        with pytest.raises(TypeError, match="detach"):  # autograd stays home, as on the CPU
+            handle.make.call(param * 2)
+        assert_same(handle.make.call(torch.ones(2, device="cuda:0")), torch.full((2,), 2.0,
+                    device="cuda:0"), "a call after the refused one")  # fmt: skip
+    finally:
+        handle.kill()
+
+
 @pytest.mark.multigpu
 @needs_two
 @pytest.mark.parametrize("overlap", [False, True])
