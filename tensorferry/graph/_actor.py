@@ -367,6 +367,32 @@ class ActorHandle:
         except Exception:  # read whole, so the pipe is in step: only this answer is lost
             return ("unloadable", traceback.format_exc())
 
+    def _settle(self, deadline: float) -> bool:
+        """Reads and drops the answers owed to calls given up on, and waits for a message still
+        being written in the background, until ``deadline``. Whether the actor is idle now (it
+        runs nothing, and its pipe holds nothing of ours). Raises ``ActorDiedError``."""
+        finisher = self._finisher
+        if finisher is not None:
+            finisher.join(max(0.0, deadline - time.monotonic()))
+            if finisher.is_alive():
+                return False
+        while self._owed:
+            if not self._conn.poll(max(0.0, min(0.05, deadline - time.monotonic()))):
+                if not self._process.is_alive():
+                    raise ActorDiedError(
+                        f"actor {self.name} (pid {self.pid}) died "
+                        f"(exit code {self._process.exitcode})"
+                    )
+                if time.monotonic() >= deadline:
+                    return False
+                continue
+            try:
+                self._conn.recv_bytes()  # an answer nobody waits for any more
+            except (EOFError, OSError):
+                raise ActorDiedError(f"actor {self.name} (pid {self.pid}) died") from None
+            self._owed -= 1
+        return True
+
     def _read_cut_off(self) -> None:
         """An answer was read part-way when an interrupt came: the rest would be read as the
         next answer. The actor cannot be used again. (A message written part-way is finished

@@ -63,6 +63,8 @@ class CompileOptions:
     """Default seconds ``ref.get()`` waits."""
     teardown_timeout: float = 10.0
     """Seconds ``teardown`` may take in all."""
+    start_timeout: float = 180.0
+    """Seconds every actor may take to set up (and to finish a direct call given up on)."""
     buffer_size_bytes: int = 1 << 20
     """Initial slot size of each shared-memory channel."""
     profile: bool = False
@@ -81,7 +83,7 @@ class CompileOptions:
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        for name in ("submit_timeout", "get_timeout", "teardown_timeout"):
+        for name in ("submit_timeout", "get_timeout", "teardown_timeout", "start_timeout"):
             checked_seconds(getattr(self, name), name)
         if self.buffer_size_bytes < 64:
             raise ValueError(f"buffer_size_bytes must be >= 64, got {self.buffer_size_bytes}")
@@ -93,7 +95,7 @@ class Executor(Protocol):
     """What runs compiled schedules: the local process executor and the Ray executor.
 
     Constructed as ``Executor(graph, schedules, handles, *, overlap, max_inflight,
-    buffer_size_bytes, profile)``.
+    buffer_size_bytes, profile, start_timeout)``.
     """
 
     transports: frozenset[str]
@@ -279,6 +281,7 @@ class CompiledGraph:
             max_inflight=options.max_inflight,
             buffer_size_bytes=options.buffer_size_bytes,
             profile=options.profile,
+            start_timeout=options.start_timeout,
         )
         self._lock = threading.Lock()
         self._submitted = 0

@@ -100,6 +100,7 @@ class DAGNode:
         submit_timeout: float = 60.0,
         get_timeout: float = 300.0,
         teardown_timeout: float = 10.0,
+        start_timeout: float = 180.0,
         buffer_size_bytes: int = 1 << 20,
         profile: bool = False,
         executor: str = "auto",
@@ -116,6 +117,8 @@ class DAGNode:
                 executions are in flight.
             get_timeout: default seconds ``ref.get()`` waits.
             teardown_timeout: seconds ``teardown`` may take in all.
+            start_timeout: seconds every actor may take to set up its part (NCCL included),
+                and to finish a direct call given up on that it still runs.
             buffer_size_bytes: initial slot size of each shared-memory channel (channels grow
                 when a larger message comes).
             profile: record each operation's start and end for :meth:`visualize_timeline`.
@@ -139,6 +142,7 @@ class DAGNode:
             submit_timeout=submit_timeout,
             get_timeout=get_timeout,
             teardown_timeout=teardown_timeout,
+            start_timeout=start_timeout,
             buffer_size_bytes=buffer_size_bytes,
             profile=profile,
             executor=executor,

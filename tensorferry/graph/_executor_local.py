@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError
+from tensorferry.graph._actor import _NoAnswer, _NotSent
 from tensorferry.graph._channel import Channel, Control, unlink_prefix
 from tensorferry.graph._executor_base import ExecutorBase, unpicklable_constant
 from tensorferry.graph._plan import DRIVER, RENDEZVOUS_TRANSPORTS, GraphSpec, Schedules
@@ -97,6 +98,16 @@ class LocalExecutor(ExecutorBase):
         problem = unpicklable_constant(self.graph)
         if problem is not None:  # before anything is created or sent
             raise GraphCompileError(problem)
+        deadline = time.monotonic() + self._start_timeout
+        for name in self._names:
+            # An actor still running a direct call given up on reads no plan until that call
+            # ends: compile waited out its whole start timeout, then stopped the actor.
+            if not self.handles[name]._settle(deadline):
+                raise GraphCompileError(
+                    f"actor {name} is still running a direct call given up on earlier (its "
+                    f"timeout passed), {self._start_timeout:.3g} s on; compile once it has "
+                    "finished, or kill the actor. Nothing was started, and the actor goes on."
+                )
         try:
             profile_channels = self._make_segments()
             nccl = self._nccl_setups()
@@ -130,13 +141,18 @@ class LocalExecutor(ExecutorBase):
             )
             handle = self.handles[name]
             try:
-                handle._send(("run", plan))
+                handle._send(("run", plan), deadline)
+            except (_NotSent, _NoAnswer):  # only a plan larger than the pipe can wait here
+                unsent = GraphCompileError(
+                    f"actor {name} did not take its part of the graph's plan in "
+                    f"{self._start_timeout:.3g} s"
+                )
+                break
             except Exception as exc:  # the actor died, or the plan does not pickle
                 unsent = exc
                 break
             handle.graph = self
             sent.append(name)
-        deadline = time.monotonic() + self._start_timeout
         failures = []
         for name in sent:  # every actor that has the plan answers before anything else
             handle = self.handles[name]

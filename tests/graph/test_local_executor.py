@@ -448,6 +448,41 @@ def test_a_direct_call_that_times_out_leaves_later_calls_and_graphs_their_own_an
         calc.kill()
 
 
+def test_compile_on_an_actor_still_running_a_call_given_up_on_is_bounded_and_harmless():
+    """Such an actor reads no plan until the call ends: compile waited out its whole start
+    timeout (180 s by default), then stopped the actor."""
+    calc = CalcActor.spawn(1.0, name="busy")
+    try:
+        with pytest.raises(tf.TransferTimeoutError):
+            calc.slow.call(torch.ones(1), 60.0, timeout=0.2)
+        with InputNode() as inp:
+            dag = calc.mul.bind(inp, 3.0)
+        started = time.monotonic()
+        with pytest.raises(tf.GraphCompileError, match=r"busy is still running a direct call"):
+            dag.compile(start_timeout=1.0)
+        assert time.monotonic() - started < 5.0
+        assert calc.is_alive() and calc.graph is None
+        with pytest.raises(ValueError, match="start_timeout"):
+            dag.compile(start_timeout=0)
+        # A call given up on that ends within the start timeout: compile goes on after it.
+        calc.kill()
+        calc = CalcActor.spawn(1.0, name="busy")
+        with pytest.raises(tf.TransferTimeoutError):
+            calc.slow.call(torch.ones(1), 1.0, timeout=0.2)
+        with InputNode() as inp:
+            dag = calc.mul.bind(inp, 3.0)
+        graph = dag.compile(start_timeout=30.0)
+        try:
+            x = torch.randn(4)
+            assert torch.equal(graph.execute(x).get(timeout=10), x * 3.0)
+        finally:
+            graph.teardown(kill_actors=False)
+        x = torch.randn(2)
+        assert torch.equal(calc.add.call(x), x + 1.0)
+    finally:
+        calc.kill()
+
+
 def test_a_constructor_slower_than_start_timeout_names_it_and_leaves_no_process():
     started = time.monotonic()
     with pytest.raises(tf.ActorDiedError, match=r"start_timeout=1 s .* needs a larger") as caught:
