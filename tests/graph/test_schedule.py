@@ -240,27 +240,31 @@ def test_shm_edges_are_not_rendezvous_and_tolerate_eager_sends():
     assert find_deadlock(graph, schedules, capacity=1) is None
 
 
+def random_dag(rng):
+    """A graph of 2 to 8 calls over 2 to 4 GPU actors, edges over nccl, shm or auto."""
+    actors = [FakeActor(f"G{i}", f"cuda:{i}") for i in range(rng.randint(2, 4))]
+    with InputNode() as inp:
+        nodes = []
+        for _ in range(rng.randint(2, 8)):
+            actor = rng.choice(actors)
+            if nodes and rng.random() < 0.8:
+                args = rng.sample(nodes, k=min(len(nodes), rng.choice([1, 2])))
+            else:
+                args = [inp]
+            method = actor.combine if len(args) == 2 else actor.consume
+            node = method.bind(*args).with_transport(rng.choice(["nccl", "shm", "auto"]))
+            nodes.append(node)
+        used = {id(a) for n in nodes for a in n.upstream()}
+        leaves = [n for n in nodes if id(n) not in used]
+        return lower(MultiOutputNode(leaves))
+
+
 def test_random_dags_always_get_deadlock_free_schedules():
     import random
 
     rng = random.Random(1234)
     for trial in range(40):
-        actors = [FakeActor(f"G{i}", f"cuda:{i}") for i in range(rng.randint(2, 4))]
-        with InputNode() as inp:
-            nodes = []
-            for _ in range(rng.randint(2, 8)):
-                actor = rng.choice(actors)
-                if nodes and rng.random() < 0.8:
-                    args = rng.sample(nodes, k=min(len(nodes), rng.choice([1, 2])))
-                else:
-                    args = [inp]
-                method = actor.combine if len(args) == 2 else actor.consume
-                node = method.bind(*args).with_transport(rng.choice(["nccl", "shm", "auto"]))
-                nodes.append(node)
-            used = {id(a) for n in nodes for a in n.upstream()}
-            leaves = [n for n in nodes if id(n) not in used]
-            dag = MultiOutputNode(leaves)
-        graph = lower(dag)
+        graph = random_dag(rng)
         for overlap in (False, True):
             for inflight in (1, 3):
                 schedules = build_schedules(
@@ -271,6 +275,76 @@ def test_random_dags_always_get_deadlock_free_schedules():
                 computes = [op.task_id for ops in schedules.values() for op in ops
                             if op.kind is OpKind.COMPUTE]  # fmt: skip
                 assert sorted(computes) == [t.task_id for t in graph.tasks]
+
+
+def one_move_at_a_time(graph, base, *, capacity, max_inflight):
+    """The overlap pass as first written, the reference: every move simulated on its own.
+    Returns the schedules and how many moves it refused."""
+    from tensorferry.graph._plan import DRIVER
+    from tensorferry.graph._schedule import _read_target, _write_target, moved_operations
+
+    work = {actor: list(ops) for actor, ops in base.items()}
+    refused = 0
+    for kind, target_of in (
+        (OpKind.WRITE, lambda ops, i: _write_target(graph, ops, i)),
+        (OpKind.READ, _read_target),
+    ):
+        for actor, ops in work.items():
+            if actor == DRIVER:
+                continue
+            for index in range(len(ops)):
+                target = target_of(ops, index) if ops[index].kind is kind else index
+                if target >= index:
+                    continue
+                before = list(ops)
+                ops.insert(target, ops.pop(index))
+                frozen = {a: tuple(o) for a, o in work.items()}
+                if find_deadlock(graph, frozen, capacity=capacity, max_inflight=max_inflight):
+                    ops[:] = before
+                    refused += 1
+    return moved_operations(base, {actor: tuple(ops) for actor, ops in work.items()}), refused
+
+
+def test_overlap_pass_makes_the_moves_one_simulation_per_move_made():
+    """Moves are tried in runs (one simulation per move made compile time grow with the
+    square of a graph's size); the schedules are those of trying each move on its own, also
+    for graphs where many moves deadlock and are refused."""
+    import random
+
+    rng = random.Random(99)
+    refused = 0
+    for trial in range(60):
+        graph = random_dag(rng)
+        base = default_schedules(graph)
+        for inflight in (1, 3):
+            options = {"capacity": inflight, "max_inflight": inflight}
+            got = overlap_schedules(graph, base, **options)
+            want, refusals = one_move_at_a_time(graph, base, **options)
+            assert got == want and all(  # the moved flags too
+                [op.moved for op in got[a]] == [op.moved for op in want[a]] for a in got
+            ), trial
+            refused += refusals > 0
+    assert refused > 20, refused  # most graphs here have moves that would deadlock
+
+
+def test_overlap_pass_simulates_once_per_run_of_moves(monkeypatch):
+    import tensorferry.graph._schedule as schedule
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return find_deadlock(*args, **kwargs)
+
+    monkeypatch.setattr(schedule, "find_deadlock", counted)
+    actors = [FakeActor(f"a{i}") for i in range(3)]
+    with InputNode() as inp:
+        branches = [actors[i % 3].consume.bind(inp) for i in range(200)]
+        pairs = zip(branches[0::2], branches[1::2], strict=True)
+        dag = MultiOutputNode([actors[0].combine.bind(a, b) for a, b in pairs])
+    schedules = build_schedules(lower(dag), overlap=True)
+    moved = sum(op.moved for ops in schedules.values() for op in ops)
+    assert moved > 100 and len(calls) < 40, (moved, len(calls))  # one per move: ~moved
 
 
 def test_operation_equality_ignores_moved_flag():
