@@ -170,7 +170,7 @@ class ActorClass:
         start_timeout = checked_seconds(start_timeout, "start_timeout")
         problem = signature_mismatch(self.cls, "__init__", args, kwargs)
         if problem is not None:  # before a process starts (seconds) only to raise it there
-            raise TypeError(f"{self.cls.__name__}.spawn(): arguments do not fit {problem}")
+            raise TypeError(f"{self.cls.__name__}.spawn(): {problem}")
         if executor == "ray":
             from tensorferry.graph._actor_ray import spawn_ray_actor
 
@@ -234,7 +234,7 @@ class ActorMethod:
         timeout = checked_seconds(timeout, f"{where}: timeout")
         problem = signature_mismatch(self._handle.actor_class, self._name, args, kwargs)
         if problem is not None:
-            raise TypeError(f"{where}: arguments do not fit {problem}")
+            raise TypeError(f"{where}: {problem}")
         return self._handle._request(("call", self._name, args, kwargs), timeout)
 
 

@@ -146,9 +146,7 @@ def _check_signature(node: ClassMethodNode) -> None:
         raise GraphCompileError(f"{node!r}: {cls.__name__} has no method {node.method!r}")
     problem = signature_mismatch(cls, node.method, node.args, node.kwargs)
     if problem is not None:
-        raise GraphCompileError(
-            f"{node.actor.name}.{node.method}: arguments do not match its signature {problem}"
-        )
+        raise GraphCompileError(f"{node.actor.name}.{node.method}: {problem}")
 
 
 def _arg_ref(value: Any, task_ids: dict[int, int], where: str) -> ArgRef:

@@ -56,8 +56,9 @@ def check_method_name(actor_class: type, name: str) -> None:
 
 
 def signature_mismatch(actor_class: type, name: str, args: tuple, kwargs: dict) -> str | None:
-    """Why ``name`` of ``actor_class`` cannot take ``args`` and ``kwargs``: its signature (without
-    ``self``) and what does not fit it. ``None`` when they fit, or when there is no signature to
+    """Why ``name`` of ``actor_class`` cannot take ``args`` and ``kwargs``: "arguments do not fit
+    its signature", the signature (without ``self``) and what does not fit it, for errors of
+    compile, call and spawn alike. ``None`` when they fit, or when there is no signature to
     check (some builtins). ``name="__init__"`` checks the constructor."""
     signature = _signature(actor_class, name)
     if signature is None:
@@ -65,7 +66,7 @@ def signature_mismatch(actor_class: type, name: str, args: tuple, kwargs: dict) 
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
-        return f"{signature}: {exc}"
+        return f"arguments do not fit its signature {signature}: {exc}"
     return None
 
 
