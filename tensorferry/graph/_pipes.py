@@ -80,10 +80,11 @@ class _Pickler(ForkingPickler):
         if nbytes <= _INLINE_MAX:
             data = as_bytes(values).numpy().tobytes()
             return _inline_tensor, (data, values.dtype, tuple(values.shape), *how)
-        shared = _empty_shared(values)
-        _copy_values(shared, values)
+        data = as_bytes(values)
+        shared = _empty_shared(nbytes)  # bytes: rebuilt as they are (see _private_tensor)
+        _copy_values(shared, data)
         self._keep(shared)
-        return _private_tensor, (shared, *how)
+        return _private_tensor, (shared, values.dtype, tuple(values.shape), *how)
 
     def _shared_as_torch_shares(self, copy: torch.Tensor) -> Any:
         """The reduction of ``copy``, made here, by torch's sharing (kept until sent)."""
@@ -135,20 +136,28 @@ def _inline_tensor(
     return _as_sent(tensor, requires_grad, parameter)
 
 
-def _private_tensor(shared: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
-    """A tensor that travelled through shared memory, without the file descriptor torch's
-    rebuilt tensor holds: the memory is mapped again from it (no copy), or else copied out."""
-    tensor = _mapped_again(shared)
-    if tensor is None:
-        tensor = _empty(tuple(shared.shape), shared.dtype, shared.numel() * shared.element_size())
-        _copy_values(tensor, shared)
-    return _as_sent(tensor, requires_grad, parameter)
+def _private_tensor(
+    shared: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+) -> torch.Tensor:
+    """A tensor whose bytes travelled through shared memory (as bytes: torch's rebuilding of a
+    complex32 tensor warns), without the file descriptor torch's rebuilt tensor holds: the
+    memory is mapped again from it (no copy), or else copied out."""
+    data = _mapped_again(shared)
+    if data is None:
+        data = torch.empty(shared.numel(), dtype=torch.uint8)
+        _copy_values(data, shared)
+    return _as_sent(data.view(dtype).view(shape), requires_grad, parameter)
 
 
 def _mapped_again(shared: torch.Tensor) -> torch.Tensor | None:
-    """``shared``'s memory mapped once more through ``/proc/self/fd``, which holds no descriptor
-    once mapped; ``shared`` (and its descriptor) then go as nothing else refers to them.
-    ``None`` where that cannot be done (not Linux, a torch without these calls)."""
+    """The bytes of ``shared`` (``uint8``) mapped once more through ``/proc/self/fd``, which
+    holds no descriptor once mapped; ``shared`` (and its descriptor) then go as nothing else
+    refers to them. ``None`` where that cannot be done (not Linux, a torch without these
+    calls)."""
     storage = shared.untyped_storage()
     if not storage.is_shared() or shared.storage_offset() != 0:
         return None
@@ -157,19 +166,16 @@ def _mapped_again(shared: torch.Tensor) -> torch.Tensor | None:
         raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
     except (AttributeError, RuntimeError, OSError):
         return None
-    nbytes = shared.numel() * shared.element_size()
-    return raw[:nbytes].view(shared.dtype).view(shared.shape)
+    return raw[: shared.numel()]
 
 
-def _empty_shared(like: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor of ``like``'s shape and dtype whose memory is allocated shared: torch
-    shares it as it is. (``share_memory_()`` on a new tensor would copy it once more.)"""
-    nbytes = like.numel() * like.element_size()
+def _empty_shared(nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes (``uint8``) allocated in shared memory: torch shares them as they are.
+    (``share_memory_()`` on a new tensor would copy it once more.)"""
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # private to torch
     if new_shared is None:
-        return _empty(tuple(like.shape), like.dtype, nbytes).share_memory_()
-    raw = torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes), 0, (nbytes,))
-    return raw.view(like.dtype).view(like.shape)
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes), 0, (nbytes,))
 
 
 class _PipeMessage:

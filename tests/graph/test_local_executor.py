@@ -10,6 +10,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -738,6 +739,23 @@ def test_direct_calls_and_spawn_hand_over_copies_not_the_senders_memory():
         assert torch.equal(handle.echo.call(param.detach() * 2), param.detach() * 2)
     finally:
         handle.kill()
+
+
+def test_a_large_complex32_tensor_reaches_an_actor_without_a_warning(capfd):
+    """torch's rebuilding of a shared complex32 tensor warned in the receiving actor (once per
+    process: a fresh actor shows it). Its bytes travel instead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns as it makes complex32 tensors
+        x = torch.randn(100_000, dtype=torch.complex64).to(torch.complex32)  # 400 KB
+    handle = CalcActor.spawn(name="complex32")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the driver's own rebuilding of the result
+            got = handle.echo.call(x)
+        assert torch.equal(got.view(torch.int32), x.view(torch.int32))
+    finally:
+        handle.kill()
+    assert "ComplexHalf" not in capfd.readouterr().err
 
 
 def test_results_of_calls_kept_by_the_hundred_hold_no_descriptors(trio):

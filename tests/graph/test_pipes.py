@@ -58,5 +58,6 @@ def test_what_makes_a_weight_a_weight_comes_along():
 def test_a_tensor_not_in_shared_memory_is_copied_out():
     # What the receiver does where it cannot map the memory again.
     tensor = torch.randn(5, 4)
-    got = _private_tensor(tensor, False, False)
+    data = tensor.view(-1).view(torch.uint8)
+    got = _private_tensor(data, tensor.dtype, (5, 4), False, False)
     assert torch.equal(got, tensor) and got.data_ptr() != tensor.data_ptr()
