@@ -823,10 +823,10 @@ def test_a_plan_that_cannot_be_sent_stops_the_actors_that_got_theirs(trio, monke
     a, b, _ = trio
     real_send = type(b)._send
 
-    def refuse_plans_to_b(handle, message):
+    def refuse_plans_to_b(handle, message, *deadline):
         if handle is b and message[0] == "run":
             raise TypeError("cannot pickle this plan (on purpose)")
-        return real_send(handle, message)
+        return real_send(handle, message, *deadline)
 
     monkeypatch.setattr(type(b), "_send", refuse_plans_to_b)
     with InputNode() as inp:
