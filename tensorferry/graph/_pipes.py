@@ -16,8 +16,10 @@ memory and a flag that operations apply as they read it; its copy holds its valu
 
 A CUDA tensor travels as a copy too, made on its device and shared by torch's CUDA IPC: the
 receiver maps the copy, never the sender's tensor (a trainer's weights returned by a call kept
-changing in the driver as the actor trained, as CPU tensors did). It costs one device copy per
-tensor and direction, and the copy's memory stays the sender's until the receiver drops it.
+changing in the driver as the actor trained, as CPU tensors did), and copies it at once into
+memory of its own, so nothing it keeps lives in the sender's memory (which goes when the sender
+exits). Two device copies per tensor and direction; the shared one is freed by its sender once
+the receiver has its own.
 """
 
 from __future__ import annotations
@@ -71,10 +73,14 @@ class _Pickler(ForkingPickler):
             values = resolved(obj)
             if values is obj:
                 return NotImplemented
-            return self._shared_as_torch_shares(values)
+            self._keep(values)
+            reduce = self.dispatch_table.get(type(values))
+            return reduce(values) if reduce is not None else values.__reduce_ex__(5)
         how = (obj.requires_grad, kind is torch.nn.Parameter)
         if obj.is_cuda:
-            return self._shared_as_torch_shares(_as_sent(_device_copy(obj), *how))
+            copy = _device_copy(obj)
+            self._keep(copy)  # shared by torch's CUDA sharing, as a plain tensor
+            return _owned_cuda_tensor, (copy, *how)
         values = host_values(obj)  # contiguous and detached; a lazy view's values
         nbytes = values.numel() * values.element_size()
         if nbytes <= _INLINE_MAX:
@@ -86,12 +92,6 @@ class _Pickler(ForkingPickler):
         self._keep(shared)
         return _private_tensor, (shared, values.dtype, tuple(values.shape), *how)
 
-    def _shared_as_torch_shares(self, copy: torch.Tensor) -> Any:
-        """The reduction of ``copy``, made here, by torch's sharing (kept until sent)."""
-        self._keep(copy)
-        reduce = self.dispatch_table.get(type(copy))
-        return reduce(copy) if reduce is not None else copy.__reduce_ex__(5)
-
     def _keep(self, copy: torch.Tensor) -> None:
         self.copies.append(copy)
         self._own.add(id(copy))
@@ -102,6 +102,14 @@ def _device_copy(tensor: torch.Tensor) -> torch.Tensor:
     sharing orders the receiver's reads after it): contiguous, detached, lazy views resolved."""
     nbytes = tensor.numel() * tensor.element_size()
     return _empty(tuple(tensor.shape), tensor.dtype, nbytes, tensor.device).copy_(tensor.detach())
+
+
+def _owned_cuda_tensor(shared: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A CUDA tensor that arrived through torch's CUDA sharing, copied into this process's own
+    memory: the shared one lives in the sender's, which goes when the sender exits (a weight
+    kept from an actor read freed memory once the actor was killed). Dropping the shared one
+    lets the sender free it."""
+    return _as_sent(_device_copy(shared), requires_grad, parameter)
 
 
 def _copy_values(target: torch.Tensor, source: torch.Tensor) -> None:

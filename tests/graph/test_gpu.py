@@ -240,10 +240,11 @@ def test_a_gpu_result_that_cannot_be_sent_fails_its_execution_only(pair, overlap
 
 
 @needs_one
-def test_direct_calls_and_spawn_hand_over_cuda_copies_not_the_senders_memory():
+def test_direct_calls_and_spawn_hand_over_cuda_copies_not_the_senders_memory(capfd):
     """torch's CUDA sharing hands the receiver the sender's own device memory: weights returned
-    by a call changed in the driver as the actor filled them again, and an actor changing its
-    argument in place changed the caller's tensor. CPU tensors travel as copies; so do these."""
+    by a call changed in the driver as the actor filled them again, an actor could not return
+    a CUDA tensor it had been given, and what the driver kept lived in the actor's memory, gone
+    with the actor. CPU tensors travel as copies; so do these, owned by their receiver."""
     weights = torch.randn(5, device="cuda:0")
     handle = Gpu.spawn("cuda:0", weights, device=0, name="copies")
     try:
@@ -272,8 +273,13 @@ def test_direct_calls_and_spawn_hand_over_cuda_copies_not_the_senders_memory():
             handle.make.call(param * 2)
         assert_same(handle.make.call(torch.ones(2, device="cuda:0")), torch.full((2,), 2.0,
                     device="cuda:0"), "a call after the refused one")  # fmt: skip
+        assert_same(handle.get_given.call(), sent, "spawn's argument, returned")
     finally:
         handle.kill()
+    # The actor exited (asked to): nothing the driver keeps was in its memory. torch says so at
+    # a producer's exit when a receiver still holds some of it.
+    assert "Producer process has been terminated" not in capfd.readouterr().err
+    assert_same(synced, torch.ones(4, device=synced.device), "a result kept after the actor")
 
 
 @pytest.mark.multigpu
