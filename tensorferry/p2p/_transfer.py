@@ -11,10 +11,11 @@ Thread-safe: every method may be called from any thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -24,6 +25,8 @@ from tensorferry.runtime._events import recycle, stream_wait
 from tensorferry.runtime._spin import spin_until, spin_window_s
 
 __all__ = ["Transfer"]
+
+log = logging.getLogger(__name__)
 
 
 class _Latch:
@@ -60,6 +63,66 @@ class _Latch:
             self._lock.release()
 
 
+class _Outcome:
+    """A result or an exception, set once, that threads can wait for and be called back on:
+    what :class:`Transfer` needs of ``concurrent.futures.Future``, without its condition
+    variable (a :class:`_Latch` instead), since every ``tf.send`` makes one. Callbacks run on
+    the thread that sets it, or at once on the adder's when it is already set; their
+    exceptions are logged, as a future's are."""
+
+    __slots__ = ("_callbacks", "_exception", "_latch", "_lock", "_result")
+
+    def __init__(self) -> None:
+        self._latch = _Latch()
+        self._lock = threading.Lock()  # setting it against adding a callback
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[_Outcome], Any]] = []
+
+    def done(self) -> bool:
+        return self._latch.is_set()
+
+    def set_result(self, value: Any) -> None:
+        self._set(value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._set(None, exc)
+
+    def _set(self, value: Any, exc: BaseException | None) -> None:
+        with self._lock:
+            if self._latch.is_set():
+                raise InvalidStateError("the outcome is already set")
+            self._result, self._exception = value, exc
+            self._latch.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def add_done_callback(self, fn: Callable[[_Outcome], Any]) -> None:
+        with self._lock:
+            if not self._latch.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def _call(self, fn: Callable[[_Outcome], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            log.exception("a transfer's done callback raised")
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The exception, or ``None``; waits up to ``timeout`` (``None``: for good).
+
+        Raises:
+            concurrent.futures.TimeoutError: not set within ``timeout``.
+        """
+        limit = threading.TIMEOUT_MAX if timeout is None else min(timeout, threading.TIMEOUT_MAX)
+        if not self._latch.wait(limit):
+            raise FutureTimeout()
+        return self._exception
+
+
 # A wait without its own timeout waits for the transfer's deadline plus this grace, so the
 # transfer's own (more precise) error wins over a generic wait timeout.
 _GRACE_S = 5.0
@@ -90,8 +153,7 @@ class Transfer:
         self._description = description
         self._deadline = deadline
         self._value = value
-        self._future: Future = Future()
-        self._future.set_running_or_notify_cancel()
+        self._future = _Outcome()
         self._issued = _Latch()
         # Guards "are there user callbacks?" against finishing on a library thread that must
         # not run them (see _finish_if_no_callbacks).

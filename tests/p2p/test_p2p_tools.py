@@ -270,6 +270,35 @@ def test_transfer_latch_releases_every_waiter_and_tolerates_races():
     assert latch.is_set() and latch.wait(0.0) and latch.wait(1.0)
 
 
+def test_transfer_outcome_is_set_once_and_calls_back_once(caplog):
+    import threading
+    from concurrent.futures import InvalidStateError
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from tensorferry.p2p._transfer import _Outcome
+
+    outcome = _Outcome()
+    with pytest.raises(FutureTimeout):
+        outcome.exception(0.01)
+    called = []
+
+    def broken(_):
+        raise RuntimeError("a callback that raises (on purpose)")
+
+    outcome.add_done_callback(broken)
+    outcome.add_done_callback(lambda o: called.append(("before", o.exception(0))))
+    error = ValueError("failed")
+    setter = threading.Timer(0.05, outcome.set_exception, (error,))
+    setter.start()
+    assert outcome.exception(5.0) is error and outcome.done()
+    setter.join()
+    with pytest.raises(InvalidStateError):
+        outcome.set_result(1)
+    outcome.add_done_callback(lambda o: called.append(("after", o.exception(0))))
+    assert called == [("before", error), ("after", error)]
+    assert "a transfer's done callback raised" in caplog.text  # logged; the others still ran
+
+
 def test_nccl_calls_setting(monkeypatch):
     from tensorferry import envs
     from tensorferry.p2p import _nccl_lib
