@@ -15,7 +15,9 @@ Overlap schedule (``overlap_communication=True``)
     executor issues receives before the computation that does not need them and sends as soon
     as data is ready. Each move is kept only if the deadlock simulation still passes: moving a
     rendezvous receive ahead of a send its peer waits for would cross the two. (Moves are tried
-    in runs, kept when the whole run passes; a failed run is tried again a move at a time.)
+    in runs, kept when the whole run passes; a failed run is tried again a move at a time. A
+    READ that would wait for data made from a COMPUTE it moves ahead of is refused without a
+    simulation.)
     Operations that
     moved ahead of a COMPUTE they used to follow are flagged ``moved`` (drawn red).
 """
@@ -87,6 +89,33 @@ def _read_target(ops: list[Operation], index: int) -> int:
     return target
 
 
+def _ancestors(graph: GraphSpec) -> dict[int, int]:
+    """Each task's ancestors within an execution (the tasks whose results it needs, however
+    indirectly), as a bit set of task ids. Tasks come in bind order, producers first."""
+    bits: dict[int, int] = {}
+    for task in graph.tasks:
+        mask = 0
+        for producer in task.arg_tasks():
+            mask |= bits[producer] | (1 << producer)
+        bits[task.task_id] = mask
+    return bits
+
+
+def _waits_on_itself(
+    graph: GraphSpec, ancestors: dict[int, int], ops: list[Operation], index: int, target: int
+) -> bool:
+    """Whether the READ at ``index``, moved to ``target``, would wait for data made from a
+    COMPUTE it moves ahead of: a deadlock whatever the transports and buffers, so the move is
+    refused without a simulation (nearly every move of a long chain was one)."""
+    edge_id = ops[index].edge_id
+    assert edge_id is not None
+    source = graph.edge(edge_id).src_task
+    if source is None:
+        return False  # the driver's input
+    needs = ancestors[source] | (1 << source)
+    return any(op.kind is OpKind.COMPUTE and needs >> op.task_id & 1 for op in ops[target:index])
+
+
 def overlap_schedules(
     graph: GraphSpec, base: Schedules, *, capacity: int = 1, max_inflight: int = 1
 ) -> Schedules:
@@ -103,6 +132,7 @@ def overlap_schedules(
         followed in ``base``.
     """
     work: dict[str, list[Operation]] = {actor: list(ops) for actor, ops in base.items()}
+    ancestors = _ancestors(graph)
 
     def deadlock_free() -> bool:
         frozen = {actor: tuple(ops) for actor, ops in work.items()}
@@ -119,7 +149,9 @@ def overlap_schedules(
         while index < len(ops) and count:
             if ops[index].kind is kind:
                 target = target_of(ops, index)
-                if target < index:
+                if target < index and not (
+                    kind is OpKind.READ and _waits_on_itself(graph, ancestors, ops, index, target)
+                ):
                     ops.insert(target, ops.pop(index))
                     count -= 1
             index += 1
