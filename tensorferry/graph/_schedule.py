@@ -14,12 +14,11 @@ Overlap schedule (``overlap_communication=True``)
     its data, and every READ moves up as far as it can (keeping reads in their order), so the
     executor issues receives before the computation that does not need them and sends as soon
     as data is ready. Each move is kept only if the deadlock simulation still passes: moving a
-    rendezvous receive ahead of a send its peer waits for would cross the two. (Moves are tried
+    rendezvous receive ahead of a send its peer waits for would cross the two. Moves are tried
     in runs, kept when the whole run passes; a failed run is tried again a move at a time. A
     READ that would wait for data made from a COMPUTE it moves ahead of is refused without a
-    simulation.)
-    Operations that
-    moved ahead of a COMPUTE they used to follow are flagged ``moved`` (drawn red).
+    simulation. Operations that moved ahead of a COMPUTE they used to follow are flagged
+    ``moved`` (drawn red).
 """
 
 from __future__ import annotations
@@ -145,17 +144,17 @@ def overlap_schedules(
         returns the position after the last; else undoes them and returns ``-1 - that``. (A
         move reorders positions from its target to its own only: later ones stay put.)"""
         before = list(ops)
-        index = start
-        while index < len(ops) and count:
+        index, left = start, count
+        while index < len(ops) and left:
             if ops[index].kind is kind:
                 target = target_of(ops, index)
                 if target < index and not (
                     kind is OpKind.READ and _waits_on_itself(graph, ancestors, ops, index, target)
                 ):
                     ops.insert(target, ops.pop(index))
-                    count -= 1
+                    left -= 1
             index += 1
-        if index == start or deadlock_free():
+        if left == count or deadlock_free():  # nothing moved, or what moved is safe
             return index
         ops[:] = before
         return -1 - index
