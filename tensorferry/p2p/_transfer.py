@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, InvalidStateError
+from concurrent.futures import InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -64,35 +64,33 @@ class _Latch:
 
 
 class _Outcome:
-    """A result or an exception, set once, that threads can wait for and be called back on:
-    what :class:`Transfer` needs of ``concurrent.futures.Future``, without its condition
-    variable (a :class:`_Latch` instead), since every ``tf.send`` makes one. Callbacks run on
-    the thread that sets it, or at once on the adder's when it is already set; their
-    exceptions are logged, as a future's are."""
+    """How a transfer ended (done, or failed with an exception), set once, that threads can
+    wait for and be called back on: what :class:`Transfer` needs of
+    ``concurrent.futures.Future``, without its condition variable (a :class:`_Latch` instead),
+    since every ``tf.send`` makes one. Callbacks run on the thread that sets it, or at once on
+    the adder's when it is already set; their exceptions are logged, as a future's are."""
 
-    __slots__ = ("_callbacks", "_exception", "_latch", "_lock", "_result")
+    __slots__ = ("_callbacks", "_exception", "_latch", "_lock")
 
     def __init__(self) -> None:
         self._latch = _Latch()
         self._lock = threading.Lock()  # setting it against adding a callback
-        self._result: Any = None
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[_Outcome], Any]] = []
 
     def done(self) -> bool:
         return self._latch.is_set()
 
-    def set_result(self, value: Any) -> None:
-        self._set(value, None)
+    def set(self, exc: BaseException | None = None) -> None:
+        """Done (``exc=None``) or failed with ``exc``.
 
-    def set_exception(self, exc: BaseException) -> None:
-        self._set(None, exc)
-
-    def _set(self, value: Any, exc: BaseException | None) -> None:
+        Raises:
+            concurrent.futures.InvalidStateError: it was set already.
+        """
         with self._lock:
             if self._latch.is_set():
                 raise InvalidStateError("the outcome is already set")
-            self._result, self._exception = value, exc
+            self._exception = exc
             self._latch.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
@@ -153,7 +151,7 @@ class Transfer:
         self._description = description
         self._deadline = deadline
         self._value = value
-        self._future = _Outcome()
+        self._outcome = _Outcome()
         self._issued = _Latch()
         # Guards "are there user callbacks?" against finishing on a library thread that must
         # not run them (see _finish_if_no_callbacks).
@@ -187,7 +185,7 @@ class Transfer:
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:
         """True once the transfer finished (successfully or not). Never blocks."""
-        return self._future.done() or self._settled()
+        return self._outcome.done() or self._settled()
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Blocks until the transfer finished; returns ``self``.
@@ -226,7 +224,7 @@ class Transfer:
         thread, if already done). Exceptions from ``fn`` are logged and ignored."""
         with self._callbacks_lock:
             self._has_callbacks = True
-            self._future.add_done_callback(lambda _f: fn(self))
+            self._outcome.add_done_callback(lambda _f: fn(self))
         self._hand_over()  # nobody may poll it: the pool must, without its delay
 
     # ------------------------------------------------------------------ streams
@@ -241,7 +239,7 @@ class Transfer:
         """
         if not self._wait_issued(self._timeout_left(timeout)):
             raise TransferTimeoutError(f"{self.description}: not issued within the timeout")
-        if self._done_event is None or self._future.done():
+        if self._done_event is None or self._outcome.done():
             self.wait(timeout)
             return
         import torch
@@ -269,7 +267,7 @@ class Transfer:
 
     def _hand_over(self) -> None:
         expedite = self._expedite
-        if expedite is not None and not self._future.done():
+        if expedite is not None and not self._outcome.done():
             expedite()
 
     def _wait_issued(self, limit: float) -> bool:
@@ -293,7 +291,7 @@ class Transfer:
 
     def _settled(self) -> bool:
         """Finished, or its work is seen finished here (the future follows from the pool)."""
-        if self._seen_ready or self._future.done():
+        if self._seen_ready or self._outcome.done():
             return True
         ready = self._ready
         if ready is None:
@@ -311,15 +309,10 @@ class Transfer:
     def _finish(self, exc: BaseException | None = None) -> None:
         """Completes the transfer (first call wins). Runs the callbacks on this thread."""
         self._issued.set()
-        if self._future.done():
+        if self._outcome.done():
             return
-        try:
-            if exc is None:
-                self._future.set_result(self._value)
-            else:
-                self._future.set_exception(exc)
-        except Exception:  # already completed by a racing finisher
-            pass
+        with contextlib.suppress(InvalidStateError):  # completed by a racing finisher
+            self._outcome.set(exc)
 
     def _finish_if_no_callbacks(self) -> bool:
         """Completes the transfer successfully here unless user callbacks are registered
@@ -344,38 +337,36 @@ class Transfer:
         seen = self._driver is not None and self._drive_while(
             lambda: self._issued.is_set() and self._settled(), limit
         )
-        if seen and not self._future.done():
+        if seen and not self._outcome.done():
             return None  # succeeded: seen here before the completion pool got to it
         left = max(0.0, deadline - time.monotonic())
         if (
             self._issued.wait(left)
             and spin_until(self._settled, min(spin_window_s(), left))
-            and not self._future.done()
+            and not self._outcome.done()
         ):
             return None
         self._hand_over()  # about to block on the future: the pool completes it
         try:
-            return self._future.exception(max(0.0, deadline - time.monotonic()))
+            return self._outcome.exception(max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise TransferTimeoutError(
                 f"{self.description}: not finished within "
                 f"{limit if timeout is not None else 'its deadline'}"
                 f"{' s' if timeout is not None else ''}"
             ) from None
-        except CancelledError:
-            return TransferTimeoutError(f"{self.description}: cancelled")
 
     def __del__(self) -> None:
         # Nothing can wait on or poll the completion event any more (whatever polls it holds
         # this transfer): it goes back to the pool, to be recorded again.
         event = self._done_event
-        if event is not None and self._future.done():
+        if event is not None and self._outcome.done():
             with contextlib.suppress(Exception):  # at interpreter exit, say
                 recycle(event)
 
     def __repr__(self) -> str:
-        if not self._future.done():
+        if not self._outcome.done():
             state = "issued" if self._issued.is_set() else "pending"
         else:
-            state = "failed" if self._future.exception() is not None else "done"
+            state = "failed" if self._outcome.exception() is not None else "done"
         return f"Transfer({self.description!r}, {state})"

@@ -288,12 +288,12 @@ def test_transfer_outcome_is_set_once_and_calls_back_once(caplog):
     outcome.add_done_callback(broken)
     outcome.add_done_callback(lambda o: called.append(("before", o.exception(0))))
     error = ValueError("failed")
-    setter = threading.Timer(0.05, outcome.set_exception, (error,))
+    setter = threading.Timer(0.05, outcome.set, (error,))
     setter.start()
     assert outcome.exception(5.0) is error and outcome.done()
     setter.join()
     with pytest.raises(InvalidStateError):
-        outcome.set_result(1)
+        outcome.set()
     outcome.add_done_callback(lambda o: called.append(("after", o.exception(0))))
     assert called == [("before", error), ("after", error)]
     assert "a transfer's done callback raised" in caplog.text  # logged; the others still ran
