@@ -228,6 +228,9 @@ class P2PContext:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
+        # A rendezvous still waiting for its peer on a helper thread gives up now (see
+        # TransportContext.meet); the helpers are daemons, left to end with the process.
+        self.transport_ctx.stopping.set()
         try:
             self.engine.stop()
         finally:

@@ -149,6 +149,7 @@ class GlooTransport(Transport):
             import torch.distributed as dist
 
             store = self.ctx.pair_store(peer, self.name)
+            self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}")
             pg = dist.ProcessGroupGloo(store, self.ctx.rank_in_pair(peer), 2, self.ctx.timeout)
             return _GlooPair(
                 pg, 1 - self.ctx.rank_in_pair(peer), peer, epoch, self.ctx.timeout.total_seconds()

@@ -231,6 +231,7 @@ class NcclTransport(Transport):
         sending = src == self.ctx.rank
         peer = dst if sending else src
         store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}")
+        self.ctx.meet(store, peer, f"nccl: the direction rank {src} -> {dst}")
         me = 0 if sending else 1
         lib = nccl_library()
         with torch.cuda.device(device):

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -143,6 +144,8 @@ class TransportContext:
         store: the world's key-value store, already prefixed for tensorferry.
         timeout: bound for any rendezvous (store waits, communicator creation).
         epoch_of: the current epoch of the pair with a peer (see the module docstring).
+        stopping: set by ``tf.shutdown()``: a rendezvous still waiting for its peer gives up
+            (see :meth:`meet`).
     """
 
     rank: int
@@ -151,6 +154,7 @@ class TransportContext:
     store: Any
     timeout: timedelta
     epoch_of: Callable[[int], int] = field(default=lambda peer: 0)
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def pair(self, peer: int) -> tuple[int, int]:
         """``(lo, hi)``: the pair's ranks in ascending order."""
@@ -174,6 +178,35 @@ class TransportContext:
         prefix = f"pair/{lo}-{hi}/epoch{self.epoch_of(peer)}/{purpose}"
         base = self.store.clone() if hasattr(self.store, "clone") else self.store
         return dist.PrefixStore(prefix, base)
+
+    def meet(self, store: Any, peer: int, what: str) -> None:
+        """Returns once ``peer`` reached this point of the same rendezvous too (each rank marks
+        ``store``, the pair's, and polls for the other's mark). Made before a library's own
+        rendezvous (gloo's process group, NCCL's communicator), which blocks in native code
+        until the peer comes or its timeout: a thread left waiting in one when the process
+        exited after ``tf.shutdown()`` aborted the process ("terminate called without an
+        active exception", exit code -6). This wait ends at once when ``stopping`` is set.
+
+        Raises:
+            TensorFerryError: ``tf.shutdown()`` was called meanwhile.
+            TransferTimeoutError: the peer did not come within the timeout.
+        """
+        from tensorferry.errors import TensorFerryError, TransferTimeoutError
+
+        me = self.rank_in_pair(peer)
+        store.set(f"here{me}", b"1")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 1e-3
+        while not store.check([f"here{1 - me}"]):
+            if self.stopping.is_set():
+                raise TensorFerryError(f"{what}: tf.shutdown() was called")
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"{what}: rank {peer} did not take part within "
+                    f"{self.timeout.total_seconds():.3g} s"
+                )
+            self.stopping.wait(pause)
+            pause = min(pause * 2, 0.05)
 
 
 class PendingOps(abc.ABC):

@@ -1062,3 +1062,176 @@ def static_broken_with_sends_ahead(rank: int, world: int, transport: str) -> dic
     recvs.append(_outcome(lambda: recv((5, 4))))  # breaks the promise
     recvs += [_outcome(lambda: recv((4, 4))) for _ in range(3)]
     return {"recvs": recvs}
+
+
+_RANDOM_DTYPES = [
+    torch.float32,
+    torch.int64,
+    torch.bfloat16,
+    torch.bool,
+    torch.uint8,
+    torch.float16,
+]
+
+
+def _random_layout(rng) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """1 to 4 tensors: scalars, empty ones, small ones and, now and then, one of 256 KiB."""
+    layout = []
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.random()
+        if kind < 0.1:
+            shape: tuple[int, ...] = ()
+        elif kind < 0.2:
+            shape = (0, rng.randint(1, 3))
+        elif kind < 0.9:
+            shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+        else:
+            shape = (64, 1024)
+        layout.append((shape, rng.choice(_RANDOM_DTYPES)))
+    return layout
+
+
+def _reset_my_pairs(rank: int, world: int) -> None:
+    """A fresh epoch with every peer (no static agreement left by earlier cases), pair by pair
+    in one order on every rank, so no two ranks wait for each other."""
+    from tensorferry.p2p import _api
+
+    for low in range(world):
+        for high in range(low + 1, world):
+            if rank in (low, high):
+                _api._reset_pair(high if rank == low else low, timeout=T)
+
+
+def random_traffic(rank: int, world: int, seed: int, count: int, transport: str = "auto") -> str:
+    """Every rank derives one script from ``seed``: ``count`` messages between random ordered
+    pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
+    script (one layout, ``static=True`` on both sides) or not (a new layout each message).
+    Each rank carries its side of a segment's messages in script order, grouped its own random
+    way: lone sends and receives, batches mixing sends and receives with several peers, a
+    ``sendrecv`` of a send and a receive; it receives into poisoned buffers or into specs,
+    then waits for all of them at the segment's end, in a random order. (A batch goes once
+    every message in it can: one spanning segments could wait for a peer that waits for this
+    rank, see ``batch_waits_for_every_peer``.) At the end it checks every byte it received.
+    Returns ``"ok <messages>"``, or the first message that arrived wrong."""
+    import random
+
+    script = random.Random(seed)
+    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
+    static = {pair: script.random() < 0.5 for pair in pairs}
+    fixed = {pair: _random_layout(script) for pair in pairs}
+    segments: list[list] = []
+    for tag in range(count):
+        if not segments or script.random() < 1 / 8:
+            segments.append([])
+        src, dst = script.choice(pairs)
+        layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
+        segments[-1].append((src, dst, 7000 + tag, layout))
+    own = random.Random(seed * 1009 + rank)  # this rank's grouping and waits
+    _reset_my_pairs(rank, world)
+
+    def side(message):
+        """(kind, peer, tensors or buffers, what arrives, static, tag) of this rank's side."""
+        src, dst, tag, layout = message
+        sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(layout)]
+        if rank == src:
+            return "send", dst, sent, None, static[(src, dst)], tag
+        if own.random() < 0.5:
+            buffers = [poisoned(s, d) for s, d in layout]
+        else:
+            buffers = [tf.TensorSpec(s, d) for s, d in layout]
+        return "recv", src, buffers, sent, static[(src, dst)], tag
+
+    def lone(entry, pending, checks):
+        kind, peer, tensors, sent, is_static, tag = entry
+        call = tf.send if kind == "send" else tf.recv
+        handle = call(tensors, peer, static=is_static, transport=transport, timeout=T)
+        pending.append(handle)
+        if kind == "recv":
+            checks.append((handle, sent, tag))
+
+    checks: list = []  # (what arrived, what was sent, message tag)
+    taken = 0
+    for segment in segments:
+        mine = [side(m) for m in segment if rank in m[:2]]
+        taken += len(mine)
+        pending: list = []
+        i = 0
+        while i < len(mine):
+            first, pick = mine[i], own.random()
+            if pick < 0.3:  # a batch of the next few messages of the same static-ness
+                group, size = [first], own.randint(2, 6)
+                while len(group) < size and i + len(group) < len(mine):
+                    if mine[i + len(group)][4] != first[4]:
+                        break
+                    group.append(mine[i + len(group)])
+                with tf.batch(static=first[4], transport=transport, timeout=T) as b:
+                    for kind, peer, tensors, sent, _, tag in group:
+                        if kind == "send":
+                            b.send(tensors, peer)
+                        else:
+                            checks.append((b.recv(tensors, peer), sent, tag))
+                pending.append(b)
+                i += len(group)
+                continue
+            if pick < 0.45 and i + 1 < len(mine):  # a sendrecv, if these are a send and a recv
+                second = mine[i + 1]
+                if {first[0], second[0]} == {"send", "recv"} and first[4] == second[4]:
+                    out, into = (first, second) if first[0] == "send" else (second, first)
+                    handle = tf.sendrecv(
+                        out[2], out[1], into[2], into[1], static=first[4], transport=transport,
+                        timeout=T,
+                    )  # fmt: skip
+                    checks.append((handle, into[3], into[5]))
+                    pending.append(handle)
+                    i += 2
+                    continue
+            lone(first, pending, checks)
+            i += 1
+        own.shuffle(pending)
+        for handle in pending:
+            handle.wait(T)
+    for got, sent, tag in checks:
+        if isinstance(got, tf.Transfer):
+            got = got.result(T)
+        got = got if isinstance(got, list) else [got]
+        if len(got) != len(sent) or not all(map(same_bytes, got, sent)):
+            return f"message {tag} arrived wrong"
+    return f"ok {taken}"
+
+
+def batch_waits_for_every_peer(rank: int, world: int) -> str:
+    """Rank 0 sends to 1 and to 2 in one batch; rank 1 receives, then sends to 2; rank 2
+    receives from 1, then from 0. torch's ``batch_isend_irecv`` posts both sends at once and
+    all three finish. Here a batch goes once every message in it can, and the send to 2
+    cannot before rank 2 calls: rank 2 waits for rank 1, which waits for the batch."""
+    if rank > 2:
+        return "idle"
+    x = torch.full((4,), float(rank), device=D())
+    wait_s = 3.0
+    try:
+        if rank == 0:
+            with tf.batch(timeout=wait_s) as b:
+                b.send(x, 1)
+                b.send(x, 2)
+            b.wait(wait_s)
+        elif rank == 1:
+            tf.recv(torch.empty(4, device=D()), 0, timeout=wait_s).wait(wait_s)
+            tf.send(x, 2, timeout=wait_s).wait(wait_s)
+        else:
+            tf.recv(torch.empty(4, device=D()), 1, timeout=wait_s).wait(wait_s)
+            tf.recv(torch.empty(4, device=D()), 0, timeout=wait_s).wait(wait_s)
+    except TransferTimeoutError as exc:
+        return f"timed out: {str(exc)[:60]}"
+    return "ok"
+
+
+def recv_from_absent(rank: int, world: int) -> str:
+    """Rank 0 receives from rank 1, which never sends (nor makes any call): the receive times
+    out while the pair's rendezvous still waits for rank 1."""
+    if rank != 0:
+        return "idle"
+    try:
+        tf.recv(torch.empty(4, device=D()), 1, timeout=1.0).wait(5.0)
+    except TransferTimeoutError:
+        return "timed out"
+    return "received?"

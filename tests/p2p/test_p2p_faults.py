@@ -67,3 +67,15 @@ def test_a_peer_that_leaves_before_the_pair_is_made_is_reported_lost():
     assert left == ("left",)
     assert kind == "PeerLostError", message
     assert "rank 0" in message and seconds < 15.0, (seconds, message)
+
+
+def test_a_process_exits_cleanly_after_its_peer_never_came():
+    """The pair's rendezvous, on a helper thread, still waited for the absent peer inside
+    gloo when the process exited after tf.shutdown(): the process aborted (exit code -6,
+    "terminate called without an active exception")."""
+    pool = WorkerPool(2, transfer_timeout=30.0)  # the rendezvous outlives the receive
+    try:
+        assert pool.run("recv_from_absent") == ["timed out", "idle"]
+    finally:
+        pool.close()
+    assert [proc.exitcode for proc in pool._procs] == [0, 0]
