@@ -182,8 +182,16 @@ class PairFaults:
         one before the oldest that still waits for the peer's header. On a static channel a
         message is matched one to one without negotiation (the peer promised to post it),
         except one that is not static where the transport keeps headers: it waits for the
-        peer's header like any other, and a peer that never posted it owes nothing."""
+        peer's header like any other, and a peer that never posted it owes nothing.
+
+        A message whose header from the peer was compared already (``resolved``) is matched,
+        even while it still waits here: one that did not agree fails its unit, and with it the
+        pair, from inside that comparison. Counted as unmatched, the peer moved its side to the
+        next epoch, where nothing would ever meet it (it waited for its timeout, while this
+        side had raised ``MismatchError``)."""
         for message in channel.waiting:
+            if message.resolved:
+                continue
             if channel.static_desc is None or (message.header and not message.static):
                 return message.seq
         return channel.next_seq

@@ -18,7 +18,8 @@ import tensorferry.p2p as tf
 from tensorferry.errors import MismatchError, PeerLostError, TransferTimeoutError
 from tensorferry.p2p._gloo import GlooTransport
 
-T = 20.0  # seconds: every wait in these cases is bounded
+# Seconds: every wait in these cases is bounded (TF_TEST_CASE_WAIT_S: shorter, to explore).
+T = float(os.environ.get("TF_TEST_CASE_WAIT_S", "20"))
 
 
 def D() -> torch.device:
@@ -1102,7 +1103,16 @@ def _reset_my_pairs(rank: int, world: int) -> None:
                 _api._reset_pair(high if rank == low else low, timeout=T)
 
 
-def random_traffic(rank: int, world: int, seed: int, count: int, transport: str = "auto") -> str:
+def _changed(layout: list) -> list:
+    """``layout`` with its first tensor one row longer: what a sender sends by mistake."""
+    (shape, dtype), rest = layout[0], layout[1:]
+    longer = (shape[0] + 1, *shape[1:]) if shape else (1,)
+    return [(longer, dtype), *rest]
+
+
+def random_traffic(
+    rank: int, world: int, seed: int, count: int, transport: str = "auto", changed: float = 0.0
+) -> dict:
     """Every rank derives one script from ``seed``: ``count`` messages between random ordered
     pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
     script (one layout, ``static=True`` on both sides) or not (a new layout each message).
@@ -1111,9 +1121,17 @@ def random_traffic(rank: int, world: int, seed: int, count: int, transport: str 
     ``sendrecv`` of a send and a receive; it receives into poisoned buffers or into specs,
     then waits for all of them at the segment's end, in a random order. (A batch goes once
     every message in it can: one spanning segments could wait for a peer that waits for this
-    rank, see ``batch_waits_for_every_peer``.) At the end it checks every byte it received.
-    Returns ``"ok <messages>"``, or the first message that arrived wrong."""
+    rank, see ``batch_waits_for_every_peer``.)
+
+    With ``changed``, that share of the non-static messages leave with a tensor one row longer
+    than their receiver expects: they fail on both sides, and so may others of the calls that
+    carry them, on both sides alike.
+
+    Returns ``{tag: outcome}`` for this rank's side of each of its messages: ``"ok"`` (a
+    receive: every byte checked), ``"wrong bytes"``, or the error's class name."""
     import random
+
+    from tensorferry.errors import TensorFerryError
 
     script = random.Random(seed)
     pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
@@ -1125,36 +1143,29 @@ def random_traffic(rank: int, world: int, seed: int, count: int, transport: str 
             segments.append([])
         src, dst = script.choice(pairs)
         layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
-        segments[-1].append((src, dst, 7000 + tag, layout))
+        mistake = not static[(src, dst)] and script.random() < changed
+        segments[-1].append((src, dst, 7000 + tag, layout, mistake))
     own = random.Random(seed * 1009 + rank)  # this rank's grouping and waits
     _reset_my_pairs(rank, world)
 
     def side(message):
         """(kind, peer, tensors or buffers, what arrives, static, tag) of this rank's side."""
-        src, dst, tag, layout = message
-        sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(layout)]
+        src, dst, tag, layout, mistake = message
         if rank == src:
+            shapes = _changed(layout) if mistake else layout
+            sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(shapes)]
             return "send", dst, sent, None, static[(src, dst)], tag
+        sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(layout)]
         if own.random() < 0.5:
             buffers = [poisoned(s, d) for s, d in layout]
         else:
             buffers = [tf.TensorSpec(s, d) for s, d in layout]
         return "recv", src, buffers, sent, static[(src, dst)], tag
 
-    def lone(entry, pending, checks):
-        kind, peer, tensors, sent, is_static, tag = entry
-        call = tf.send if kind == "send" else tf.recv
-        handle = call(tensors, peer, static=is_static, transport=transport, timeout=T)
-        pending.append(handle)
-        if kind == "recv":
-            checks.append((handle, sent, tag))
-
-    checks: list = []  # (what arrived, what was sent, message tag)
-    taken = 0
+    outcomes: dict[int, str] = {}
     for segment in segments:
         mine = [side(m) for m in segment if rank in m[:2]]
-        taken += len(mine)
-        pending: list = []
+        calls: list = []  # (transfer, [(tag, what arrived or None, what was sent)])
         i = 0
         while i < len(mine):
             first, pick = mine[i], own.random()
@@ -1164,13 +1175,15 @@ def random_traffic(rank: int, world: int, seed: int, count: int, transport: str 
                     if mine[i + len(group)][4] != first[4]:
                         break
                     group.append(mine[i + len(group)])
+                covers = []
                 with tf.batch(static=first[4], transport=transport, timeout=T) as b:
                     for kind, peer, tensors, sent, _, tag in group:
                         if kind == "send":
                             b.send(tensors, peer)
+                            covers.append((tag, None, None))
                         else:
-                            checks.append((b.recv(tensors, peer), sent, tag))
-                pending.append(b)
+                            covers.append((tag, b.recv(tensors, peer), sent))
+                calls.append((b, covers))
                 i += len(group)
                 continue
             if pick < 0.45 and i + 1 < len(mine):  # a sendrecv, if these are a send and a recv
@@ -1181,22 +1194,30 @@ def random_traffic(rank: int, world: int, seed: int, count: int, transport: str 
                         out[2], out[1], into[2], into[1], static=first[4], transport=transport,
                         timeout=T,
                     )  # fmt: skip
-                    checks.append((handle, into[3], into[5]))
-                    pending.append(handle)
+                    calls.append((handle, [(out[5], None, None), (into[5], handle, into[3])]))
                     i += 2
                     continue
-            lone(first, pending, checks)
+            kind, peer, tensors, sent, is_static, tag = first
+            call = tf.send if kind == "send" else tf.recv
+            handle = call(tensors, peer, static=is_static, transport=transport, timeout=T)
+            calls.append((handle, [(tag, handle if kind == "recv" else None, sent)]))
             i += 1
-        own.shuffle(pending)
-        for handle in pending:
-            handle.wait(T)
-    for got, sent, tag in checks:
-        if isinstance(got, tf.Transfer):
-            got = got.result(T)
-        got = got if isinstance(got, list) else [got]
-        if len(got) != len(sent) or not all(map(same_bytes, got, sent)):
-            return f"message {tag} arrived wrong"
-    return f"ok {taken}"
+        own.shuffle(calls)
+        for handle, covers in calls:
+            try:
+                handle.wait(T)
+            except TensorFerryError as exc:
+                outcomes.update((tag, type(exc).__name__) for tag, _, _ in covers)
+                continue
+            for tag, got, sent in covers:
+                if got is None:
+                    outcomes[tag] = "ok"
+                    continue
+                got = got.result(T) if isinstance(got, tf.Transfer) else got
+                got = got if isinstance(got, list) else [got]
+                right = len(got) == len(sent) and all(map(same_bytes, got, sent))
+                outcomes[tag] = "ok" if right else "wrong bytes"
+    return outcomes
 
 
 def batch_waits_for_every_peer(rank: int, world: int) -> str:
@@ -1235,3 +1256,53 @@ def recv_from_absent(rank: int, world: int) -> str:
     except TransferTimeoutError:
         return "timed out"
     return "received?"
+
+
+def mismatch_read_with_the_fault(rank: int, world: int) -> list[str]:
+    """Rank 0 sends two messages, the second one element longer than rank 1 expects, and
+    stops (SIGSTOP) before it reads anything back. Rank 1 receives both in one batch: the
+    second's header disagrees, the batch fails and the pair faults. Rank 1 then wakes rank 0,
+    which reads rank 1's headers and the fault notice in one go. Both messages must end on
+    rank 0 as on rank 1: the second one was moved to the pair's next epoch instead, where
+    nothing met it, and waited for its timeout."""
+    import signal
+
+    from tensorferry.errors import TensorFerryError
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return ["idle"]
+    # The world's store is served by rank 0's process: every use of it comes before the stop.
+    store = _context.current().store
+    key = "mismatch_read_with_the_fault"
+    warm = payload(0, 1, 9000, (4,), torch.float32)
+    outcomes: list[str] = []
+    if rank == 0:
+        tf.send(warm, 1, timeout=T).wait(T)  # the pair's transport exists before the fault
+        store.set(f"{key}/pid", str(os.getpid()))
+        store.wait([f"{key}/known"])
+        first = tf.send(payload(0, 1, 9001, (4,), torch.float32), 1, timeout=T)
+        second = tf.send(payload(0, 1, 9002, (5,), torch.float32), 1, timeout=T)
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 1 sends SIGCONT
+        handles = [first, second]
+    else:
+        tf.recv(torch.empty(4, device=D()), 0, timeout=T).wait(T)
+        store.wait([f"{key}/pid"])
+        sender = int(store.get(f"{key}/pid"))
+        store.set(f"{key}/known", "1")
+        time.sleep(0.5)  # rank 0 sent both and stopped by now
+        with tf.batch(timeout=T) as b:
+            b.recv(torch.empty(4, device=D()), 0)
+            b.recv(torch.empty(4, device=D()), 0)
+        handles = [b]
+    try:
+        for handle in handles:
+            try:
+                handle.wait(T)
+                outcomes.append("ok")
+            except TensorFerryError as exc:
+                outcomes.append(type(exc).__name__)
+    finally:
+        if rank == 1:
+            os.kill(sender, signal.SIGCONT)
+    return outcomes

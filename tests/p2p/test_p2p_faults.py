@@ -79,3 +79,10 @@ def test_a_process_exits_cleanly_after_its_peer_never_came():
     finally:
         pool.close()
     assert [proc.exitcode for proc in pool._procs] == [0, 0]
+
+
+def test_a_mismatch_read_together_with_its_fault_fails_on_both_sides(pool):
+    started = time.monotonic()
+    results = pool.run("mismatch_read_with_the_fault", ranks=[0, 1])  # rank 2 was killed
+    assert results[:2] == [["MismatchError", "MismatchError"], ["MismatchError"]], results
+    assert time.monotonic() - started < 10.0  # not the transfers' timeout

@@ -1,0 +1,60 @@
+"""Random traffic between three ranks over gloo, with messages sent by mistake: do both sides
+of every message end alike?
+
+Runs the CPU tier's ``random_traffic`` case (``tests/p2p/_cases.py``) for each seed, with a
+share of the non-static messages sent one row longer than their receiver expects. Such a
+message must fail on both sides, and every other message must either arrive byte for byte or
+fail on both sides, promptly. Prints, per seed, the messages whose two sides ended
+differently or by a timeout (each side's outcome: ``ok``, an error's class name).
+
+Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
+[--seeds A:B] [--changed P] [--wait S]`` (``--wait``: seconds each wait of the case takes at
+most, default 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests" / "p2p"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", default="gloo", choices=("gloo", "gloo-spec"))
+    parser.add_argument("--count", type=int, default=6)
+    parser.add_argument("--seeds", default="100:115")
+    parser.add_argument("--changed", type=float, default=0.2)
+    parser.add_argument("--wait", type=float, default=3.0)
+    args = parser.parse_args()
+    os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
+    sys.path.insert(0, str(TESTS))
+    from _pool import WorkerPool
+
+    first, last = (int(n) for n in args.seeds.split(":"))
+    pool = WorkerPool(3, transfer_timeout=10.0)
+    try:
+        pool.run("register_speculating_gloo")
+        for seed in range(first, last):
+            sides = pool.run(
+                "random_traffic", seed, args.count, args.transport, args.changed, timeout=600
+            )
+            fates: dict[int, list[str]] = {}
+            for outcomes in sides:
+                for tag, outcome in outcomes.items():
+                    fates.setdefault(tag, []).append(outcome)
+            odd = {
+                tag: fate
+                for tag, fate in sorted(fates.items())
+                if (fate[0] == "ok") != (fate[1] == "ok") or "TransferTimeoutError" in fate
+            }
+            print(f"seed {seed}: {odd or 'every message ended alike'}", flush=True)
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    main()
