@@ -206,7 +206,7 @@ class TransportContext:
                     f"{self.timeout.total_seconds():.3g} s"
                 )
             self.stopping.wait(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, 5e-3)  # a pair made late by a few ms at most
 
 
 class PendingOps(abc.ABC):
