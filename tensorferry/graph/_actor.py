@@ -339,16 +339,21 @@ class ActorHandle:
                 return reply
             self._owed -= 1
 
+    def _await_answer(self, deadline: float, timeout: float, what: str) -> None:
+        """Returns once an answer can be read. Raises ``ActorDiedError`` if the actor died,
+        :class:`_NoAnswer` if nothing came by ``deadline`` (``timeout`` names it)."""
+        while not self._conn.poll(0.05):
+            if not self._process.is_alive():
+                raise ActorDiedError(
+                    f"actor {self.name} (pid {self.pid}) died during {what} "
+                    f"(exit code {self._process.exitcode})"
+                )
+            if time.monotonic() > deadline:
+                raise _NoAnswer(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
+
     def _next_reply(self, deadline: float, timeout: float, what: str) -> tuple:
         try:
-            while not self._conn.poll(0.05):
-                if not self._process.is_alive():
-                    raise ActorDiedError(
-                        f"actor {self.name} (pid {self.pid}) died during {what} "
-                        f"(exit code {self._process.exitcode})"
-                    )
-                if time.monotonic() > deadline:
-                    raise _NoAnswer(f"actor {self.name} did not answer {what} in {timeout:.3g} s")
+            self._await_answer(deadline, timeout, what)
         except BaseException as exc:
             # Given up on (a timeout), or interrupted (Ctrl-C) while waiting: the answer still
             # comes, and is not the next request's (every later call returned the one before's).
@@ -371,21 +376,13 @@ class ActorHandle:
         """Reads and drops the answers owed to calls given up on, and waits for a message still
         being written in the background, until ``deadline``. Whether the actor is idle now (it
         runs nothing, and its pipe holds nothing of ours). Raises ``ActorDiedError``."""
-        finisher = self._finisher
-        if finisher is not None:
-            finisher.join(max(0.0, deadline - time.monotonic()))
-            if finisher.is_alive():
-                return False
+        if not self._written(deadline):
+            return False
         while self._owed:
-            if not self._conn.poll(max(0.0, min(0.05, deadline - time.monotonic()))):
-                if not self._process.is_alive():
-                    raise ActorDiedError(
-                        f"actor {self.name} (pid {self.pid}) died "
-                        f"(exit code {self._process.exitcode})"
-                    )
-                if time.monotonic() >= deadline:
-                    return False
-                continue
+            try:
+                self._await_answer(deadline, 0.0, "a call given up on")
+            except _NoAnswer:
+                return False
             try:
                 self._conn.recv_bytes()  # an answer nobody waits for any more
             except (EOFError, OSError):
@@ -474,11 +471,8 @@ class ActorHandle:
                 raise
             _, method, args, kwargs = message
             raise _unpicklable(f"{self.name}.{method}()", args, kwargs, exc) from exc
-        finisher = self._finisher
-        if finisher is not None:
-            finisher.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if finisher.is_alive():
-                raise _NotSent()
+        if not self._written(deadline):
+            raise _NotSent()
         views = _framed(data)
         total = _unwritten(views)
         try:
@@ -494,6 +488,15 @@ class ActorHandle:
             )
             self._finisher.start()
             raise
+
+    def _written(self, deadline: float | None) -> bool:
+        """Waits until ``deadline`` (``None``: for good) for a message left part-written to be
+        finished in the background; whether none is left."""
+        finisher = self._finisher
+        if finisher is None:
+            return True
+        finisher.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not finisher.is_alive()
 
     def _write(self, views: list[memoryview], deadline: float | None) -> None:
         """Writes ``views`` (consuming them) until all went or ``deadline`` passed: then raises
@@ -545,8 +548,7 @@ class ActorHandle:
             return  # never started, or not this process's actor
         deadline = time.monotonic() + max(timeout, 0.0)
         if process.is_alive():
-            finisher = self._finisher
-            if finisher is None or not finisher.is_alive():
+            if self._written(time.monotonic()):
                 # Asked to exit only if the message goes at once: the pipe may be full.
                 with contextlib.suppress(ActorDiedError, _NotSent, _NoAnswer, OSError):
                     self._write(_framed(ForkingPickler.dumps(("exit",))), time.monotonic())
