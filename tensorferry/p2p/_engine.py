@@ -536,8 +536,7 @@ class Engine(PairFaults, ShortWay):
             peer,
             err,
             notify=False,
-            matched=mirrored(frame["n"]),
-            numbered=mirrored(frame.get("all", frame["n"])),
+            numbered=mirrored(frame["all"]),
             finished_there=mirrored(frame.get("done", {"send": 0, "recv": 0})),
         )
 
@@ -551,39 +550,41 @@ class Engine(PairFaults, ShortWay):
             if peer.lost is not None:
                 self._finish(unit, PeerLostError(str(peer.lost)))
                 return
-        debt_error, creditor = self._pay_debts(unit)
-        if debt_error is not None:
-            unit.state = "waiting"  # so _fail_unit cascades to the unit's other peers
-            self._units.append(unit)
-            # The creditor failed its side already: no fault with it (a new one would fail
-            # what it posted since).
-            self._fail_unit(unit, debt_error, cascade=True, skip_peer=creditor)
-            return
-        unit.state = "waiting"
+        unit.state = "waiting"  # so a failure below cascades to the unit's other peers
         self._units.append(unit)
-        for message in unit.messages:
-            self._number(self._peer(message.op.peer), message)
-            self._ensure_prepared(self._peer(message.op.peer), message.transport, message.op.kind)
-
-    def _pay_debts(self, unit: Unit) -> tuple[BaseException | None, int | None]:
-        """The error of a debt ``unit`` pays off (see ``PeerState.debts`` and
-        ``PeerState.numbered_debts``) and the peer owed, else ``(None, None)``."""
-        error, creditor = None, None
+        error, paid = None, []
         for message in unit.messages:
             peer = self._peer(message.op.peer)
-            kind = message.op.kind
-            count, err = peer.debts.get(kind, (0, None))
-            if count > 0:
-                peer.debts[kind] = (count - 1, err)
-                error, creditor = error or err, peer.rank if creditor is None else creditor
-            count, err = peer.numbered_debts.get(kind, (0, None))
-            if count > 0:  # the number the peer skipped is ours to consume
-                peer.numbered_debts[kind] = (count - 1, err)
-                channel = peer.channels[kind]
-                channel.next_seq += 1
-                self._retire(channel, channel.next_seq - 1)
-                error, creditor = error or err, peer.rank if creditor is None else creditor
-        return error, creditor
+            debt = self._pay_debt(peer, message.op.kind)
+            if debt is not None:
+                error = error or debt
+                paid.append(message)
+                continue
+            self._number(peer, message)
+            self._ensure_prepared(peer, message.transport, message.op.kind)
+        if error is not None:
+            # A peer whose every message of this unit paid a debt failed its side already: no
+            # fault with it (one would fail what it posted since). The unit's other messages
+            # were numbered: the fault that fails them tells their peers.
+            numbered = {m.op.peer for m in unit.messages if m not in paid}
+            settled = frozenset(m.op.peer for m in paid if m.op.peer not in numbered)
+            self._fail_unit(unit, error, cascade=True, skip_peer=settled)
+
+    def _pay_debt(self, peer: PeerState, kind: str) -> BaseException | None:
+        """The error of a debt that our next message of ``kind`` with ``peer`` pays off (see
+        ``PeerState.debts`` and ``PeerState.numbered_debts``), else ``None``."""
+        count, err = peer.debts.get(kind, (0, None))
+        if count > 0:
+            peer.debts[kind] = (count - 1, err)
+            return err
+        count, err = peer.numbered_debts.get(kind, (0, None))
+        if count > 0:  # the number the peer skipped is ours to consume
+            peer.numbered_debts[kind] = (count - 1, err)
+            channel = peer.channels[kind]
+            channel.next_seq += 1
+            self._retire(channel, channel.next_seq - 1)
+            return err
+        return None
 
     def _number(self, peer: PeerState, message: Message) -> None:
         channel = peer.channels[message.op.kind]

@@ -14,6 +14,8 @@ from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["PairFaults", "mirrored"]
 
+_KINDS = ("send", "recv")
+
 _FINISHING_GRACE_S = 0.2
 """How long a fault waits for transfers whose peer side already finished."""
 
@@ -51,7 +53,12 @@ class PairFaults:
         self.ctx.completions.watch(lambda: True, then=lambda: transfer._finish(exc))
 
     def _fail_unit(
-        self, unit: Unit, exc: BaseException, *, cascade: bool, skip_peer: int | None
+        self,
+        unit: Unit,
+        exc: BaseException,
+        *,
+        cascade: bool,
+        skip_peer: int | frozenset[int] | None,
     ) -> None:
         if unit.state in ("done", "failed"):
             return
@@ -73,12 +80,19 @@ class PairFaults:
         self._finish(unit, exc)
 
     def _cascade(
-        self, unit: Unit, exc: BaseException, *, was_issued: bool, skip_peer: int | None
+        self,
+        unit: Unit,
+        exc: BaseException,
+        *,
+        was_issued: bool,
+        skip_peer: int | frozenset[int] | None,
     ) -> None:
         # The peers of a failed unit may have issued their side (or will, on agreed headers):
-        # fault those pairs so both sides start afresh. A lone symmetric mismatch needs none.
+        # fault those pairs so both sides start afresh. A lone symmetric mismatch needs none,
+        # nor a peer that failed its side already (``skip_peer``: one rank, or a set of them).
+        skipped = skip_peer if isinstance(skip_peer, frozenset) else {skip_peer}
         for rank in sorted(unit.peers):
-            if rank == skip_peer:
+            if rank in skipped:
                 continue
             only_mismatch = (
                 rank in unit.symmetric_error_peers
@@ -98,67 +112,36 @@ class PairFaults:
         err: BaseException,
         *,
         notify: bool,
-        matched: dict[str, int] | None = None,
         numbered: dict[str, int] | None = None,
         finished_there: dict[str, int] | None = None,
     ) -> None:
-        """Moves the pair to its next epoch; see the module docstring."""
+        """Moves the pair to its next epoch; see the module docstring. ``numbered`` (per our
+        channel kind): how many messages the faulting peer had numbered in this epoch, every
+        one of which it failed; ``None`` when the fault is ours."""
         old_epoch = peer.epoch
         self._settle_finished(peer, finished_there=finished_there)
         if notify:
-            # Only messages both sides numbered (headers agreed, or static) count as matched
-            # ("n"): the peer fails its counterparts of those and renumbers the rest. A message
-            # the peer had not yet posted is simply dropped; if it posts it later, it becomes
-            # the first message of the new epoch. "all" counts every message we numbered (and
-            # fail): the peer's failures past it are ones we must match (see _on_fault_ack).
-            channels = peer.channels
-            counts = {kind: self._agreed_count(channels[kind]) for kind in ("send", "recv")}
-            numbered = {kind: channels[kind].next_seq for kind in ("send", "recv")}
+            # Every message we numbered fails with the fault, so the peer fails its side of
+            # each: now if it posted it, as it comes if not. Counting only the messages whose
+            # headers had agreed split a message whose peer header was on its way: it failed
+            # here and was carried into the next epoch there, to meet our next message.
+            counts = {kind: peer.channels[kind].next_seq for kind in _KINDS}
             done = self._finished_counts(peer)
-            frame = {"k": "f", "e": old_epoch, "n": counts, "all": numbered, "done": done}
+            frame = {"k": "f", "e": old_epoch, "all": counts, "done": done}
             self._send_frame(peer, {**frame, **_error_fields(err)})
         log.info(
             "p2p: pair with rank %d faulted in epoch %d (%s): %s",
             peer.rank,
             old_epoch,
-            "ours" if matched is None else f"theirs, matched {matched}",
+            "ours" if numbered is None else f"theirs, numbered {numbered}",
             err,
         )
-        # Messages the faulting side numbered failed with it; ours after those are renumbered.
-        keep: list[Message] = []
-        doomed: list[Unit] = []
-        for unit in self._all_units():
-            for message in unit.messages:
-                if message.op.peer != peer.rank:
-                    continue
-                limit = None if matched is None else matched[message.op.kind]
-                if (
-                    limit is not None
-                    and unit.state == "waiting"
-                    and message.seq >= limit
-                    and unit not in doomed
-                ):
-                    keep.append(message)
-                elif unit not in doomed:
-                    doomed.append(unit)
-        keep = [m for m in keep if self._unit_of(m) not in doomed]
-        debts, skipped = {}, {}
-        for kind in ("send", "recv") if matched is not None else ():
-            owed = matched[kind] - peer.channels[kind].next_seq
-            if owed > 0:  # only on static channels: see _agreed_count
+        keep, doomed, skipped = self._split_at_fault(peer, numbered)
+        debts = {}
+        for kind in _KINDS if numbered is not None else ():
+            owed = numbered[kind] - peer.channels[kind].next_seq
+            if owed > 0:  # the peer failed messages we have not posted: they fail as they come
                 debts[kind] = (owed, err)
-            # Ours past every message the peer numbered that fail all the same (issued ahead on
-            # a static channel): the peer must fail that many of its next ones, or those would
-            # meet our next messages.
-            their_all = (numbered or matched)[kind]
-            beyond = [
-                m.seq
-                for unit in doomed
-                for m in unit.messages
-                if m.op.peer == peer.rank and m.op.kind == kind and m.seq >= their_all
-            ]
-            if beyond:
-                skipped[kind] = max(beyond) + 1 - their_all
         self._new_epoch(peer, abort=True, reason=str(err))
         peer.debts = debts
         peer.numbered_debts = {}
@@ -176,25 +159,54 @@ class PairFaults:
             self._number(peer, message)
             self._ensure_prepared(peer, message.transport, message.op.kind)
 
-    @staticmethod
-    def _agreed_count(channel: ChannelState) -> int:
-        """How many of the channel's messages the peer may count as matched: every numbered
-        one before the oldest that still waits for the peer's header. On a static channel a
-        message is matched one to one without negotiation (the peer promised to post it),
-        except one that is not static where the transport keeps headers: it waits for the
-        peer's header like any other, and a peer that never posted it owes nothing.
+    def _split_at_fault(
+        self, peer: PeerState, numbered: dict[str, int] | None
+    ) -> tuple[list[Message], list[Unit], dict[str, int]]:
+        """Which of our messages with ``peer`` a fault fails and which go on into the next
+        epoch, renumbered; and per channel how many of the peer's next messages must fail with
+        ours (``skipped``). Returns ``(kept messages, doomed units, skipped)``.
 
-        A message whose header from the peer was compared already (``resolved``) is matched,
-        even while it still waits here: one that did not agree fails its unit, and with it the
-        pair, from inside that comparison. Counted as unmatched, the peer moved its side to the
-        next epoch, where nothing would ever meet it (it waited for its timeout, while this
-        side had raised ``MismatchError``)."""
-        for message in channel.waiting:
-            if message.resolved:
-                continue
-            if channel.static_desc is None or (message.header and not message.static):
-                return message.seq
-        return channel.next_seq
+        Our own fault fails them all. The peer's fails every message we numbered below its
+        count and keeps the waiting ones past it: their counterparts are the peer's next
+        messages. One past it that cannot wait (issued ahead on a static channel, or ended
+        already) fails, so the peer fails as many of its next messages, a prefix of its new
+        epoch: every message of ours below the last such one fails too, and with it its unit,
+        which may fail more on the other channel. Repeated until nothing more fails."""
+        units = [u for u in self._all_units() if peer.rank in u.peers]
+        if numbered is None:
+            return [], units, {}
+        doomed = [u for u in units if u.state != "waiting"]
+        while True:
+            skipped = {}
+            for kind in _KINDS:
+                cut = numbered[kind]
+                live = {
+                    m.seq
+                    for u in units
+                    if u not in doomed
+                    for m in u.messages
+                    if m.op.peer == peer.rank and m.op.kind == kind
+                }
+                last = peer.channels[kind].next_seq - 1
+                while last >= cut and last in live:
+                    last -= 1
+                if last >= cut:
+                    skipped[kind] = last + 1 - cut
+            grow = [
+                u
+                for u in units
+                if u not in doomed
+                and any(
+                    m.op.peer == peer.rank
+                    and m.seq < numbered[m.op.kind] + skipped.get(m.op.kind, 0)
+                    for m in u.messages
+                )
+            ]
+            if not grow:
+                break
+            doomed.extend(grow)
+        keep = [m for u in units if u not in doomed for m in u.messages if m.op.peer == peer.rank]
+        return keep, doomed, skipped
 
     def _settle_finished(
         self, peer: PeerState, *, finished_there: dict[str, int] | None = None

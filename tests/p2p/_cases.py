@@ -15,7 +15,12 @@ import time
 import torch
 
 import tensorferry.p2p as tf
-from tensorferry.errors import MismatchError, PeerLostError, TransferTimeoutError
+from tensorferry.errors import (
+    MismatchError,
+    PeerLostError,
+    TensorFerryError,
+    TransferTimeoutError,
+)
 from tensorferry.p2p._gloo import GlooTransport
 
 # Seconds: every wait in these cases is bounded (TF_TEST_CASE_WAIT_S: shorter, to explore).
@@ -686,17 +691,35 @@ def _batch_shift_in_place(x: torch.Tensor, right: int, left: int) -> None:
 
 
 # ---------------------------------------------------------------------- faults
-def timeout_unmatched(rank: int, world: int, transport: str = "auto", side: str = "send") -> float:
-    """One rank calls, its peer never does: TransferTimeoutError within the timeout. ``side``:
+def timeout_unmatched(
+    rank: int, world: int, transport: str = "auto", side: str = "send"
+) -> float | tuple:
+    """One rank calls, its peer does not: TransferTimeoutError within the timeout. ``side``:
     ``"send"`` (rank 0 sends to rank 1) or ``"recv"`` (rank 1 receives from rank 0). Returns
-    the caller's seconds to the error, 0.0 on the idle ranks."""
+    the caller's seconds to the error.
+
+    The peer makes its side of the message only after that (late): it fails at once, as its
+    counterpart did, rather than wait for (or take) the caller's next message. It returns
+    ``(error class name, seconds to the error)``; the other ranks return 0.0."""
     caller = 0 if side == "send" else 1
-    if rank != caller:
-        time.sleep(0.2)
+    if rank > 1:
         return 0.0
+    x = torch.ones(8, device=D())
+    if rank != caller:
+        time.sleep(1.6)  # past the caller's timeout, and its fault notice on the way
+        t0 = time.monotonic()
+        if side == "send":
+            h = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0, transport=transport)
+        else:
+            h = tf.send(x, 1, timeout=5.0, transport=transport)
+        try:
+            h.wait()
+        except TensorFerryError as exc:
+            return type(exc).__name__, time.monotonic() - t0
+        return "completed", time.monotonic() - t0
     t0 = time.monotonic()
     if side == "send":
-        h = tf.send(torch.ones(8, device=D()), 1, timeout=1.0, transport=transport)
+        h = tf.send(x, 1, timeout=1.0, transport=transport)
     else:
         h = tf.recv(tf.TensorSpec((8,)), 0, timeout=1.0, transport=transport)
     try:

@@ -430,27 +430,36 @@ def test_bad_arguments_raise_before_anything_moves(pool):
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD  # still usable
 
 
+def _timed_out_then_late_failed(results: list, caller: int) -> bool:
+    """``timeout_unmatched``'s results: the caller timed out after about its 1 s timeout, and
+    its peer's late side of that message failed at once with the caller's error."""
+    late = results[1 - caller]
+    return 0.9 <= results[caller] < 4.0 and late[0] == "TransferTimeoutError" and late[1] < 0.5
+
+
 def test_timeout_unmatched_send_then_pair_works(pool):
-    seconds = pool.run("timeout_unmatched")[0]
-    assert 0.9 <= seconds < 4.0
+    assert _timed_out_then_late_failed(pool.run("timeout_unmatched"), caller=0)
     assert pool.run("send_recv_all_dtypes", 60)[:2] == ["ok", "ok"]
+
+
+def test_timeout_unmatched_recv_then_pair_works(pool):
+    assert _timed_out_then_late_failed(pool.run("timeout_unmatched", "auto", "recv"), caller=1)
+    assert pool.run("send_recv_all_dtypes", 61)[:2] == ["ok", "ok"]
 
 
 def test_unmatched_send_on_a_speculating_static_channel_then_pair_works(pool):
     # The channel is static over a transport that issues static messages ahead of the peer's
     # header; a message that is not static still waits for that header. When it times out
-    # unmatched, the receiver, which never posted it, must not be told it owes one: its next
-    # receive takes the sender's next message.
+    # unmatched, the receiver's late side of it fails too, and the pair goes on in step.
     assert pool.run("register_speculating_gloo") == [True] * WORLD
     assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
     assert pool.run("static_channel", 2, "gloo-spec")[:2] == ["ok", "ok"]
-    seconds = pool.run("timeout_unmatched", "gloo-spec")[0]
-    assert 0.9 <= seconds < 4.0
+    assert _timed_out_then_late_failed(pool.run("timeout_unmatched", "gloo-spec"), caller=0)
     assert pool.run("send_recv_all_dtypes", 60)[:2] == ["ok", "ok"]
-    # The same with the receive left unmatched: the sender owes nothing either.
+    # The same with the receive left unmatched.
     assert pool.run("static_channel", 2, "gloo-spec")[:2] == ["ok", "ok"]
-    seconds = pool.run("timeout_unmatched", "gloo-spec", "recv")[1]
-    assert 0.9 <= seconds < 4.0
+    results = pool.run("timeout_unmatched", "gloo-spec", "recv")
+    assert _timed_out_then_late_failed(results, caller=1)
     assert pool.run("send_recv_all_dtypes", 70)[:2] == ["ok", "ok"]
 
 

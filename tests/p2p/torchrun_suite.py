@@ -59,7 +59,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
     # Bad calls fail before anything moves (each returns its list of errors), then a timeout:
     # and the pairs still work afterwards.
     cases.append(("bad_arguments", (), dict.fromkeys(range(world), _EVERY_BAD_CALL_REJECTED)))
-    cases.append(("timeout_unmatched", (), {0: _TIMED_OUT_IN_TIME}))
+    cases.append(("timeout_unmatched", (), {0: _TIMED_OUT_IN_TIME, 1: _LATE_SIDE_FAILED}))
     cases.append(("send_recv_all_dtypes", (60,), first_two))
     cases.append(("ring_sendrecv", (1,), everyone))
     return cases
@@ -88,6 +88,9 @@ _EVERY_BAD_CALL_REJECTED = _Check(
     f"{_BAD_CALLS} rejected calls", lambda r: isinstance(r, list) and len(r) == _BAD_CALLS
 )
 _TIMED_OUT_IN_TIME = _Check("a timeout after 0.9-4 s", lambda r: 0.9 <= r < 4.0)
+_LATE_SIDE_FAILED = _Check(
+    "the late side failed at once", lambda r: r[0] == "TransferTimeoutError" and r[1] < 0.5
+)
 
 
 def main() -> int:
