@@ -516,7 +516,9 @@ class Engine(PairFaults, ShortWay):
             peer.future_frames.append(frame)  # the peer reset the pair before we did
             return
         if epoch < peer.epoch:
-            return  # stale: from before a fault both sides have left
+            if kind == "f" and peer.frozen == epoch:  # the peer's fault crossed ours
+                self._on_crossed_fault(peer, frame, _error_of(frame, f"rank {peer.rank} failed it"))
+            return  # else stale: from before a fault both sides have left
         if kind == "h":
             # The peer's role on ITS channel: "s" = it sends to us → our "recv" channel.
             channel = peer.channels["recv" if frame["c"] == "s" else "send"]
@@ -555,6 +557,9 @@ class Engine(PairFaults, ShortWay):
         error, paid = None, []
         for message in unit.messages:
             peer = self._peer(message.op.peer)
+            if peer.frozen is not None:  # numbered once the peer answered our fault
+                peer.deferred.append((message, unit))
+                continue
             debt = self._pay_debt(peer, message.op.kind)
             if debt is not None:
                 error = error or debt

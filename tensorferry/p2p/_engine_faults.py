@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["PairFaults", "mirrored"]
@@ -68,6 +69,10 @@ class PairFaults:
         if unit in self._units:
             self._units.remove(unit)
         self._issued.discard(unit)
+        for rank in unit.peers:  # messages deferred until a peer answers our fault
+            peer = self._peer(rank)
+            if peer.frozen is not None and any(u is unit for _m, u in peer.deferred):
+                self._tombstone_deferred(peer, exc)
         for pending in unit.pending:
             try:
                 pending.abort()
@@ -118,14 +123,19 @@ class PairFaults:
         """Moves the pair to its next epoch; see the module docstring. ``numbered`` (per our
         channel kind): how many messages the faulting peer had numbered in this epoch, every
         one of which it failed; ``None`` when the fault is ours."""
+        if peer.frozen is not None and numbered is None:
+            # The peer has not answered our last fault yet: nothing is numbered with it in this
+            # epoch, and what waits to be fails and is counted (see _unfreeze).
+            self._tombstone_deferred(peer, err)
+            return
         old_epoch = peer.epoch
         self._settle_finished(peer, finished_there=finished_there)
+        counts = {kind: peer.channels[kind].next_seq for kind in _KINDS}
         if notify:
             # Every message we numbered fails with the fault, so the peer fails its side of
             # each: now if it posted it, as it comes if not. Counting only the messages whose
             # headers had agreed split a message whose peer header was on its way: it failed
             # here and was carried into the next epoch there, to meet our next message.
-            counts = {kind: peer.channels[kind].next_seq for kind in _KINDS}
             done = self._finished_counts(peer)
             frame = {"k": "f", "e": old_epoch, "all": counts, "done": done}
             self._send_frame(peer, {**frame, **_error_fields(err)})
@@ -137,17 +147,23 @@ class PairFaults:
             err,
         )
         keep, doomed, skipped = self._split_at_fault(peer, numbered)
-        debts = {}
+        # Debts left from an earlier fault stay: they are for messages before these.
+        debts = dict(peer.debts)
         for kind in _KINDS if numbered is not None else ():
             owed = numbered[kind] - peer.channels[kind].next_seq
             if owed > 0:  # the peer failed messages we have not posted: they fail as they come
-                debts[kind] = (owed, err)
+                debts[kind] = (debts.get(kind, (0, err))[0] + owed, err)
         self._new_epoch(peer, abort=True, reason=str(err))
         peer.debts = debts
+        # Numbers the peer skipped in this epoch are below its count (now debts, above).
         peer.numbered_debts = {}
-        if skipped:
-            # The peer takes numbers 0..n-1 of the new epoch for the messages it fails: ours
-            # start after them. Their kinds are the mirror of ours.
+        if numbered is None:
+            # Until the peer answers (its fault acknowledgement, or its own notice of this
+            # epoch if ours crossed it), we cannot know how its next messages are numbered.
+            peer.frozen, peer.numbered_at_fault = old_epoch, counts
+        else:
+            # The answer: the peer takes numbers 0..n-1 of the new epoch for the messages it
+            # fails (ours start after them); their kinds are the mirror of ours.
             for kind, count in skipped.items():
                 channel = peer.channels[kind]
                 channel.next_seq = channel.issue_next = channel.first_seq = count
@@ -265,6 +281,77 @@ class PairFaults:
             left = count - channel.next_seq
             if left > 0:
                 peer.numbered_debts[kind] = (left, err)
+        if peer.frozen is not None:  # the peer's answer to our fault
+            self._unfreeze(peer, {})
+
+    def _tombstone_deferred(self, peer: PeerState, err: BaseException) -> None:
+        """Fails every unit with a message waiting for ``peer``'s answer to our fault, and
+        counts those messages per channel. All of them, not just the one whose unit failed:
+        the peer is told of failed ones only as a count, the first of our next messages
+        (:meth:`_unfreeze`), so they must come before every message still waiting."""
+        deferred, peer.deferred = peer.deferred, []
+        for message, _unit in deferred:
+            kind = message.op.kind
+            peer.tombstones[kind] = peer.tombstones.get(kind, 0) + 1
+        for unit in dict.fromkeys(unit for _message, unit in deferred):
+            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
+
+    def _on_crossed_fault(self, peer: PeerState, frame: dict, err: BaseException) -> None:
+        """The peer's notice of a fault in the epoch ours ended: both were started at once, and
+        each side failed every message it had numbered. Ours past the peer's counts fail as
+        they come, as the peer's past ours do there; each notice is the other's answer."""
+        theirs = mirrored(frame["all"])
+        debts = {
+            kind: (theirs[kind] - peer.numbered_at_fault[kind], err)
+            for kind in _KINDS
+            if theirs[kind] > peer.numbered_at_fault[kind]
+        }
+        log.info("p2p: pair with rank %d: faults crossed, we owe %s", peer.rank, debts)
+        self._unfreeze(peer, debts)
+
+    def _unfreeze(self, peer: PeerState, debts: dict) -> None:
+        """The peer answered our fault: number what waited for that, in order. First the
+        messages that failed meanwhile; where they outnumber the messages the peer failed
+        ahead of them, the peer fails as many (a fault acknowledgement from us). Then the
+        messages still waiting, each paying a debt first if one is left."""
+        peer.frozen = None
+        for kind, (count, err) in debts.items():
+            peer.debts[kind] = (peer.debts.get(kind, (0, err))[0] + count, err)
+        tombstones, peer.tombstones = peer.tombstones, {}
+        owe = {}
+        for kind, count in tombstones.items():
+            channel = peer.channels[kind]
+            for _ in range(count):
+                if self._pay_debt(peer, kind) is None:
+                    channel.next_seq += 1
+                    self._retire(channel, channel.next_seq - 1)
+                    owe[kind] = channel.next_seq
+            if kind in owe:  # the peer's headers of those numbers are of failed messages
+                channel.first_seq = channel.next_seq
+                for seq in [q for q in channel.peer_headers if q < channel.first_seq]:
+                    del channel.peer_headers[seq]
+        if owe:
+            err = TransferTimeoutError(
+                f"rank {self.rank} gave up on this message while its pair with rank "
+                f"{peer.rank} recovered from a fault"
+            )
+            frame = {"k": "fa", "e": peer.epoch, "owe": mirrored(owe)}
+            self._send_frame(peer, {**frame, **_error_fields(err)})
+        deferred, peer.deferred = peer.deferred, []
+        failed: dict[Unit, BaseException] = {}
+        paid: list[Message] = []
+        for message, unit in deferred:
+            err = self._pay_debt(peer, message.op.kind)
+            if err is not None:
+                failed.setdefault(unit, err)
+                paid.append(message)
+                continue
+            self._number(peer, message)
+            self._ensure_prepared(peer, message.transport, message.op.kind)
+        for unit, err in failed.items():
+            # No fault with the peer if all of the unit's messages with it paid debts.
+            numbered = any(m.op.peer == peer.rank and m not in paid for m in unit.messages)
+            self._fail_unit(unit, err, cascade=True, skip_peer=None if numbered else peer.rank)
 
     def _new_epoch(self, peer: PeerState, *, abort: bool, reason: str) -> None:
         peer.epoch += 1

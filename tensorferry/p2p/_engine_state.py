@@ -99,6 +99,14 @@ class PeerState:
     # {kind: (count, error)}
     numbered_debts: dict = field(default_factory=dict)
     channels: dict = field(default_factory=lambda: {"send": ChannelState(), "recv": ChannelState()})
+    # A fault we started, until the peer answers it (see PairFaults): the epoch it ended, and
+    # how many messages per channel we had numbered in it. Meanwhile nothing is numbered with
+    # the peer: messages of new units wait in ``deferred`` as (message, unit), in order, and
+    # those whose units fail meanwhile are only counted, per channel (``tombstones``).
+    frozen: int | None = None
+    numbered_at_fault: dict = field(default_factory=dict)
+    deferred: list = field(default_factory=list)
+    tombstones: dict = field(default_factory=dict)
     # A symmetric reset (Engine.reset_pair): our waiting caller's future, and the epoch in which
     # the peer said it reached its reset (both needed before the pair's resources go).
     reset_waiter: Any = None

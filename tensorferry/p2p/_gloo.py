@@ -28,7 +28,7 @@ import torch
 
 from tensorferry.errors import PeerLostError, TransportError
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
-from tensorferry.p2p._transport import P2POp, PendingOps, Transport
+from tensorferry.p2p._transport import P2POp, PendingOps, Transport, cached_pair
 from tensorferry.runtime import communicator_cache
 
 __all__ = ["GlooTransport", "PACK_BELOW"]
@@ -140,22 +140,18 @@ class GlooTransport(Transport):
     def _pair(self, peer: int) -> _GlooPair:
         key = self._key(peer)
         epoch = self.ctx.epoch_of(peer)
-        cache = communicator_cache()
-        pair = cache.get(key)
-        if pair is not None and pair.epoch != epoch:
-            cache.evict(key, abort=True, reason="stale epoch")
 
         def create() -> _GlooPair:
             import torch.distributed as dist
 
             store = self.ctx.pair_store(peer, self.name)
-            self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}")
+            self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
             pg = dist.ProcessGroupGloo(store, self.ctx.rank_in_pair(peer), 2, self.ctx.timeout)
             return _GlooPair(
                 pg, 1 - self.ctx.rank_in_pair(peer), peer, epoch, self.ctx.timeout.total_seconds()
             )
 
-        return cache.get_or_create(key, create)
+        return cached_pair(key, epoch, create)
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
         by_peer: dict[int, list[P2POp]] = {}

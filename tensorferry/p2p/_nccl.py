@@ -47,7 +47,13 @@ from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
 from tensorferry.p2p._staging import Staging, StagingCache, layout_plan
-from tensorferry.p2p._transport import P2POp, PendingOps, Transport, TransportContext
+from tensorferry.p2p._transport import (
+    P2POp,
+    PendingOps,
+    Transport,
+    TransportContext,
+    cached_pair,
+)
 from tensorferry.runtime import communicator_cache
 from tensorferry.runtime._communicators import abort_together
 
@@ -220,18 +226,14 @@ class NcclTransport(Transport):
         key = self._key(src, dst)
         peer = dst if src == self.ctx.rank else src
         epoch = self.ctx.epoch_of(peer)
-        cache = communicator_cache()
-        existing = cache.get(key)
-        if existing is not None and existing.epoch != epoch:
-            cache.evict(key, abort=True, reason="stale epoch")
-        return cache.get_or_create(key, lambda: self._create(src, dst, epoch))
+        return cached_pair(key, epoch, lambda: self._create(src, dst, epoch))
 
     def _create(self, src: int, dst: int, epoch: int) -> _NativePair | _GroupPair:
         device = self.ctx.device
         sending = src == self.ctx.rank
         peer = dst if sending else src
         store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}")
-        self.ctx.meet(store, peer, f"nccl: the direction rank {src} -> {dst}")
+        self.ctx.meet(store, peer, f"nccl: the direction rank {src} -> {dst}", epoch)
         me = 0 if sending else 1
         lib = nccl_library()
         with torch.cuda.device(device):

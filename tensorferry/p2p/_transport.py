@@ -97,9 +97,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from tensorferry.errors import TransportError
+
 __all__ = [
     "P2POp",
     "PendingOps",
+    "StaleEpochError",
+    "cached_pair",
     "Transport",
     "TransportContext",
     "TransportFactory",
@@ -179,16 +183,20 @@ class TransportContext:
         base = self.store.clone() if hasattr(self.store, "clone") else self.store
         return dist.PrefixStore(prefix, base)
 
-    def meet(self, store: Any, peer: int, what: str) -> None:
+    def meet(self, store: Any, peer: int, what: str, epoch: int | None = None) -> None:
         """Returns once ``peer`` reached this point of the same rendezvous too (each rank marks
         ``store``, the pair's, and polls for the other's mark). Made before a library's own
         rendezvous (gloo's process group, NCCL's communicator), which blocks in native code
         until the peer comes or its timeout: a thread left waiting in one when the process
         exited after ``tf.shutdown()`` aborted the process ("terminate called without an
-        active exception", exit code -6). This wait ends at once when ``stopping`` is set.
+        active exception", exit code -6). This wait ends at once when ``stopping`` is set, and
+        when the pair left ``epoch`` (the one ``store`` is for): a fault moved it on, and the
+        peer, which may have nothing to send in that epoch, may never come; a wait left
+        running would hold up the next epoch's pair, made under the same cache key.
 
         Raises:
             TensorFerryError: ``tf.shutdown()`` was called meanwhile.
+            StaleEpochError: the pair left ``epoch`` meanwhile.
             TransferTimeoutError: the peer did not come within the timeout.
         """
         from tensorferry.errors import TensorFerryError, TransferTimeoutError
@@ -200,6 +208,8 @@ class TransportContext:
         while not store.check([f"here{1 - me}"]):
             if self.stopping.is_set():
                 raise TensorFerryError(f"{what}: tf.shutdown() was called")
+            if epoch is not None and self.epoch_of(peer) != epoch:
+                raise StaleEpochError(what, epoch)
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
                     f"{what}: rank {peer} did not take part within "
@@ -207,6 +217,41 @@ class TransportContext:
                 )
             self.stopping.wait(pause)
             pause = min(pause * 2, 5e-3)  # a pair made late by a few ms at most
+
+
+class StaleEpochError(TransportError):
+    """Making a pair's resources for an epoch the pair has left (a fault moved it on)."""
+
+    def __init__(self, what: str, epoch: int) -> None:
+        super().__init__(f"{what}: the pair moved on from epoch {epoch} (a fault)")
+        self.epoch = epoch
+
+
+def cached_pair(key: Any, epoch: int, create: Callable[[], Any]) -> Any:
+    """The pair resources cached under ``key`` for ``epoch`` (their ``epoch`` attribute),
+    made by ``create()`` if missing. Those of an earlier epoch are evicted (aborted), and a
+    making of them still under way is waited for and then replaced.
+
+    Raises:
+        StaleEpochError: ``epoch`` itself is over (resources of a later one exist).
+    """
+    from tensorferry.runtime import communicator_cache
+
+    cache = communicator_cache()
+    while True:
+        existing = cache.get(key)
+        if existing is not None and existing.epoch < epoch:
+            cache.evict(key, abort=True, reason="stale epoch")
+        try:
+            pair = cache.get_or_create(key, create)
+        except StaleEpochError as exc:
+            if exc.epoch >= epoch:
+                raise
+            continue  # an earlier epoch's making gave up: now make ours
+        if pair.epoch == epoch:
+            return pair
+        if pair.epoch > epoch:
+            raise StaleEpochError(f"pair {key}", epoch)
 
 
 class PendingOps(abc.ABC):

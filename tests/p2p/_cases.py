@@ -729,6 +729,61 @@ def timeout_unmatched(
     raise AssertionError("no TransferTimeoutError")
 
 
+def both_send_unmatched(rank: int, world: int) -> tuple | str:
+    """Ranks 0 and 1 send to each other at one instant and neither receives: both sends time
+    out, and both ranks start a fault at about once, so their notices may cross. Each rank's
+    late receive of the other's send then fails at once, as that send did. Returns ``(the
+    send's error, the late receive's error, its seconds)``."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    time.sleep(max(0.0, _common_instant() - time.time()))
+    sent = tf.send(torch.ones(8, device=D()), peer, timeout=1.0)
+    try:
+        sent.wait()
+        send_outcome = "completed"
+    except TensorFerryError as exc:
+        send_outcome = type(exc).__name__
+    time.sleep(0.3)  # both notices arrive
+    t0 = time.monotonic()
+    try:
+        tf.recv(tf.TensorSpec((8,)), peer, timeout=5.0).wait()
+        late = "completed"
+    except TensorFerryError as exc:
+        late = type(exc).__name__
+    return send_outcome, late, time.monotonic() - t0
+
+
+def _common_instant() -> float:
+    """A wall-clock instant every rank of a case derives alike: the next whole second at
+    least half a second away (the ranks' clocks are one machine's)."""
+    return float(int(time.time() + 1.5))
+
+
+def send_after_unmatched_to_an_idle_peer(rank: int, world: int) -> str:
+    """Rank 0's send times out while rank 1 is busy elsewhere, and rank 0 sends again at once:
+    that message waits for rank 1 to answer the fault. Rank 1 then receives twice: the first
+    receive fails at once (its send failed), the second gets the second send's bytes."""
+    if rank > 1:
+        return "idle"
+    if rank == 0:
+        try:
+            tf.send(payload(0, 1, 1, (8,), torch.float32), 1, timeout=1.0).wait()
+            return "first send completed"
+        except TransferTimeoutError:
+            pass
+        tf.send(payload(0, 1, 2, (8,), torch.float32), 1, timeout=10.0).wait()
+        return "ok"
+    time.sleep(1.8)
+    try:
+        tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).wait()
+        return "first receive completed"
+    except TransferTimeoutError:
+        pass
+    got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(10.0)
+    return "ok" if same_bytes(got, payload(0, 1, 2, (8,), torch.float32)) else "wrong bytes"
+
+
 def wait_timeout_then_complete(rank: int, world: int) -> str:
     """wait(timeout) on a transfer whose peer is late raises, and the transfer goes on."""
     if rank > 1:

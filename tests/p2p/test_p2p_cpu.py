@@ -463,6 +463,22 @@ def test_unmatched_send_on_a_speculating_static_channel_then_pair_works(pool):
     assert pool.run("send_recv_all_dtypes", 70)[:2] == ["ok", "ok"]
 
 
+def test_crossed_faults_keep_both_sides_counting_alike(pool):
+    # Both ranks send and neither receives: both time out and fault at once. Each rank's late
+    # receive of the other's failed send fails at once too, and the pair goes on in step.
+    for _ in range(2):
+        results = pool.run("both_send_unmatched")[:2]
+        for send, late, seconds in results:
+            assert (send, late) == ("TransferTimeoutError", "TransferTimeoutError"), results
+            assert seconds < 0.5, results
+        assert pool.run("send_recv_all_dtypes", 62)[:2] == ["ok", "ok"]
+
+
+def test_a_send_after_a_fault_waits_for_the_idle_peer_to_answer_it(pool):
+    assert pool.run("send_after_unmatched_to_an_idle_peer")[:2] == ["ok", "ok"]
+    assert pool.run("send_recv_all_dtypes", 63)[:2] == ["ok", "ok"]
+
+
 def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
