@@ -17,16 +17,21 @@ the caller's thread, without the generic step around them (:mod:`._engine_short`
 
 Faults. A *pair fault* (deadline passed, transport error, static agreement broken, a unit
 failed half-way) fails every unfinished unit with that peer, aborts and evicts the pair's
-transport resources and moves the pair to its next *epoch*; a ``fault`` frame tells the peer,
-which does the same: it fails its messages the faulting side had already numbered and renumbers
-the rest into the new epoch. Should it fail more than that (receives issued ahead on a static
-channel), a ``fault ack`` frame says how many, and the faulting side fails as many of its next
-messages, which take those numbers of the new epoch. Units whose work had finished when the
-fault came are completed, not failed, and those the faulting side saw finish get a moment to
-finish here too. A header mismatch on a single message is symmetric and needs no fault: both
-sides fail it and go on — except on a static channel whose transport issues messages ahead of
-the peer's header: there the sender faults the pair and the receiver waits for that fault. A
-dead peer (side channel closed without ``bye``) fails everything with it with
+transport resources and moves the pair to its next *epoch*; a ``fault`` frame tells the peer
+how many messages per channel the faulting side had numbered (and failed). The peer fails its
+side of every one of them: those it posted already, now; the others as it posts them (debts,
+which take no number), so both sides keep counting messages alike and a late call never takes
+a message meant for an earlier one. Its messages past those counts go on, renumbered into the
+new epoch. Should it fail some of those too (receives issued ahead on a static channel), its
+``fault ack`` frame says how many, and the faulting side fails as many of its next messages,
+which take those numbers of the new epoch. The faulting side numbers nothing more with the
+peer until that answer comes (new messages wait, in order): two faults started at once then
+meet cleanly, each notice serving as the other's answer. Units whose work had finished when
+the fault came are completed, not failed, and those the faulting side saw finish get a moment
+to finish here too. A header mismatch on a single message is symmetric and needs no fault:
+both sides fail it and go on — except on a static channel whose transport issues messages
+ahead of the peer's header: there the sender faults the pair and the receiver waits for that
+fault. A dead peer (side channel closed without ``bye``) fails everything with it with
 ``PeerLostError``; other peers are untouched.
 
 Who does the work. Each step runs on whichever thread can take it first, so that none waits
