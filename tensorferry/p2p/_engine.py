@@ -112,6 +112,16 @@ def _unreachable(error: BaseException) -> bool:
     return isinstance(error, (ConnectionError, network)) and not isinstance(error, TensorFerryError)
 
 
+def _count_down(debts: dict, kind: str) -> None:
+    """One of ``debts[kind]`` paid; a debt paid off leaves the dict (an empty one lets the
+    short way go: see ShortWay._issue_agreed)."""
+    count, err = debts[kind]
+    if count > 1:
+        debts[kind] = (count - 1, err)
+    else:
+        del debts[kind]
+
+
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
 _DRIVEN_RECHECK_S = 0.005
@@ -585,11 +595,11 @@ class Engine(PairFaults, ShortWay):
         ``PeerState.debts`` and ``PeerState.numbered_debts``), else ``None``."""
         count, err = peer.debts.get(kind, (0, None))
         if count > 0:
-            peer.debts[kind] = (count - 1, err)
+            _count_down(peer.debts, kind)
             return err
         count, err = peer.numbered_debts.get(kind, (0, None))
         if count > 0:  # the number the peer skipped is ours to consume
-            peer.numbered_debts[kind] = (count - 1, err)
+            _count_down(peer.numbered_debts, kind)
             channel = peer.channels[kind]
             channel.next_seq += 1
             self._retire(channel, channel.next_seq - 1)

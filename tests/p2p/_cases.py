@@ -434,21 +434,25 @@ def static_broken(rank: int, world: int, transport: str = "auto", breaker: int =
     except MismatchError as exc:
         if rank == breaker:
             assert "[5, 4]" in str(exc) and "[4, 4]" in str(exc), exc
-            if not _speculates(transport):  # no headers: its own check names the agreement
+            if _skips_headers(transport):  # no headers: its own check names the agreement
                 kind = "send" if rank == 0 else "recv"
                 assert f"the channel's agreed layout [4, 4], this {kind} [5, 4]" in str(exc), exc
         return exc.field
     raise AssertionError("no MismatchError")
 
 
-def _speculates(transport: str) -> bool:
-    """Whether ``transport`` (as ``auto`` resolves here) issues static messages ahead of the
-    peer's header: a broken promise is then found by comparing headers as well."""
+def _skips_headers(transport: str) -> bool:
+    """Whether ``transport`` (as ``auto`` resolves here) sends no headers on an agreed static
+    channel: a broken promise is then found only against the agreement. (NCCL with its
+    speculation turned off does neither: it compares every header, and never agrees.)"""
+    return bool(_resolved(transport).static_skips_headers)
+
+
+def _resolved(transport: str):
     from tensorferry.p2p import _context
 
     ctx = _context.current()
-    name = ctx.choose(transport, 1 - ctx.rank, [torch.zeros(16, device=D())])
-    return bool(ctx.transport(name).static_speculates)
+    return ctx.transport(ctx.choose(transport, 1 - ctx.rank, [torch.zeros(16, device=D())]))
 
 
 class SpeculatingGloo(GlooTransport):
