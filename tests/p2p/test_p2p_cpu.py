@@ -432,9 +432,10 @@ def test_bad_arguments_raise_before_anything_moves(pool):
 
 def _timed_out_then_late_failed(results: list, caller: int) -> bool:
     """``timeout_unmatched``'s results: the caller timed out after about its 1 s timeout, and
-    its peer's late side of that message failed at once with the caller's error."""
+    its peer's late side of that message failed with the caller's error well before its own
+    5 s timeout (at once, but for the aborting of the pair's communicators it does first)."""
     late = results[1 - caller]
-    return 0.9 <= results[caller] < 4.0 and late[0] == "TransferTimeoutError" and late[1] < 0.5
+    return 0.9 <= results[caller] < 4.0 and late[0] == "TransferTimeoutError" and late[1] < 2.0
 
 
 def test_timeout_unmatched_send_then_pair_works(pool):
@@ -470,7 +471,7 @@ def test_crossed_faults_keep_both_sides_counting_alike(pool):
         results = pool.run("both_send_unmatched")[:2]
         for send, late, seconds in results:
             assert (send, late) == ("TransferTimeoutError", "TransferTimeoutError"), results
-            assert seconds < 0.5, results
+            assert seconds < 2.0, results
         assert pool.run("send_recv_all_dtypes", 62)[:2] == ["ok", "ok"]
 
 

@@ -115,8 +115,9 @@ def test_bad_arguments(pool):
 def test_timeout_then_pair_works(pool):
     results = pool.run("timeout_unmatched")
     assert 0.9 <= results[0] < 5.0
-    # The receiver's late side of that send fails at once, with the sender's error.
-    assert results[1][0] == "TransferTimeoutError" and results[1][1] < 0.5, results[1]
+    # The receiver's late side of that send fails with the sender's error, well before its own
+    # 5 s timeout (it aborts the pair's communicators first: half a second on this machine).
+    assert results[1][0] == "TransferTimeoutError" and results[1][1] < 2.0, results[1]
     assert pool.run("send_recv_all_dtypes", 60) == ["ok", "ok"]
 
 
