@@ -88,6 +88,7 @@ transports (``"auto"`` must choose identically on both sides).
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -202,19 +203,28 @@ class TransportContext:
         from tensorferry.errors import TensorFerryError, TransferTimeoutError
 
         me = self.rank_in_pair(peer)
-        store.set(f"here{me}", b"1")
+        mark = f"here{me}"
+        store.set(mark, b"1")
         deadline = time.monotonic() + self.timeout.total_seconds()
         pause = 1e-3
         while not store.check([f"here{1 - me}"]):
+            error: BaseException | None = None
             if self.stopping.is_set():
-                raise TensorFerryError(f"{what}: tf.shutdown() was called")
-            if epoch is not None and self.epoch_of(peer) != epoch:
-                raise StaleEpochError(what, epoch)
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(
+                error = TensorFerryError(f"{what}: tf.shutdown() was called")
+            elif epoch is not None and self.epoch_of(peer) != epoch:
+                error = StaleEpochError(what, epoch)
+            elif time.monotonic() > deadline:
+                error = TransferTimeoutError(
                     f"{what}: rank {peer} did not take part within "
                     f"{self.timeout.total_seconds():.3g} s"
                 )
+            if error is not None:
+                # Our mark goes too: a peer coming later (still in this epoch, the fault
+                # not yet read) would take it for us and wait in the library's rendezvous,
+                # which nothing cuts short, holding up its next epoch's pair.
+                with contextlib.suppress(Exception):
+                    store.delete_key(mark)
+                raise error
             self.stopping.wait(pause)
             pause = min(pause * 2, 5e-3)  # a pair made late by a few ms at most
 

@@ -788,6 +788,33 @@ def send_after_unmatched_to_an_idle_peer(rank: int, world: int) -> str:
     return "ok" if same_bytes(got, payload(0, 1, 2, (8,), torch.float32)) else "wrong bytes"
 
 
+def sends_that_time_out_while_the_peer_is_idle(rank: int, world: int) -> list[str]:
+    """Rank 0's first send times out while rank 1 is busy elsewhere; its second, sent at once
+    with a short timeout, times out too while waiting for rank 1 to answer that fault; its
+    third waits long enough. Rank 1 then receives three times: the first two fail at once
+    (their sends failed), the third gets the third send's bytes. Returns each call's outcome."""
+    if rank > 1:
+        return []
+    outcomes = []
+    if rank == 0:
+        for tag, timeout in ((1, 1.0), (2, 0.5), (3, 10.0)):
+            try:
+                tf.send(payload(0, 1, tag, (8,), torch.float32), 1, timeout=timeout).wait()
+                outcomes.append("ok")
+            except TensorFerryError as exc:
+                outcomes.append(type(exc).__name__)
+        return outcomes
+    time.sleep(2.5)
+    for tag in (1, 2, 3):
+        try:
+            got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(10.0)
+            right = same_bytes(got, payload(0, 1, tag, (8,), torch.float32))
+            outcomes.append("ok" if right else "wrong bytes")
+        except TensorFerryError as exc:
+            outcomes.append(type(exc).__name__)
+    return outcomes
+
+
 def wait_timeout_then_complete(rank: int, world: int) -> str:
     """wait(timeout) on a transfer whose peer is late raises, and the transfer goes on."""
     if rank > 1:

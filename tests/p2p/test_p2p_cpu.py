@@ -480,6 +480,12 @@ def test_a_send_after_a_fault_waits_for_the_idle_peer_to_answer_it(pool):
     assert pool.run("send_recv_all_dtypes", 63)[:2] == ["ok", "ok"]
 
 
+def test_sends_failed_while_waiting_for_the_peer_to_answer_a_fault_fail_on_both_sides(pool):
+    failed = ["TransferTimeoutError", "TransferTimeoutError", "ok"]
+    assert pool.run("sends_that_time_out_while_the_peer_is_idle")[:2] == [failed, failed]
+    assert pool.run("send_recv_all_dtypes", 64)[:2] == ["ok", "ok"]
+
+
 def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
