@@ -214,6 +214,14 @@ class P2PContext:
         stream = self.send_stream if has_send else self.recv_stream
         return self._issue_on(stream, unit, cuda_groups)
 
+    def issue_on_host(self, unit: Any, messages: list[Any]) -> None:
+        """Starts ``messages``, a part of ``unit`` on host transports (no stream, no event)."""
+        groups: dict[str, list[Any]] = {}
+        for message in messages:
+            groups.setdefault(message.transport, []).append(message.op)
+        for name, ops in groups.items():
+            unit.pending.append(self.transport(name).start(ops, stream=None))
+
     def _issue_on(self, stream: Any, unit: Any, cuda_groups: dict[str, list[Any]]) -> Any:
         """Starts the CUDA transports of ``unit`` on ``stream``, after the caller's event;
         returns the event recorded after them."""

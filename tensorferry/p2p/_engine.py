@@ -701,8 +701,12 @@ class Engine(PairFaults, ShortWay):
                     self._confirm(peer, kind)
         self._flush_links()  # headers out before the (slower) issuing: the peers wait for them
         for unit in list(self._units):
-            if unit.state == "waiting" and self._issuable(unit):
+            if unit.state != "waiting":
+                continue
+            if unit.issued_peers is None and self._issuable(unit):
                 self._issue(unit)
+            elif unit.state == "waiting" and self._goes_per_peer(unit):
+                self._issue_parts(unit)
 
     def _resolve(self, peer: PeerState, kind: str) -> None:
         channel: ChannelState = peer.channels[kind]
@@ -863,26 +867,33 @@ class Engine(PairFaults, ShortWay):
         # An issued one (received ahead) ends with the sender's fault, which aborts the pair.
 
     def _issuable(self, unit: Unit) -> bool:
+        return self._after_allows(unit) and self._may_go(unit.messages)
+
+    def _after_allows(self, unit: Unit) -> bool:
+        """Whether the unit ``unit`` waits for (a ring's previous step) lets it go; fails
+        ``unit`` when that one failed."""
         before = unit.after
-        if before is not None:
-            if before.state == "failed":
-                err = before.error or TransportError("an earlier step failed")
-                self._fail_unit(unit, err, cascade=True, skip_peer=None)
-                return False
-            if before.state != "done" and not (
-                unit.after_issued_is_enough and before.state == "issued"
-            ):
-                return False
+        if before is None:
+            return True
+        if before.state == "failed":
+            err = before.error or TransportError("an earlier step failed")
+            self._fail_unit(unit, err, cascade=True, skip_peer=None)
+            return False
+        return before.state == "done" or (unit.after_issued_is_enough and before.state == "issued")
+
+    def _may_go(self, messages: list[Message]) -> bool:
+        """Whether ``messages`` (a unit's, or its part with one peer) are agreed, their
+        transports prepared, and everything before them on their channels issued."""
         first_seq: dict[tuple[int, str], int] = {}
-        for message in unit.messages:
+        for message in messages:
             peer = self._peers[message.op.peer]
             prepared = peer.prepared.get((message.transport, message.op.kind))
             if not message.resolved or prepared != "done":
                 return False
             key = (message.op.peer, message.op.kind)
             first_seq[key] = min(first_seq.get(key, message.seq), message.seq)
-        # A unit's messages on one channel are numbered consecutively: the unit may go once the
-        # channel issued everything before its first one.
+        # A unit's messages on one channel are numbered consecutively: they may go once the
+        # channel issued everything before the first of them.
         return all(
             self._peers[peer].channels[kind].issue_next == seq
             for (peer, kind), seq in first_seq.items()
@@ -894,15 +905,48 @@ class Engine(PairFaults, ShortWay):
             self._retire(self._peers[message.op.peer].channels[message.op.kind], message.seq)
         self._start(unit)
 
-    def _start(self, unit: Unit) -> None:
-        """Issues ``unit`` (its messages numbered, agreed and retired) and hands its completion
-        to the completion pool."""
-        if log.isEnabledFor(logging.DEBUG):
+    def _goes_per_peer(self, unit: Unit) -> bool:
+        return len(unit.peers) > 1 and all(
+            self.ctx.transport(m.transport).issues_per_peer for m in unit.messages
+        )
+
+    def _issue_parts(self, unit: Unit) -> None:
+        """Issues each peer's part of ``unit`` that may go (see ``Transport.issues_per_peer``),
+        and once every part went, hands the unit's completion to the completion pool."""
+        if not self._after_allows(unit):
+            return
+        went = set(unit.issued_peers or ())
+        for rank in sorted(unit.peers - went):
+            part = [m for m in unit.messages if m.op.peer == rank]
+            if not self._may_go(part):
+                continue
+            for message in part:
+                self._retire(self._peers[rank].channels[message.op.kind], message.seq)
+            went.add(rank)
+            unit.issued_peers = frozenset(went)
+            if log.isEnabledFor(logging.DEBUG):
+                what = unit.transfer.description
+                log.debug("p2p: issuing the part with rank %d of %s", rank, what)
+            try:
+                self.ctx.issue_on_host(unit, part)
+            except BaseException as exc:
+                err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
+                self._fail_unit(unit, err, cascade=True, skip_peer=None)
+                return
+        if len(went) == len(unit.peers):
+            self._units.remove(unit)
+            self._start(unit, started=True)
+
+    def _start(self, unit: Unit, *, started: bool = False) -> None:
+        """Issues ``unit`` (its messages numbered, agreed and retired; with ``started``, issued
+        already, peer by peer) and hands its completion to the completion pool."""
+        if log.isEnabledFor(logging.DEBUG) and not started:
             log.debug("p2p: issuing %s", unit.transfer.description)
         unit.state = "issued"
         self._issued.add(unit)
         try:
-            done_event = self.ctx.issue(unit)  # transports' start(), on the p2p streams
+            # The transports' start(), on the p2p streams; host transports have no event.
+            done_event = None if started else self.ctx.issue(unit)
         except BaseException as exc:
             err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
             self._fail_unit(unit, err, cascade=True, skip_peer=None)

@@ -51,6 +51,9 @@ class Unit:
     """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
     awaited: bool = False
     """A later unit waits for this one to finish (its ``after``): finishing wakes the engine."""
+    issued_peers: frozenset[int] | None = None
+    """The peers whose messages went already, where they go one peer at a time (see
+    ``Transport.issues_per_peer``): the unit stays waiting until every peer's did."""
     ready: Any = None
     """Once issued: true when its work finished (never blocks)."""
     settle: Any = None

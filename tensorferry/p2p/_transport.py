@@ -308,6 +308,14 @@ class Transport(abc.ABC):
     after such an abort never counts, since its confirming header never came. A class default
     that a transport may set per instance, from its settings."""
 
+    issues_per_peer: ClassVar[bool] = False
+    """Whether a call's messages with one peer may be started apart from those with its other
+    peers, each as soon as they can go (``start`` called once per peer), as torch's
+    ``batch_isend_irecv`` posts every operation at once. True where operations with different
+    peers never wait for one another (gloo's pairs). Otherwise a call spanning several peers
+    starts as one group once every message in it can go (NCCL: groups queued on one stream run
+    one after another, so two of one ring step could each wait for the other's peer)."""
+
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
 

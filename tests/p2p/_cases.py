@@ -1228,9 +1228,9 @@ def random_traffic(
     Each rank carries its side of a segment's messages in script order, grouped its own random
     way: lone sends and receives, batches mixing sends and receives with several peers, a
     ``sendrecv`` of a send and a receive; it receives into poisoned buffers or into specs,
-    then waits for all of them at the segment's end, in a random order. (A batch goes once
-    every message in it can: one spanning segments could wait for a peer that waits for this
-    rank, see ``batch_waits_for_every_peer``.)
+    then waits for all of them at the segment's end, in a random order. (Over NCCL a batch
+    goes once every message in it can: one spanning segments could wait for a peer that waits
+    for this rank, see ``batch_waits_for_every_peer``.)
 
     With ``changed``, that share of the non-static messages leave with a tensor one row longer
     than their receiver expects: they fail on both sides, and so may others of the calls that
@@ -1332,8 +1332,9 @@ def random_traffic(
 def batch_waits_for_every_peer(rank: int, world: int) -> str:
     """Rank 0 sends to 1 and to 2 in one batch; rank 1 receives, then sends to 2; rank 2
     receives from 1, then from 0. torch's ``batch_isend_irecv`` posts both sends at once and
-    all three finish. Here a batch goes once every message in it can, and the send to 2
-    cannot before rank 2 calls: rank 2 waits for rank 1, which waits for the batch."""
+    all three finish. So does a transport whose messages go peer by peer (gloo). Over one that
+    issues a batch as one group (NCCL) the batch goes once every message in it can, and the
+    send to 2 cannot before rank 2 calls: rank 2 waits for rank 1, which waits for the batch."""
     if rank > 2:
         return "idle"
     x = torch.full((4,), float(rank), device=D())
