@@ -201,13 +201,13 @@ class P2PContext:
             op = messages[0].op
             stream = self.send_stream if op.kind == "send" else self.recv_stream
             return self._issue_on(stream, unit, {messages[0].transport: [op]})
-        groups: dict[str, list[Any]] = {}
-        for message in unit.messages:
-            groups.setdefault(message.transport, []).append(message.op)
-        cuda_groups = {n: ops for n, ops in groups.items() if ops[0].tensors[0].is_cuda}
-        for name, ops in groups.items():
-            if name not in cuda_groups:
-                unit.pending.append(self.transport(name).start(ops, stream=None))
+        on_host = [m for m in messages if not m.op.tensors[0].is_cuda]
+        if on_host:
+            self.issue_on_host(unit, on_host)
+        cuda_groups: dict[str, list[Any]] = {}
+        for message in messages:
+            if message.op.tensors[0].is_cuda:
+                cuda_groups.setdefault(message.transport, []).append(message.op)
         if not cuda_groups:
             return None
         has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
@@ -215,7 +215,8 @@ class P2PContext:
         return self._issue_on(stream, unit, cuda_groups)
 
     def issue_on_host(self, unit: Any, messages: list[Any]) -> None:
-        """Starts ``messages``, a part of ``unit`` on host transports (no stream, no event)."""
+        """Starts ``messages`` of ``unit`` (all of them, or one peer's part) that travel on
+        host transports: no stream, no event."""
         groups: dict[str, list[Any]] = {}
         for message in messages:
             groups.setdefault(message.transport, []).append(message.op)
