@@ -122,6 +122,9 @@ def _count_down(debts: dict, kind: str) -> None:
         del debts[kind]
 
 
+# How long tf.shutdown() waits, at most, for the helper threads to end (see stop).
+_HELPERS_EXIT_S = 1.0
+
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
 _DRIVEN_RECHECK_S = 0.005
@@ -263,7 +266,9 @@ class Engine(PairFaults, ShortWay):
             done.result(timeout)
         finally:
             self._thread.join(timeout)
-            self._helpers.shutdown()
+            # A rendezvous told to stop (``TransportContext.stopping``) ends within
+            # milliseconds: let it leave native code before the process may exit.
+            self._helpers.shutdown(wait_s=_HELPERS_EXIT_S)
 
     def _wake(self) -> None:
         if self._wake_pending or self._awake:  # the engine will see the command anyway

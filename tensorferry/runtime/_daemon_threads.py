@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["DaemonThreads"]
@@ -61,9 +62,14 @@ class DaemonThreads:
             self._threads.append(thread)
         thread.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 0.0) -> None:
         """Takes no more calls, drops those not started, and lets idle threads end. Calls
-        running go on (they may be waiting for a peer) and end with their rendezvous."""
+        running go on (they may be waiting for a peer) and end with their rendezvous.
+
+        ``wait_s``: how long to wait, at most, for the threads to end. A call that ends soon
+        (a store request, a wait told to stop) then returns before the process may exit: a
+        daemon thread still inside native code when the interpreter finalizes aborts the
+        process ("terminate called without an active exception")."""
         with self._lock:
             self._closed = True
             while True:
@@ -73,6 +79,14 @@ class DaemonThreads:
                     break
             for _ in self._threads:
                 self._calls.put(None)
+            threads = list(self._threads)
+        deadline = time.monotonic() + wait_s
+        for thread in threads:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if thread is not threading.current_thread():
+                thread.join(left)
 
     def _work(self) -> None:
         if self._initializer is not None:
