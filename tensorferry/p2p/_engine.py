@@ -122,8 +122,10 @@ def _count_down(debts: dict, kind: str) -> None:
         del debts[kind]
 
 
-# How long tf.shutdown() waits, at most, for the helper threads to end (see stop).
-_HELPERS_EXIT_S = 1.0
+# How long tf.shutdown() waits, at most, for the helper threads to end (see stop): longer
+# than a store client takes to open at worst in practice (5 s, seen on a CPU machine), which a
+# pair's making does first and which nothing can cut short.
+_HELPERS_EXIT_S = 6.0
 
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
@@ -267,7 +269,8 @@ class Engine(PairFaults, ShortWay):
         finally:
             self._thread.join(timeout)
             # A rendezvous told to stop (``TransportContext.stopping``) ends within
-            # milliseconds: let it leave native code before the process may exit.
+            # milliseconds, a store client being opened within seconds: let them leave native
+            # code before the process may exit. Idle helpers end at once.
             self._helpers.shutdown(wait_s=_HELPERS_EXIT_S)
 
     def _wake(self) -> None:
