@@ -1,0 +1,127 @@
+"""Pair resources across epochs, in one process: ``cached_pair`` and ``TransportContext.meet``.
+
+A fault moves a pair to its next epoch while the making of the last epoch's resources may still
+be under way on a helper thread. These check that the next epoch's making neither takes the
+stale resources nor waits on the stale rendezvous, and that a rendezvous that gives up leaves no
+mark a late peer could take for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensorferry.p2p._transport import StaleEpochError, TransportContext, cached_pair
+from tensorferry.runtime import communicator_cache
+
+
+class _Pair:
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        self.aborted = True
+
+
+@pytest.fixture
+def key():
+    key = ("test-pair-epochs", 0, 1, time.monotonic_ns())
+    yield key
+    communicator_cache().evict(key, abort=True, reason="test done")
+
+
+def test_resources_of_an_earlier_epoch_are_replaced(key):
+    old = cached_pair(key, 3, lambda: _Pair(3))
+    assert cached_pair(key, 3, lambda: _Pair(99)) is old  # made once per epoch
+    new = cached_pair(key, 4, lambda: _Pair(4))
+    assert new.epoch == 4 and old.aborted and not new.aborted
+
+
+def test_a_making_for_a_later_epoch_than_ours_is_refused(key):
+    cached_pair(key, 5, lambda: _Pair(5))
+    with pytest.raises(StaleEpochError):
+        cached_pair(key, 4, lambda: _Pair(4))
+
+
+@pytest.mark.parametrize("old_outcome", ["gives up", "finishes"])
+def test_a_making_of_an_earlier_epoch_under_way_is_waited_for_then_replaced(key, old_outcome):
+    started, release = threading.Event(), threading.Event()
+
+    def make_old() -> _Pair:
+        started.set()
+        release.wait(5)
+        if old_outcome == "gives up":
+            raise StaleEpochError("old making", 1)
+        return _Pair(1)
+
+    old_result: list = []
+
+    def old_making() -> None:
+        try:
+            old_result.append(cached_pair(key, 1, make_old))
+        except StaleEpochError as exc:
+            old_result.append(exc)
+
+    thread = threading.Thread(target=old_making)
+    thread.start()
+    assert started.wait(5)
+    threading.Timer(0.2, release.set).start()
+    new = cached_pair(key, 2, lambda: _Pair(2))
+    thread.join(5)
+    assert new.epoch == 2
+    assert isinstance(old_result[0], StaleEpochError if old_outcome == "gives up" else _Pair)
+
+
+def _context(rank: int, store, epoch: list[int], timeout_s: float = 5.0) -> TransportContext:
+    return TransportContext(
+        rank=rank,
+        world_size=2,
+        device=torch.device("cpu"),
+        store=store,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        epoch_of=lambda peer: epoch[0],
+    )
+
+
+def test_a_meeting_gives_up_when_its_epoch_ends_and_takes_its_mark_back():
+    store = dist.HashStore()
+    epoch = [7]
+    ctx = _context(0, store, epoch)
+    pair_store = ctx.pair_store(1, "test")
+    threading.Timer(0.1, lambda: epoch.__setitem__(0, 8)).start()
+    t0 = time.monotonic()
+    with pytest.raises(StaleEpochError, match="moved on from epoch 7"):
+        ctx.meet(pair_store, 1, "test meeting", 7)
+    assert time.monotonic() - t0 < 2.0
+    # A peer coming late to epoch 7 must not find rank 0's mark there and go on alone.
+    assert not pair_store.check(["here0"])
+
+
+def test_a_meeting_completes_when_both_come():
+    store = dist.HashStore()
+    epoch = [0]
+    contexts = [_context(rank, store, epoch) for rank in (0, 1)]
+    stores = [ctx.pair_store(1 - ctx.rank, "test") for ctx in contexts]
+    errors: list = []
+
+    def rank_one() -> None:
+        time.sleep(0.05)
+        try:
+            contexts[1].meet(stores[1], 0, "test meeting", 0)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=rank_one)
+    thread.start()
+    contexts[0].meet(stores[0], 1, "test meeting", 0)
+    thread.join(5)
+    assert not errors
