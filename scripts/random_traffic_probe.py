@@ -9,7 +9,13 @@ differently or by a timeout (each side's outcome: ``ok``, an error's class name)
 
 Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
 [--seeds A:B] [--changed P] [--wait S]`` (``--wait``: seconds each wait of the case takes at
-most, default 3).
+most, and each transfer's timeout, default 3).
+
+Reading it: a message of a batch may end ``ok`` on its sender and failed on its receiver (or the
+reverse) when the batch failed whole while the peer's own call for it succeeded (see
+``docs/transfers.md``). Both sides timing out together, seeds run one after another in one
+world, has so far meant a pair's making took longer than ``--wait``: on the CPU machine about
+one store client in ten took 5 s to open; ``--wait 8`` rules that out.
 """
 
 from __future__ import annotations
