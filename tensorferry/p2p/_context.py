@@ -201,13 +201,15 @@ class P2PContext:
             op = messages[0].op
             stream = self.send_stream if op.kind == "send" else self.recv_stream
             return self._issue_on(stream, unit, {messages[0].transport: [op]})
-        on_host = [m for m in messages if not m.op.tensors[0].is_cuda]
-        if on_host:
-            self.issue_on_host(unit, on_host)
+        on_host: list[Any] = []
         cuda_groups: dict[str, list[Any]] = {}
         for message in messages:
             if message.op.tensors[0].is_cuda:
                 cuda_groups.setdefault(message.transport, []).append(message.op)
+            else:
+                on_host.append(message)
+        if on_host:
+            self.issue_on_host(unit, on_host)
         if not cuda_groups:
             return None
         has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)

@@ -711,10 +711,10 @@ class Engine(PairFaults, ShortWay):
         for unit in list(self._units):
             if unit.state != "waiting":
                 continue
-            if unit.issued_peers is None and self._issuable(unit):
-                self._issue(unit)
-            elif unit.state == "waiting" and self._goes_per_peer(unit):
+            if self._goes_per_peer(unit):
                 self._issue_parts(unit)
+            elif self._issuable(unit):
+                self._issue(unit)
 
     def _resolve(self, peer: PeerState, kind: str) -> None:
         channel: ChannelState = peer.channels[kind]
@@ -914,8 +914,11 @@ class Engine(PairFaults, ShortWay):
         self._start(unit)
 
     def _goes_per_peer(self, unit: Unit) -> bool:
-        return len(unit.peers) > 1 and all(
-            self.ctx.transport(m.transport).issues_per_peer for m in unit.messages
+        """Whether ``unit`` is issued peer by peer (see ``Transport.issues_per_peer``)."""
+        return (
+            len(unit.messages) > 1  # a lone message (the commonest unit) never is
+            and len(unit.peers) > 1
+            and all(self.ctx.transport(m.transport).issues_per_peer for m in unit.messages)
         )
 
     def _issue_parts(self, unit: Unit) -> None:

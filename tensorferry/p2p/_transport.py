@@ -98,7 +98,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from tensorferry.errors import TransportError
+from tensorferry.errors import TensorFerryError, TransferTimeoutError, TransportError
+from tensorferry.runtime import communicator_cache
 
 __all__ = [
     "P2POp",
@@ -200,8 +201,6 @@ class TransportContext:
             StaleEpochError: the pair left ``epoch`` meanwhile.
             TransferTimeoutError: the peer did not come within the timeout.
         """
-        from tensorferry.errors import TensorFerryError, TransferTimeoutError
-
         me = self.rank_in_pair(peer)
         mark = f"here{me}"
         store.set(mark, b"1")
@@ -245,8 +244,6 @@ def cached_pair(key: Any, epoch: int, create: Callable[[], Any]) -> Any:
     Raises:
         StaleEpochError: ``epoch`` itself is over (resources of a later one exist).
     """
-    from tensorferry.runtime import communicator_cache
-
     cache = communicator_cache()
     while True:
         existing = cache.get(key)
