@@ -54,7 +54,6 @@ from tensorferry.graph._channel import (
     wait_until,
 )
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
-from tensorferry.runtime._stream_switch import on_stream
 
 if TYPE_CHECKING:
     from tensorferry.graph._runner import ScheduleRunner
@@ -295,6 +294,16 @@ class GpuOps:
             self.links, self._link_owners = make_links(plan.nccl, self.device)
             self._ranks = plan.nccl.ranks
         self._done: dict[int, torch.cuda.Event] = {}
+        # Tasks whose done event someone waits for: a host channel's writer (the driver, a
+        # same-GPU actor), or with overlap a send stream. Without overlap a GPU edge's send
+        # follows its method on the compute stream itself and needs none.
+        self._needs_done = {
+            e.src_task
+            for e in plan.graph.edges
+            if e.src_actor == plan.actor and (self.overlap or not e.rendezvous)
+        }
+        # The stream this thread last made current (see _use); None: unknown (a method ran).
+        self._current: Any = None
         self._static: dict[int, Any] = {}
         self._control = runner.control
         pollable = all(hasattr(c, "readable") for c in runner.readers.values()) and all(
@@ -374,6 +383,24 @@ class GpuOps:
             max_pause_s=_EVENT_PAUSE_S,
         )
 
+    # ------------------------------------------------------------------ streams
+    def _use(self, stream: torch.cuda.Stream) -> None:
+        """Makes ``stream`` current on this thread for the work enqueued next.
+
+        Nothing restores the previous one: every operation here names its stream before it
+        enqueues anything, so what is current between operations does not matter. That is one
+        call into torch per switch, and none when the stream is current already, where
+        ``on_stream`` makes four (3.3 µs on the GPU machine, ``scripts/graph_floor_probe.py
+        --ops``), several times per execution on the critical path. A method may switch streams
+        itself, so after one ran the current stream counts as unknown."""
+        if self._current is not stream:
+            torch._C._cuda_setStream(
+                stream_id=stream.stream_id,
+                device_index=stream.device_index,
+                device_type=stream.device_type,
+            )
+            self._current = stream
+
     # ------------------------------------------------------------------ operations
     def read(self, execution: int, op: Operation, edge: EdgeSpec) -> Any:
         channel = self.runner.readers[edge.edge_id]
@@ -382,8 +409,8 @@ class GpuOps:
         if not edge.rendezvous:
             # Host data (driver inputs, or a same-GPU actor's staged result): copies it makes to
             # this GPU must be ordered before the compute that uses them.
-            with on_stream(self.compute_stream):
-                return channel.read(timeout=_FOREVER)
+            self._use(self.compute_stream)
+            return channel.read(timeout=_FOREVER)
         meta = channel.read(timeout=_FOREVER)
         if isinstance(meta, RemoteError):
             return meta
@@ -396,14 +423,12 @@ class GpuOps:
         skeleton, specs = meta
         stream = self.recv_stream if self.overlap else self.compute_stream
         peer, link = self._ranks[edge.src_actor], self.links[edge.transport]
-        with on_stream(stream):
-            start = self._span_start(stream)
-            buffers = [
-                torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs
-            ]
-            for buffer in buffers:
-                link.recv(buffer, peer).wait()  # the stream waits, not the host
-            self._span_end(execution, op, "recv" if self.overlap else "compute", start, stream)
+        self._use(stream)
+        start = self._span_start(stream)
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+        for buffer in buffers:
+            link.recv(buffer, peer).wait()  # the stream waits, not the host
+        self._span_end(execution, op, "recv" if self.overlap else "compute", start, stream)
         value = buffers[0] if skeleton is None else _CudaUnpickler(skeleton, buffers).load()
         event = torch.cuda.Event()
         event.record(stream)
@@ -486,16 +511,19 @@ class GpuOps:
         stream = self.compute_stream
         args = [self._arrive(v) for v in args]
         kwargs = {k: self._arrive(v) for k, v in kwargs.items()}
-        with on_stream(stream):
-            start = self._span_start(stream)
-            try:
-                result = method(*args, **kwargs)
-            except BaseException as exc:  # SystemExit too: see ScheduleRunner._compute
-                result = remote_error(task.actor, task.label, exc)
-            self._span_end(execution, op, "compute", start, stream)
+        self._use(stream)
+        start = self._span_start(stream)
+        try:
+            result = method(*args, **kwargs)
+        except BaseException as exc:  # SystemExit too: see ScheduleRunner._compute
+            result = remote_error(task.actor, task.label, exc)
+        finally:
+            self._current = None  # the method may have switched streams
+        self._span_end(execution, op, "compute", start, stream)
+        if task.task_id in self._needs_done:
             done = torch.cuda.Event()
             done.record(stream)
-        self._done[task.task_id] = done
+            self._done[task.task_id] = done
         return result
 
     def _arrive(self, value: Any) -> Any:
@@ -552,8 +580,8 @@ class GpuOps:
             # the links move this device's memory. Copied on the sending stream, so the send
             # below follows the copy; a tensor of another GPU sent as it was read the wrong
             # device's memory.
-            with on_stream(self._sending_stream):
-                tensors = [t if t.device == device else t.to(device) for t in tensors]
+            self._use(self._sending_stream)
+            tensors = [t if t.device == device else t.to(device) for t in tensors]
         meta = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
         if edge.static_shape and edge.edge_id in self._static:
             if self._static[edge.edge_id][1] != meta[1]:
@@ -574,14 +602,14 @@ class GpuOps:
         executions in flight, 28-29 of 30 arrived mixed). One device copy per tensor sent;
         returns the copies and the event after them."""
         stream = self.compute_stream
-        with on_stream(stream):
-            copies = []
-            for tensor in tensors:
-                copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-                copy.copy_(tensor)  # its values: from any device, conjugate views resolved
-                copies.append(copy)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        self._use(stream)
+        copies = []
+        for tensor in tensors:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            copy.copy_(tensor)  # its values: from any device, conjugate views resolved
+            copies.append(copy)
+        copied = torch.cuda.Event()
+        copied.record(stream)
         return copies, copied
 
     def _fail_send(
@@ -602,10 +630,10 @@ class GpuOps:
         stand_ins = self._stand_ins.get(edge.edge_id)
         if stand_ins is None:
             specs = self._static[edge.edge_id][1]
-            with on_stream(self._sending_stream):  # filled before the send reads them
-                stand_ins = [
-                    torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in specs
-                ]
+            self._use(self._sending_stream)  # filled before the send reads them
+            stand_ins = [
+                torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in specs
+            ]
             self._stand_ins[edge.edge_id] = stand_ins
         self._send(execution, op, edge, stand_ins, done)
 
@@ -619,16 +647,16 @@ class GpuOps:
     ) -> None:
         stream = self._sending_stream
         peer, link = self._ranks[edge.dst_actor], self.links[edge.transport]
-        with on_stream(stream):
-            if self.overlap and done is not None:
-                stream.wait_event(done)
-            start = self._span_start(stream)
-            for tensor in tensors:
-                # Links move bytes: a conjugate or negative view's are not its values.
-                tensor = resolved(tensor).contiguous()
-                tensor.record_stream(stream)
-                link.send(tensor, peer).wait()
-            self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
+        self._use(stream)
+        if self.overlap and done is not None:
+            stream.wait_event(done)
+        start = self._span_start(stream)
+        for tensor in tensors:
+            # Links move bytes: a conjugate or negative view's are not its values.
+            tensor = resolved(tensor).contiguous()
+            tensor.record_stream(stream)
+            link.send(tensor, peer).wait()
+        self._span_end(execution, op, "send" if self.overlap else "compute", start, stream)
 
     @property
     def _sending_stream(self) -> torch.cuda.Stream:
@@ -642,20 +670,20 @@ class GpuOps:
         (its channel ends have no device), so nothing changes for it. ``reuse``: into one of
         :class:`_PinnedResults` (given back once written), else a fresh one."""
         stream = self.d2h_stream
-        with on_stream(stream):
-            if done is not None:
-                stream.wait_event(done)
-            tensor = tensor.detach()
-            if reuse:
-                host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
-            else:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            # Made on the compute stream, read here: its memory must not be handed out again
-            # before the copy is done.
-            tensor.record_stream(stream)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        self._use(stream)
+        if done is not None:
+            stream.wait_event(done)
+        tensor = tensor.detach()
+        if reuse:
+            host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
+        else:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        # Made on the compute stream, read here: its memory must not be handed out again
+        # before the copy is done.
+        tensor.record_stream(stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
         return host, copied
 
     def _drained(self, timeout_s: float) -> bool:

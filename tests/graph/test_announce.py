@@ -7,13 +7,11 @@ The GPU tier runs the same protocol over NCCL (tests/graph/test_gpu.py)."""
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tensorferry.graph import _gpu
 from tensorferry.graph._channel import RemoteError
 from tensorferry.graph._gpu import _ANNOUNCED, GpuOps, _Arrived, _HostWrites
 from tensorferry.graph._plan import EdgeSpec, Operation, OpKind
@@ -52,7 +50,7 @@ class FakeLink:
 @pytest.fixture
 def channel_pair(ring, monkeypatch):
     """The shared ring (two slots: one execution's announcement and outcome), with CUDA faked."""
-    monkeypatch.setattr(_gpu, "on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(GpuOps, "_use", lambda self, stream: None)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     return ring
 
