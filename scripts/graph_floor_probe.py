@@ -17,8 +17,10 @@ Rows, each the median host time of ``execute`` → result on the driver over ``-
 - ``receive posted ahead``: ``gpu1`` posts each receive as soon as the previous execution is
   done (as the graph's early receives do with overlap on).
 
-Every execution checks the value that came back. Usage (2 GPUs): ``python
-scripts/graph_floor_probe.py [--iters N]``.
+Every execution checks the value that came back. ``--ops`` also prints the host time of each
+CUDA call the graph's actors make per execution, alone in a loop on cuda:0 (median of 2000).
+
+Usage (2 GPUs): ``python scripts/graph_floor_probe.py [--iters N] [--ops]``.
 """
 
 import argparse
@@ -66,6 +68,14 @@ def _worker(rank, shm_name, unique_id, iters, modes):
         pinned = torch.empty(1, pin_memory=True)
         host = pinned.numpy()
         event = torch.cuda.Event()
+        # NCCL connects a pair at its first transfer, in both ranks' group calls at once: done
+        # here, or the first send would wait in its group call for a receive posted on notice.
+        with torch.cuda.stream(stream):
+            probe = torch.ones(1, device="cuda")
+            lib.group_start()
+            (lib.send if rank == 0 else lib.recv)(probe.data_ptr(), 4, 1 - rank, comm, handle)
+            lib.group_end()
+        stream.synchronize()
 
     def post_receive():
         lib.group_start()
@@ -112,10 +122,53 @@ def _worker(rank, shm_name, unique_id, iters, modes):
     shm.close()
 
 
+def _op_costs():
+    """Median host µs of each CUDA call the graph's path makes, alone in a loop."""
+    import torch
+
+    from tensorferry.runtime._stream_switch import on_stream
+
+    torch.cuda.set_device(0)
+    stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    made = torch.ones(_NUMEL, device="cuda")
+    pinned = torch.empty(1, pin_memory=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    torch.cuda.synchronize()
+
+    def in_stream():
+        with on_stream(stream):
+            pass
+
+    calls = {
+        "torch.full 100 KB": lambda: torch.full((_NUMEL,), 3.0, device="cuda"),
+        "torch.empty 100 KB": lambda: torch.empty(_NUMEL, device="cuda"),
+        "device copy 100 KB": lambda: torch.empty_like(made).copy_(made),
+        "copy to pinned, 1 element": lambda: pinned.copy_(made[:1], non_blocking=True),
+        "torch.cuda.Event()": torch.cuda.Event,
+        "Event.record": lambda: event.record(stream),
+        "Event.query": event.query,
+        "Stream.wait_event": lambda: other.wait_event(event),
+        "record_stream": lambda: made.record_stream(other),
+        "on_stream (enter, exit)": in_stream,
+        "x[:1]": lambda: made[:1],
+    }
+    print(f"{'CUDA call (host time)':28s} {'median_us':>9s}")
+    for name, call in calls.items():
+        samples = []
+        for _ in range(2000):
+            start = time.perf_counter()
+            call()
+            samples.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+        print(f"{name:28s} {statistics.median(samples):9.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--ops", action="store_true", help="also time each CUDA call alone")
     parser.add_argument(
         "--handovers-only", action="store_true", help="the first row only (no GPU needed)"
     )
@@ -174,6 +227,8 @@ def main():
         del buf
         shm.close()
         shm.unlink()
+    if args.ops:
+        _op_costs()
 
 
 if __name__ == "__main__":
