@@ -228,14 +228,19 @@ class P2PContext:
     def _issue_on(self, stream: Any, unit: Any, cuda_groups: dict[str, list[Any]]) -> Any:
         """Starts the CUDA transports of ``unit`` on ``stream``, after the caller's event;
         returns the event recorded after them."""
-        with on_stream(stream):
-            if unit.caller_event is not None:
-                stream_wait(stream, unit.caller_event)
-                recycle(unit.caller_event)  # the wait is enqueued: free to record again
-                unit.caller_event = None
-            for name, ops in cuda_groups.items():
-                unit.pending.append(self.transport(name).start(ops, stream=stream))
-            return record_on_stream(stream)  # the Transfer recycles it (Transfer.__del__)
+        if unit.caller_event is not None:
+            stream_wait(stream, unit.caller_event)
+            recycle(unit.caller_event)  # the wait is enqueued: free to record again
+            unit.caller_event = None
+        transports = [(self.transport(name), ops) for name, ops in cuda_groups.items()]
+        if all(transport.makes_stream_current for transport, _ in transports):
+            for transport, ops in transports:
+                unit.pending.append(transport.start(ops, stream=stream))
+        else:
+            with on_stream(stream):
+                for transport, ops in transports:
+                    unit.pending.append(transport.start(ops, stream=stream))
+        return record_on_stream(stream)  # the Transfer recycles it (Transfer.__del__)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

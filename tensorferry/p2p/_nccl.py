@@ -56,6 +56,7 @@ from tensorferry.p2p._transport import (
 )
 from tensorferry.runtime import communicator_cache
 from tensorferry.runtime._communicators import abort_together
+from tensorferry.runtime._stream_switch import on_stream
 
 __all__ = ["NcclTransport", "PACK_BELOW"]
 
@@ -174,6 +175,9 @@ class NcclTransport(Transport):
 
     name = "nccl"
     device_type = "cuda"
+    # A lone tensor on our own communicator goes to NCCL with its stream's handle and nothing
+    # else: no switch of the current stream (see start).
+    makes_stream_current = True
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -266,8 +270,17 @@ class NcclTransport(Transport):
         return pair
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
-        if len(ops) == 1 and len(ops[0].tensors) == 1:
-            return self._start_one(ops[0], stream)
+        lone = len(ops) == 1 and len(ops[0].tensors) == 1
+        pair = self._prepared_pair(*self._ends(ops[0].peer, ops[0].kind)) if lone else None
+        if isinstance(pair, _NativePair):
+            return self._start_one(pair, ops[0], stream)
+        # Packing runs torch kernels, and a ProcessGroupNCCL orders the current stream.
+        with on_stream(stream):
+            if lone:
+                return self._start_one(pair, ops[0], stream)
+            return self._start_grouped(ops, stream)
+
+    def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}
         for op in ops:
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
@@ -309,10 +322,9 @@ class NcclTransport(Transport):
             staging.release(stream)
         return _NcclPending(started, keep)
 
-    def _start_one(self, op: P2POp, stream: Any) -> PendingOps:
+    def _start_one(self, pair: Any, op: P2POp, stream: Any) -> PendingOps:
         """One tensor to or from one peer (the commonest call): what :meth:`start` does, with
         nothing to group, pack or unpack."""
-        pair = self._prepared_pair(*self._ends(op.peer, op.kind))
         tensor = op.tensors[0]
         wire = [(op.kind, tensor)] if tensor.numel() else []  # empty: nothing moves either side
         return _NcclPending(self._enqueue([(pair, wire)] if wire else [], stream), [])

@@ -305,6 +305,12 @@ class Transport(abc.ABC):
     after such an abort never counts, since its confirming header never came. A class default
     that a transport may set per instance, from its settings."""
 
+    makes_stream_current: ClassVar[bool] = False
+    """Whether :meth:`start` makes its ``stream`` current itself wherever it enqueues work that
+    runs on the current stream (torch operations), so the caller need not switch streams around
+    it. Switching costs several calls into torch on every transfer; a transport that mostly
+    passes its stream to a library explicitly (NCCL) skips them that way."""
+
     issues_per_peer: ClassVar[bool] = False
     """Whether a call's messages with one peer may be started apart from those with its other
     peers, each as soon as they can go (``start`` called once per peer), as torch's
