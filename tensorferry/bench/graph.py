@@ -172,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
             "NCCL case: the driver passes a Python float; a 100 KB float32 tensor made from it "
             "on cuda:0 goes to cuda:1 over torch.distributed NCCL; the receiver returns its "
             "first element as a device tensor, which the graph copies to the driver's host "
-            "memory (the methods never sync the device themselves)"
+            "memory (the methods never sync the device themselves); the same work written by "
+            "hand, with no executor at all, is scripts/graph_floor_probe.py: the floor under "
+            "this row on the machine at hand"
         )
     else:
         notes.append("NCCL case skipped: fewer than two CUDA devices")
