@@ -268,6 +268,7 @@ class P2PContext:
             # it, its server), stayed open until that ran, about ten descriptors per init and
             # shutdown. The store is kept, but only the last world's (see _keep_store).
             _keep_store(self.store)
+            self.transport_ctx.drop_store_clients()
             self.store = self.transport_ctx.store = None
 
 

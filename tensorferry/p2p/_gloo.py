@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -145,9 +146,16 @@ class GlooTransport(Transport):
         def create() -> _GlooPair:
             import torch.distributed as dist
 
-            store = self.ctx.pair_store(peer, self.name)
-            self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
-            pg = dist.ProcessGroupGloo(store, self.ctx.rank_in_pair(peer), 2, self.ctx.timeout)
+            if _connects_lazily():
+                # Gloo then connects through its store later too: a store client of its own.
+                making = contextlib.nullcontext(self.ctx.pair_store(peer, self.name))
+            else:
+                # Its process group holds on to the store but uses it only to connect, here.
+                making = self.ctx.borrowed_pair_store(peer, self.name)
+            with making as store:
+                self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
+                me = self.ctx.rank_in_pair(peer)
+                pg = dist.ProcessGroupGloo(store, me, 2, self.ctx.timeout)
             return _GlooPair(
                 pg, 1 - self.ctx.rank_in_pair(peer), peer, epoch, self.ctx.timeout.total_seconds()
             )
@@ -195,3 +203,8 @@ class GlooTransport(Transport):
         for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
             if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:
                 cache.evict(key, abort=False, reason="shutdown")
+
+
+def _connects_lazily() -> bool:
+    """Whether torch's gloo connects a group's ranks on first use (``TORCH_GLOO_LAZY_INIT``)."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() not in ("", "0", "false")

@@ -101,6 +101,9 @@ import torch
 from tensorferry.errors import TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.runtime import communicator_cache
 
+# Store clients kept for later pairs' makings (a process rarely makes more at once).
+_IDLE_CLIENTS = 4
+
 __all__ = [
     "P2POp",
     "PendingOps",
@@ -161,6 +164,11 @@ class TransportContext:
     timeout: timedelta
     epoch_of: Callable[[int], int] = field(default=lambda peer: 0)
     stopping: threading.Event = field(default_factory=threading.Event)
+    _idle_clients: list = field(default_factory=list)
+    """Store clients that finished a pair's making cleanly, for the next (borrowed_pair_store)."""
+    _keeping_clients: bool = True
+    """False once :meth:`drop_store_clients` ran (``tf.shutdown``)."""
+    _clients_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def pair(self, peer: int) -> tuple[int, int]:
         """``(lo, hi)``: the pair's ranks in ascending order."""
@@ -180,10 +188,45 @@ class TransportContext:
         """
         import torch.distributed as dist
 
-        lo, hi = self.pair(peer)
-        prefix = f"pair/{lo}-{hi}/epoch{self.epoch_of(peer)}/{purpose}"
         base = self.store.clone() if hasattr(self.store, "clone") else self.store
-        return dist.PrefixStore(prefix, base)
+        return dist.PrefixStore(self._pair_prefix(peer, purpose), base)
+
+    @contextlib.contextmanager
+    def borrowed_pair_store(self, peer: int, purpose: str) -> Any:
+        """:meth:`pair_store` for a making that uses its store only while it runs (this block):
+        its client connection is lent to this making alone and, when the block ends without an
+        error, kept for the next one rather than closed. For what keeps using its store after
+        the making (``ProcessGroupNCCL``, symmetric memory), take :meth:`pair_store`.
+
+        Why: on some machines a process's store connections stall 5 s in torch's connect, every
+        25th of them (``docs/transfers.md``), and a process that remakes pairs after faults made
+        dozens. A client whose making failed (a rendezvous timed out, with a request perhaps
+        unanswered) is never lent again."""
+        import torch.distributed as dist
+
+        if not hasattr(self.store, "clone"):
+            yield dist.PrefixStore(self._pair_prefix(peer, purpose), self.store)
+            return
+        with self._clients_lock:
+            client = self._idle_clients.pop() if self._idle_clients else None
+        if client is None:
+            client = self.store.clone()
+        yield dist.PrefixStore(self._pair_prefix(peer, purpose), client)
+        with self._clients_lock:  # not reached when the block raised
+            if self._keeping_clients and len(self._idle_clients) < _IDLE_CLIENTS:
+                self._idle_clients.append(client)
+
+    def drop_store_clients(self) -> None:
+        """Lets go of the store clients kept for later makings, whose connections close with
+        their last reference (``tf.shutdown``: a process that inits and shuts down again and
+        again must not collect them); a making still running keeps its own until it ends."""
+        with self._clients_lock:
+            self._keeping_clients = False
+            self._idle_clients = []
+
+    def _pair_prefix(self, peer: int, purpose: str) -> str:
+        lo, hi = self.pair(peer)
+        return f"pair/{lo}-{hi}/epoch{self.epoch_of(peer)}/{purpose}"
 
     def meet(self, store: Any, peer: int, what: str, epoch: int | None = None) -> None:
         """Returns once ``peer`` reached this point of the same rendezvous too (each rank marks
@@ -396,8 +439,6 @@ class Transport(abc.ABC):
     def _evict_cached(self, reason: str) -> None:
         """Drops this transport's communicators of this rank from the runtime's cache (keys
         ``(name, rank, rank)``), so a later ``tf.init`` never finds the old world's."""
-        from tensorferry.runtime import communicator_cache
-
         cache = communicator_cache()
         for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
             if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:

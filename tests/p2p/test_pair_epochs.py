@@ -125,3 +125,45 @@ def test_a_meeting_completes_when_both_come():
     contexts[0].meet(stores[0], 1, "test meeting", 0)
     thread.join(5)
     assert not errors
+
+
+class _CountingStore:
+    """A store whose clones are counted: each stands for one client connection."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()
+        self.store.set_timeout(datetime.timedelta(seconds=5))
+        self.clones: list = []
+
+    def clone(self):
+        clone = dist.PrefixStore("client", self.store)  # the same store, a distinct object
+        self.clones.append(clone)
+        return clone
+
+
+def test_makings_borrow_one_store_client_after_another_but_never_one_that_failed():
+    counting = _CountingStore()
+    ctx = _context(0, counting, [3])
+    with ctx.borrowed_pair_store(1, "gloo") as first:
+        first.set("k", b"1")
+    # Keys land where pair_store puts them: under the pair, its epoch and the purpose.
+    assert counting.store.get("client/pair/0-1/epoch3/gloo/k") == b"1"
+    with ctx.borrowed_pair_store(1, "nccl/0-to-1"):
+        pass
+    assert len(counting.clones) == 1, "a making that ended cleanly lends its client on"
+    with (
+        pytest.raises(RuntimeError, match="rendezvous timed out"),
+        ctx.borrowed_pair_store(1, "gloo"),
+    ):
+        raise RuntimeError("rendezvous timed out")
+    with ctx.borrowed_pair_store(1, "gloo"):
+        pass
+    assert len(counting.clones) == 2, "the failed making's client is never lent again"
+    # Two makings at once each have a client of their own.
+    with ctx.borrowed_pair_store(1, "a"), ctx.borrowed_pair_store(1, "b"):
+        assert len(counting.clones) == 3
+    ctx.drop_store_clients()  # tf.shutdown
+    assert not ctx._idle_clients
+    with ctx.borrowed_pair_store(1, "gloo"):
+        pass
+    assert len(counting.clones) == 4 and not ctx._idle_clients, "none kept after shutdown"
