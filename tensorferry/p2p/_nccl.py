@@ -236,20 +236,12 @@ class NcclTransport(Transport):
         device = self.ctx.device
         sending = src == self.ctx.rank
         peer = dst if sending else src
+        store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}")
+        self.ctx.meet(store, peer, f"nccl: the direction rank {src} -> {dst}", epoch)
         me = 0 if sending else 1
         lib = nccl_library()
-        direct = lib is not None and envs.nccl_calls() == "direct"
-        purpose = f"nccl/{src}-to-{dst}"
-        # Our own communicator needs the store only to meet and pass its id; a ProcessGroupNCCL
-        # keeps using its store, so it gets a client of its own.
-        making = (
-            self.ctx.borrowed_pair_store(peer, purpose)
-            if direct
-            else contextlib.nullcontext(self.ctx.pair_store(peer, purpose))
-        )
-        with making as store, torch.cuda.device(device):
-            self.ctx.meet(store, peer, f"nccl: the direction rank {src} -> {dst}", epoch)
-            if direct:
+        with torch.cuda.device(device):
+            if lib is not None and envs.nccl_calls() == "direct":
                 # The sending side makes the id; the store's wait bounds the rendezvous.
                 if sending:
                     store.set("unique_id", lib.unique_id())
@@ -261,7 +253,6 @@ class NcclTransport(Transport):
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.ctx.timeout + datetime.timedelta(seconds=_WATCHDOG_MARGIN_S)
                 pair = _GroupPair(dist.ProcessGroupNCCL(store, me, 2, options), 1 - me, epoch)
-        with torch.cuda.device(device):
             # Warm-up message: NCCL connects the two ranks at their first send/recv, a
             # rendezvous; here on this helper thread rather than in the first real transfer.
             stream = torch.cuda.Stream(device)

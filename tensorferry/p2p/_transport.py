@@ -196,7 +196,9 @@ class TransportContext:
         """:meth:`pair_store` for a making that uses its store only while it runs (this block):
         its client connection is lent to this making alone and, when the block ends without an
         error, kept for the next one rather than closed. For what keeps using its store after
-        the making (``ProcessGroupNCCL``, symmetric memory), take :meth:`pair_store`.
+        the making (``ProcessGroupNCCL``, symmetric memory), take :meth:`pair_store`. Gloo's
+        pairs borrow; NCCL's communicators could too (they need the store only to meet and pass
+        their id) but still open their own, until the GPU tiers have run that way.
 
         Why: on some machines a process's store connections stall 5 s in torch's connect, every
         25th of them (``docs/transfers.md``), and a process that remakes pairs after faults made
