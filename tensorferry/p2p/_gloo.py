@@ -156,9 +156,7 @@ class GlooTransport(Transport):
                 self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
                 me = self.ctx.rank_in_pair(peer)
                 pg = dist.ProcessGroupGloo(store, me, 2, self.ctx.timeout)
-            return _GlooPair(
-                pg, 1 - self.ctx.rank_in_pair(peer), peer, epoch, self.ctx.timeout.total_seconds()
-            )
+            return _GlooPair(pg, 1 - me, peer, epoch, self.ctx.timeout.total_seconds())
 
         return cached_pair(key, epoch, create)
 

@@ -164,11 +164,11 @@ class TransportContext:
     timeout: timedelta
     epoch_of: Callable[[int], int] = field(default=lambda peer: 0)
     stopping: threading.Event = field(default_factory=threading.Event)
-    _idle_clients: list = field(default_factory=list)
+    _idle_clients: list = field(default_factory=list, init=False, repr=False)
     """Store clients that finished a pair's making cleanly, for the next (borrowed_pair_store)."""
-    _keeping_clients: bool = True
+    _keeping_clients: bool = field(default=True, init=False, repr=False)
     """False once :meth:`drop_store_clients` ran (``tf.shutdown``)."""
-    _clients_lock: threading.Lock = field(default_factory=threading.Lock)
+    _clients_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def pair(self, peer: int) -> tuple[int, int]:
         """``(lo, hi)``: the pair's ranks in ascending order."""
