@@ -14,8 +14,9 @@ most, and each transfer's timeout, default 3).
 Reading it: a message of a batch may end ``ok`` on its sender and failed on its receiver (or the
 reverse) when the batch failed whole while the peer's own call for it succeeded (see
 ``docs/transfers.md``). Both sides timing out together, seeds run one after another in one
-world, has so far meant a pair's making took longer than ``--wait``: on the CPU machine about
-one store client in ten took 5 s to open; ``--wait 8`` rules that out.
+world, has so far meant a pair's making took longer than ``--wait``: on the CPU machine every
+25th store client a process opens takes 5 s (gloo's makings now reuse clients, which makes it
+rare; ``docs/transfers.md``); ``--wait 8`` rules that out.
 """
 
 from __future__ import annotations
