@@ -14,9 +14,9 @@ most, and each transfer's timeout, default 3).
 Reading it: a message of a batch may end ``ok`` on its sender and failed on its receiver (or the
 reverse) when the batch failed whole while the peer's own call for it succeeded (see
 ``docs/transfers.md``). Both sides timing out together, seeds run one after another in one
-world, has so far meant a pair's making took longer than ``--wait``: on the CPU machine every
-25th store client a process opens takes 5 s (gloo's makings now reuse clients, which makes it
-rare; ``docs/transfers.md``); ``--wait 8`` rules that out.
+world, used to come from a race in a pair's making (one rank entering gloo's rendezvous alone,
+``docs/transfers.md``); on the CPU machine also from its store connections, every 25th of
+which takes 5 s (``--wait 8`` rules that out).
 """
 
 from __future__ import annotations

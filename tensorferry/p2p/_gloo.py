@@ -148,10 +148,10 @@ class GlooTransport(Transport):
 
             if _connects_lazily():
                 # Gloo then connects through its store later too: a store client of its own.
-                making = contextlib.nullcontext(self.ctx.pair_store(peer, self.name))
+                making = contextlib.nullcontext(self.ctx.pair_store(peer, self.name, epoch))
             else:
                 # Its process group holds on to the store but uses it only to connect, here.
-                making = self.ctx.borrowed_pair_store(peer, self.name)
+                making = self.ctx.borrowed_pair_store(peer, self.name, epoch)
             with making as store:
                 self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
                 me = self.ctx.rank_in_pair(peer)

@@ -236,7 +236,7 @@ class NcclTransport(Transport):
         device = self.ctx.device
         sending = src == self.ctx.rank
         peer = dst if sending else src
-        store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}")
+        store = self.ctx.pair_store(peer, f"nccl/{src}-to-{dst}", epoch)
         self.ctx.meet(store, peer, f"nccl: the direction rank {src} -> {dst}", epoch)
         me = 0 if sending else 1
         lib = nccl_library()

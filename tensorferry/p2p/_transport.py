@@ -99,6 +99,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from tensorferry.errors import TensorFerryError, TransferTimeoutError, TransportError
+from tensorferry.p2p import _agreement as agreement
 from tensorferry.runtime import communicator_cache
 
 # Store clients kept for later pairs' makings (a process rarely makes more at once).
@@ -178,9 +179,11 @@ class TransportContext:
         """0 for the lower rank of the pair, 1 for the higher."""
         return 0 if self.rank < peer else 1
 
-    def pair_store(self, peer: int, purpose: str) -> Any:
-        """A store private to this pair, its current epoch and ``purpose`` (e.g. the transport
-        name). Both ranks of the pair get the same prefix; no other rank uses it.
+    def pair_store(self, peer: int, purpose: str, epoch: int | None = None) -> Any:
+        """A store private to this pair, ``epoch`` (default: its current one) and ``purpose``
+        (e.g. the transport name). Both ranks of the pair get the same prefix; no other rank
+        uses it. A making for one epoch names it: the pair may have moved on since the making
+        began, and a store of the next epoch would let it meet that epoch's making.
 
         It is a fresh client connection where the store supports ``clone()``: a blocking wait
         on one pair's rendezvous must not hold up another pair's (TCPStore clients serialise
@@ -189,10 +192,10 @@ class TransportContext:
         import torch.distributed as dist
 
         base = self.store.clone() if hasattr(self.store, "clone") else self.store
-        return dist.PrefixStore(self._pair_prefix(peer, purpose), base)
+        return dist.PrefixStore(self._pair_prefix(peer, purpose, epoch), base)
 
     @contextlib.contextmanager
-    def borrowed_pair_store(self, peer: int, purpose: str) -> Any:
+    def borrowed_pair_store(self, peer: int, purpose: str, epoch: int | None = None) -> Any:
         """:meth:`pair_store` for a making that uses its store only while it runs (this block):
         its client connection is lent to this making alone and, when the block ends without an
         error, kept for the next one rather than closed. For what keeps using its store after
@@ -207,13 +210,13 @@ class TransportContext:
         import torch.distributed as dist
 
         if not hasattr(self.store, "clone"):
-            yield dist.PrefixStore(self._pair_prefix(peer, purpose), self.store)
+            yield dist.PrefixStore(self._pair_prefix(peer, purpose, epoch), self.store)
             return
         with self._clients_lock:
             client = self._idle_clients.pop() if self._idle_clients else None
         if client is None:
             client = self.store.clone()
-        yield dist.PrefixStore(self._pair_prefix(peer, purpose), client)
+        yield dist.PrefixStore(self._pair_prefix(peer, purpose, epoch), client)
         with self._clients_lock:  # not reached when the block raised
             if self._keeping_clients and len(self._idle_clients) < _IDLE_CLIENTS:
                 self._idle_clients.append(client)
@@ -226,32 +229,37 @@ class TransportContext:
             self._keeping_clients = False
             self._idle_clients = []
 
-    def _pair_prefix(self, peer: int, purpose: str) -> str:
+    def _pair_prefix(self, peer: int, purpose: str, epoch: int | None) -> str:
         lo, hi = self.pair(peer)
-        return f"pair/{lo}-{hi}/epoch{self.epoch_of(peer)}/{purpose}"
+        epoch = self.epoch_of(peer) if epoch is None else epoch
+        return f"pair/{lo}-{hi}/epoch{epoch}/{purpose}"
 
     def meet(self, store: Any, peer: int, what: str, epoch: int | None = None) -> None:
-        """Returns once ``peer`` reached this point of the same rendezvous too (each rank marks
-        ``store``, the pair's, and polls for the other's mark). Made before a library's own
-        rendezvous (gloo's process group, NCCL's communicator), which blocks in native code
-        until the peer comes or its timeout: a thread left waiting in one when the process
-        exited after ``tf.shutdown()`` aborted the process ("terminate called without an
-        active exception", exit code -6). This wait ends at once when ``stopping`` is set, and
-        when the pair left ``epoch`` (the one ``store`` is for): a fault moved it on, and the
-        peer, which may have nothing to send in that epoch, may never come; a wait left
-        running would hold up the next epoch's pair, made under the same cache key.
+        """Returns once both ranks of the pair committed to the rendezvous that follows on
+        ``store``, the pair's (:mod:`._agreement`): a library's own (gloo's process group,
+        NCCL's communicator), which blocks in native code until the peer comes or its timeout.
+        Either both ranks return or neither does.
+
+        Waiting for the peer ends at once when ``stopping`` is set (a thread left waiting in a
+        library's rendezvous when the process exited after ``tf.shutdown()`` aborted the
+        process: "terminate called without an active exception", exit code -6), and when the
+        pair left ``epoch`` (the one ``store`` is for): a fault moved it on, and the peer, which
+        may have nothing to send in that epoch, may never come; a wait left running would hold
+        up the next epoch's pair, made under the same cache key. Unless the peer committed
+        first: then it is entering the rendezvous, and this rank returns to enter it too.
 
         Raises:
             TensorFerryError: ``tf.shutdown()`` was called meanwhile.
             StaleEpochError: the pair left ``epoch`` meanwhile.
             TransferTimeoutError: the peer did not come within the timeout.
+            TransportError: ``store`` holds a finished agreement already (used twice).
         """
         me = self.rank_in_pair(peer)
-        mark = f"here{me}"
-        store.set(mark, b"1")
+        if agreement.arrive(store, me):
+            return
         deadline = time.monotonic() + self.timeout.total_seconds()
         pause = 1e-3
-        while not store.check([f"here{1 - me}"]):
+        while not agreement.peer_committed(store):
             error: BaseException | None = None
             if self.stopping.is_set():
                 error = TensorFerryError(f"{what}: tf.shutdown() was called")
@@ -263,12 +271,13 @@ class TransportContext:
                     f"{self.timeout.total_seconds():.3g} s"
                 )
             if error is not None:
-                # Our mark goes too: a peer coming later (still in this epoch, the fault
-                # not yet read) would take it for us and wait in the library's rendezvous,
-                # which nothing cuts short, holding up its next epoch's pair.
-                with contextlib.suppress(Exception):
-                    store.delete_key(mark)
-                raise error
+                try:
+                    withdrawn = agreement.withdraw(store, me)
+                except Exception:  # the store is gone: so is any peer that could commit
+                    withdrawn = True
+                if withdrawn:
+                    raise error
+                return  # the peer committed a moment ago and is entering: so do we
             self.stopping.wait(pause)
             pause = min(pause * 2, 5e-3)  # a pair made late by a few ms at most
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tensorferry.errors import TransferTimeoutError, TransportError
+from tensorferry.p2p import _agreement as agreement
 from tensorferry.p2p._transport import StaleEpochError, TransportContext, cached_pair
 from tensorferry.runtime import communicator_cache
 
@@ -92,18 +94,62 @@ def _context(rank: int, store, epoch: list[int], timeout_s: float = 5.0) -> Tran
     )
 
 
-def test_a_meeting_gives_up_when_its_epoch_ends_and_takes_its_mark_back():
+def test_a_meeting_gives_up_when_its_epoch_ends_and_takes_its_claim_back():
     store = dist.HashStore()
     epoch = [7]
-    ctx = _context(0, store, epoch)
-    pair_store = ctx.pair_store(1, "test")
+    contexts = [_context(rank, store, epoch, timeout_s=0.5) for rank in (0, 1)]
+    stores = [ctx.pair_store(1 - ctx.rank, "test", 7) for ctx in contexts]
     threading.Timer(0.1, lambda: epoch.__setitem__(0, 8)).start()
     t0 = time.monotonic()
     with pytest.raises(StaleEpochError, match="moved on from epoch 7"):
-        ctx.meet(pair_store, 1, "test meeting", 7)
+        contexts[0].meet(stores[0], 1, "test meeting", 7)
     assert time.monotonic() - t0 < 2.0
-    # A peer coming late to epoch 7 must not find rank 0's mark there and go on alone.
-    assert not pair_store.check(["here0"])
+    # A peer coming late to epoch 7 must not take rank 0 for there and go on alone.
+    with pytest.raises(TransferTimeoutError, match="did not take part"):
+        contexts[1].meet(stores[1], 0, "test meeting")
+
+
+def test_a_meeting_the_peer_committed_to_is_kept_though_its_epoch_ended():
+    """The race a mark per rank lost: rank 1 saw rank 0 there just as rank 0 gave up, and
+    entered the library's rendezvous alone. Now whoever commits first binds both."""
+    store = dist.HashStore()
+    peer = _context(1, store, [3])
+    peer_store = peer.pair_store(0, "test", 3)
+
+    def epoch_of(_: int) -> int:
+        # Rank 0 looked for the peer and found none; now, as it reads the pair's epoch and
+        # finds it over, the peer arrives and commits both.
+        peer.meet(peer_store, 0, "test meeting", 3)
+        return 4
+
+    ctx = _context(0, store, [3])
+    ctx.epoch_of = epoch_of
+    ctx.meet(ctx.pair_store(1, "test", 3), 1, "test meeting", 3)  # returns: enter with the peer
+
+
+def test_a_withdrawal_after_the_peer_committed_is_refused():
+    store = dist.HashStore()
+    assert not agreement.arrive(store, 0)  # rank 0 waits
+    assert agreement.arrive(store, 1)  # rank 1 commits both
+    assert agreement.peer_committed(store)
+    assert not agreement.withdraw(store, 0)  # too late: rank 1 is entering
+
+
+def test_a_withdrawn_claim_lets_no_one_commit_until_both_come_again():
+    store = dist.HashStore()
+    assert not agreement.arrive(store, 0)
+    assert agreement.withdraw(store, 0)
+    assert not agreement.arrive(store, 1)  # rank 0 is not there any more: rank 1 waits
+    assert not agreement.peer_committed(store)
+    assert agreement.arrive(store, 0)  # rank 0 back: both committed
+
+
+def test_a_finished_agreement_is_not_entered_again():
+    store = dist.HashStore()
+    agreement.arrive(store, 0)
+    agreement.arrive(store, 1)
+    with pytest.raises(TransportError, match="already holds a finished set-up"):
+        agreement.arrive(store, 0)
 
 
 def test_a_meeting_completes_when_both_come():
@@ -125,6 +171,15 @@ def test_a_meeting_completes_when_both_come():
     contexts[0].meet(stores[0], 1, "test meeting", 0)
     thread.join(5)
     assert not errors
+
+
+def test_a_making_names_its_own_epoch_in_its_store():
+    store = dist.HashStore()
+    epoch = [5]
+    ctx = _context(0, store, epoch)
+    ctx.pair_store(1, "test", 4).set("k", "old")
+    assert ctx.pair_store(1, "test").compare_set("k", "", "new") == b"new"  # epoch 5's own
+    assert ctx.pair_store(1, "test", 4).get("k") == b"old"
 
 
 class _CountingStore:

@@ -8,29 +8,22 @@ overlap in one process, or each rank of a ring waits, inside a rendezvous, for a
 that sits inside another one.
 
 So a set-up runs under one process-wide lock, and only after both ranks of the pair committed
-to it while holding their locks. The commitment is a small agreement over the pair's store:
-
-- arriving, a rank claims the ``turn`` key (``"" → "w<me>"``) and waits a short while on the
-  ``go`` key; if the peer's claim is already there, it turns it into ``"go"`` and sets ``go``;
-- a rank whose wait ran out withdraws its claim (``"w<me>" → ""``), releases its lock, backs off
-  a random moment and tries again — unless the withdrawal finds ``"go"``: then the peer
-  committed first and both proceed.
-
-Every compare-and-set is atomic in the store, so either both ranks enter the rendezvous or
-neither does, and no rank holds its lock for more than a moment waiting on a peer that is busy
-elsewhere.
+to it (:mod:`tensorferry.p2p._agreement`) while holding their locks. A rank waits for its peer's
+commitment a short while only; then it withdraws, releases its lock, backs off a random moment
+and tries again. So either both ranks enter the rendezvous or neither does, and no rank holds
+its lock for more than a moment waiting on a peer that is busy elsewhere.
 """
 
 from __future__ import annotations
 
-import datetime
 import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tensorferry.errors import TransferTimeoutError, TransportError
+from tensorferry.errors import TransferTimeoutError
+from tensorferry.p2p._agreement import arrive, wait_committed, withdraw
 from tensorferry.p2p.nvlink._symm import pair_group_name
 
 __all__ = ["set_up_pair", "with_peer_turn"]
@@ -102,10 +95,9 @@ def with_peer_turn(
     """
     lock = _setup_lock if lock is None else lock
     deadline = time.monotonic() + timeout_s
-    claim = f"w{me}".encode()
     while True:
         with lock:
-            if _commit(store, claim):
+            if _commit(store, me):
                 return make()
         if time.monotonic() > deadline:
             raise TransferTimeoutError(
@@ -114,26 +106,7 @@ def with_peer_turn(
         time.sleep(random.uniform(0.0, BACKOFF_S))
 
 
-def _commit(store: Any, claim: bytes) -> bool:
+def _commit(store: Any, me: int) -> bool:
     """One attempt: True once both ranks committed (the caller holds the set-up lock)."""
-    seen = store.compare_set("turn", "", claim)
-    if seen == b"go":
-        raise TransportError(
-            "the pair's store already holds a finished set-up: it was used by an earlier world "
-            "with the same keys (give each world its own store or prefix)"
-        )
-    if seen != claim:  # the peer's claim is there: commit both
-        if store.compare_set("turn", seen, "go") == b"go":
-            store.set("go", "1")
-            return True
-        return False  # the peer withdrew in between: start over
-    try:
-        store.wait(["go"], datetime.timedelta(seconds=HOLD_S))
-        return True
-    except RuntimeError:  # c10d's wait timeout (DistStoreError, a RuntimeError)
-        pass
-    left = store.compare_set("turn", claim, "")
-    if left == b"go":  # the peer committed while we gave up: it is entering; so do we
-        store.wait(["go"])
-        return True
-    return False
+    # After a refused withdrawal the peer is entering the rendezvous: so do we.
+    return arrive(store, me) or wait_committed(store, HOLD_S) or not withdraw(store, me)
