@@ -11,9 +11,9 @@ Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--
 [--seeds A:B] [--changed P] [--wait S]`` (``--wait``: seconds each wait of the case takes at
 most, and each transfer's timeout, default 3).
 
-Reading it: a message of a batch may end ``ok`` on its sender and failed on its receiver (or the
-reverse) when the batch failed whole while the peer's own call for it succeeded (see
-``docs/transfers.md``). Both sides timing out together, seeds run one after another in one
+Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
+other when that call failed whole while the peer's own call for it succeeded (see
+``docs/transfers.md``); such a failure reads ``"... (with N more)"``. Both sides timing out together, seeds run one after another in one
 world, used to come from a race in a pair's making (one rank entering gloo's rendezvous alone,
 ``docs/transfers.md``); on the CPU machine also from its store connections, every 25th of
 which takes 5 s (``--wait 8`` rules that out).

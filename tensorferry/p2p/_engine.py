@@ -629,6 +629,9 @@ class Engine(PairFaults, ShortWay):
         message.header = None
         message.header_sent = False
         message.resolved = False
+        # A message issued ahead in an earlier epoch was doomed there; one only resolved ahead
+        # (its unit not yet issued) is carried into this epoch, where it must be agreed anew.
+        message.confirmed = True
         channel.next_seq += 1
         channel.waiting.append(message)
         if message.static:

@@ -1237,7 +1237,9 @@ def random_traffic(
     carry them, on both sides alike.
 
     Returns ``{tag: outcome}`` for this rank's side of each of its messages: ``"ok"`` (a
-    receive: every byte checked), ``"wrong bytes"``, or the error's class name."""
+    receive: every byte checked), ``"wrong bytes"``, or the error's class name, followed by
+    ``" (with N more)"`` where the call that failed carried N more messages (a batch, a
+    ``sendrecv``)."""
     import random
 
     from tensorferry.errors import TensorFerryError
@@ -1316,7 +1318,10 @@ def random_traffic(
             try:
                 handle.wait(T)
             except TensorFerryError as exc:
-                outcomes.update((tag, type(exc).__name__) for tag, _, _ in covers)
+                failed = type(exc).__name__
+                if len(covers) > 1:  # a call of several messages fails whole
+                    failed += f" (with {len(covers) - 1} more)"
+                outcomes.update((tag, failed) for tag, _, _ in covers)
                 continue
             for tag, got, sent in covers:
                 if got is None:
