@@ -13,10 +13,10 @@ most, and each transfer's timeout, default 3).
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
-``docs/transfers.md``); such a failure reads ``"... (with N more)"``. Both sides timing out together, seeds run one after another in one
-world, used to come from a race in a pair's making (one rank entering gloo's rendezvous alone,
-``docs/transfers.md``); on the CPU machine also from its store connections, every 25th of
-which takes 5 s (``--wait 8`` rules that out).
+``docs/transfers.md``); such a failure reads ``"... (with N more)"``. Both sides timing out
+together, seeds run one after another in one world, used to come from a race in a pair's
+making (one rank entering gloo's rendezvous alone, ``docs/transfers.md``); on the CPU machine
+also from its store connections, every 25th of which takes 5 s (``--wait 8`` rules that out).
 """
 
 from __future__ import annotations

@@ -352,11 +352,16 @@ class Engine(PairFaults, ShortWay):
 
     def _busy(self) -> bool:
         """Something waits for the peers' frames: units (headers), transfers in flight (a fault
-        must end them promptly), a pair reset (the peer's reset notice)."""
+        must end them promptly), a pair reset (the peer's reset notice), our fault's answer (a
+        peer frozen: the answer may oblige us to fail messages there, see ``_unfreeze``, which
+        the peer waits for even when this rank makes no more calls)."""
         return (
             bool(self._units)
             or any(u.state != "done" for u in self._issued)
-            or any(peer.reset_waiter is not None for peer in self._peers.values())
+            or any(
+                peer.reset_waiter is not None or peer.frozen is not None
+                for peer in self._peers.values()
+            )
         )
 
     def _next_timeout(self) -> float:

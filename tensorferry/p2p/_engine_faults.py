@@ -169,11 +169,15 @@ class PairFaults:
                 channel.next_seq = channel.issue_next = channel.first_seq = count
             frame = {"k": "fa", "e": peer.epoch, "owe": mirrored(skipped)}
             self._send_frame(peer, {**frame, **_error_fields(err)})
-        for unit in doomed:
-            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
+        # The messages going on are numbered into the new epoch before the doomed units fail:
+        # a failure can fault this pair again (a kept unit failing with another peer's part),
+        # and that fault's notice must count them, or the peer would carry its side of them
+        # into a further epoch to meet a message of ours that never comes.
         for message in sorted(keep, key=lambda m: (m.op.kind, m.seq)):
             self._number(peer, message)
             self._ensure_prepared(peer, message.transport, message.op.kind)
+        for unit in doomed:
+            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
 
     def _split_at_fault(
         self, peer: PeerState, numbered: dict[str, int] | None
@@ -290,6 +294,8 @@ class PairFaults:
         the peer is told of failed ones only as a count, the first of our next messages
         (:meth:`_unfreeze`), so they must come before every message still waiting."""
         deferred, peer.deferred = peer.deferred, []
+        if deferred and peer.tombstone_error is None:
+            peer.tombstone_error = err
         for message, _unit in deferred:
             kind = message.op.kind
             peer.tombstones[kind] = peer.tombstones.get(kind, 0) + 1
@@ -330,8 +336,11 @@ class PairFaults:
                 channel.first_seq = channel.next_seq
                 for seq in [q for q in channel.peer_headers if q < channel.first_seq]:
                     del channel.peer_headers[seq]
+        tombstone_error, peer.tombstone_error = peer.tombstone_error, None
         if owe:
-            err = TransferTimeoutError(
+            # The peer's side fails as ours did (a mismatch elsewhere in a batch, say), not
+            # as a timeout: nothing waited that long.
+            err = tombstone_error or TransferTimeoutError(
                 f"rank {self.rank} gave up on this message while its pair with rank "
                 f"{peer.rank} recovered from a fault"
             )

@@ -110,6 +110,7 @@ class PeerState:
     numbered_at_fault: dict = field(default_factory=dict)
     deferred: list = field(default_factory=list)
     tombstones: dict = field(default_factory=dict)
+    tombstone_error: BaseException | None = None  # what failed the first of them
     # A symmetric reset (Engine.reset_pair): our waiting caller's future, and the epoch in which
     # the peer said it reached its reset (both needed before the pair's resources go).
     reset_waiter: Any = None

@@ -7,6 +7,7 @@ assert on. Outputs are poisoned before receiving so a transfer that writes nothi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
@@ -815,6 +816,34 @@ def sends_that_time_out_while_the_peer_is_idle(rank: int, world: int) -> list[st
     return outcomes
 
 
+def failed_while_frozen_then_idle(rank: int, world: int) -> list:
+    """Rank 0's send times out while rank 1 is busy elsewhere (a fault: rank 0 waits for rank
+    1's answer), its second send times out while waiting for that answer, and then rank 0
+    makes no more calls for a while (as at a barrier of another library). Rank 1 then receives
+    twice: both receives must fail promptly. The second needs rank 0 to read rank 1's answer
+    while idle and say that it failed one more send. Returns rank 1's ``(outcome, seconds)``
+    per receive."""
+    if rank > 1:
+        return []
+    if rank == 0:
+        for tag, timeout in ((1, 1.0), (2, 0.3)):
+            with contextlib.suppress(TransferTimeoutError):
+                tf.send(payload(0, 1, tag, (8,), torch.float32), 1, timeout=timeout).wait()
+        time.sleep(5.0)
+        return []
+    time.sleep(2.0)
+    outcomes = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            tf.recv(tf.TensorSpec((8,)), 0, timeout=4.0).result(10.0)
+            outcome = "ok"
+        except TensorFerryError as exc:
+            outcome = type(exc).__name__
+        outcomes.append((outcome, round(time.monotonic() - t0, 2)))
+    return outcomes
+
+
 def wait_timeout_then_complete(rank: int, world: int) -> str:
     """wait(timeout) on a transfer whose peer is late raises, and the transfer goes on."""
     if rank > 1:
@@ -1220,7 +1249,13 @@ def _changed(layout: list) -> list:
 
 
 def random_traffic(
-    rank: int, world: int, seed: int, count: int, transport: str = "auto", changed: float = 0.0
+    rank: int,
+    world: int,
+    seed: int,
+    count: int,
+    transport: str = "auto",
+    changed: float = 0.0,
+    wait: float = T,
 ) -> dict:
     """Every rank derives one script from ``seed``: ``count`` messages between random ordered
     pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
@@ -1231,6 +1266,8 @@ def random_traffic(
     then waits for all of them at the segment's end, in a random order. (Over NCCL a batch
     goes once every message in it can: one spanning segments could wait for a peer that waits
     for this rank, see ``batch_waits_for_every_peer``.)
+
+    ``wait``: each call's timeout and each wait's bound, in seconds.
 
     With ``changed``, that share of the non-static messages leave with a tensor one row longer
     than their receiver expects: they fail on both sides, and so may others of the calls that
@@ -1287,7 +1324,7 @@ def random_traffic(
                         break
                     group.append(mine[i + len(group)])
                 covers = []
-                with tf.batch(static=first[4], transport=transport, timeout=T) as b:
+                with tf.batch(static=first[4], transport=transport, timeout=wait) as b:
                     for kind, peer, tensors, sent, _, tag in group:
                         if kind == "send":
                             b.send(tensors, peer)
@@ -1303,20 +1340,20 @@ def random_traffic(
                     out, into = (first, second) if first[0] == "send" else (second, first)
                     handle = tf.sendrecv(
                         out[2], out[1], into[2], into[1], static=first[4], transport=transport,
-                        timeout=T,
+                        timeout=wait,
                     )  # fmt: skip
                     calls.append((handle, [(out[5], None, None), (into[5], handle, into[3])]))
                     i += 2
                     continue
             kind, peer, tensors, sent, is_static, tag = first
             call = tf.send if kind == "send" else tf.recv
-            handle = call(tensors, peer, static=is_static, transport=transport, timeout=T)
+            handle = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
             calls.append((handle, [(tag, handle if kind == "recv" else None, sent)]))
             i += 1
         own.shuffle(calls)
         for handle, covers in calls:
             try:
-                handle.wait(T)
+                handle.wait(wait)
             except TensorFerryError as exc:
                 failed = type(exc).__name__
                 if len(covers) > 1:  # a call of several messages fails whole
@@ -1327,7 +1364,7 @@ def random_traffic(
                 if got is None:
                     outcomes[tag] = "ok"
                     continue
-                got = got.result(T) if isinstance(got, tf.Transfer) else got
+                got = got.result(wait) if isinstance(got, tf.Transfer) else got
                 got = got if isinstance(got, list) else [got]
                 right = len(got) == len(sent) and all(map(same_bytes, got, sent))
                 outcomes[tag] = "ok" if right else "wrong bytes"

@@ -486,6 +486,16 @@ def test_sends_failed_while_waiting_for_the_peer_to_answer_a_fault_fail_on_both_
     assert pool.run("send_recv_all_dtypes", 64)[:2] == ["ok", "ok"]
 
 
+def test_a_rank_gone_idle_still_tells_the_peer_what_failed_while_it_waited_for_an_answer(pool):
+    # Rank 1's second receive matches a send that rank 0 failed before rank 1 answered its
+    # fault: only rank 0 can say so, and it has no call running to read the answer.
+    results = pool.run("failed_while_frozen_then_idle", timeout=60)
+    (first, first_s), (second, second_s) = results[1]
+    assert first == second == "TransferTimeoutError", results[1]
+    assert first_s < 1.5 and second_s < 1.5, results[1]  # not the receives' 4 s timeout
+    assert pool.run("send_recv_all_dtypes", 65)[:2] == ["ok", "ok"]
+
+
 def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
@@ -565,28 +575,30 @@ def test_random_traffic_between_every_pair_arrives_byte_for_byte(pool, seed, tra
     assert all(outcome == "ok" for s in sides for outcome in s.values()), sides
 
 
-@pytest.mark.parametrize("seed", [417, 419])
-def test_random_traffic_with_mistakes_ends_alike_on_both_sides(pool, seed):
-    """Random traffic in which one non-static message in five is sent with a wrong shape, over
-    the gloo that issues ahead: every message either arrives byte for byte or fails on both
-    sides, and nothing times out. The one uneven outcome allowed: a call of several messages
-    fails whole, so one of them may fail there while the peer's own call for it succeeded.
-    Seed 419 once carried a message resolved ahead of a fault into the next epoch still marked
-    unconfirmed: its bytes arrived, but its sender timed out."""
+@pytest.mark.parametrize(
+    ("seed", "transport"), [(417, "gloo-spec"), (419, "gloo-spec"), (650, "gloo")]
+)
+def test_random_traffic_with_mistakes_ends_promptly_and_never_in_wrong_bytes(pool, seed, transport):
+    """Random traffic in which one non-static message in five is sent with a wrong shape:
+    every message ends on both sides without waiting for its timeout, and every receive that
+    succeeds holds the sent bytes. (Both sides usually end alike; when a fault comes as a
+    message finishes, its sender may see it done while its receiver failed, or the reverse:
+    see ``docs/transfers.md``.) Seed 419 over the gloo that issues ahead once carried a
+    message checked ahead of a fault into the next epoch still marked unconfirmed; seed 650
+    once numbered a message of a unit that had failed into a further epoch, and once left a
+    rank gone idle unable to tell its peer what it had failed: in each, one side timed out."""
     assert pool.run("register_speculating_gloo") == [True] * WORLD
-    sides = pool.run("random_traffic", seed, 12, "gloo-spec", 0.2, timeout=120)
-    fates: dict[int, list[str]] = {}
-    for outcomes in sides:
-        for tag, outcome in outcomes.items():
-            fates.setdefault(tag, []).append(outcome)
-    assert len(fates) == 12 and all(len(fate) == 2 for fate in fates.values()), fates
-    for tag, fate in fates.items():
-        assert not any("Timeout" in outcome for outcome in fate), (tag, fates)
-        if (fate[0] == "ok") != (fate[1] == "ok"):
-            failed = fate[1] if fate[0] == "ok" else fate[0]
-            assert "more)" in failed, (tag, fates)  # failed whole with others
-        else:
-            assert fate[0] == "ok" or fate[0].split()[0] == fate[1].split()[0], (tag, fates)
+    for _ in range(3):  # seed 650's failure depended on timing: 2 runs in 8 without its fix
+        # Short waits, as in scripts/random_traffic_probe.py: the timings that showed them.
+        sides = pool.run("random_traffic", seed, 12, transport, 0.2, 3.0, timeout=120)
+        fates: dict[int, list[str]] = {}
+        for outcomes in sides:
+            for tag, outcome in outcomes.items():
+                fates.setdefault(tag, []).append(outcome)
+        assert len(fates) == 12 and all(len(fate) == 2 for fate in fates.values()), fates
+        for tag, fate in fates.items():
+            assert not any("Timeout" in outcome for outcome in fate), (tag, fates)
+            assert "wrong bytes" not in fate, (tag, fates)
 
 
 def test_a_batch_with_several_peers_does_not_wait_for_one_that_waits_for_another():
