@@ -1079,7 +1079,14 @@ class Engine(PairFaults, ShortWay):
         return waiter
 
     def _maybe_reset(self, peer: PeerState) -> None:
-        if peer.reset_waiter is None or peer.peer_reset_epoch != peer.epoch:
+        # Not while a fault is unanswered or being handled: its answer (our fault's, or ours
+        # to the peer's) is for the epoch the reset would leave, and would be dropped there.
+        if (
+            peer.reset_waiter is None
+            or peer.peer_reset_epoch != peer.epoch
+            or peer.frozen is not None
+            or peer.faulting
+        ):
             return
         waiter, peer.reset_waiter, peer.peer_reset_epoch = peer.reset_waiter, None, None
         self._new_epoch(peer, abort=False, reason="reset")

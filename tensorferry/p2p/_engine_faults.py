@@ -128,6 +128,26 @@ class PairFaults:
             # epoch, and what waits to be fails and is counted (see _unfreeze).
             self._tombstone_deferred(peer, err)
             return
+        peer.faulting += 1
+        try:
+            self._move_on(peer, err, notify, numbered, finished_there)
+        finally:
+            peer.faulting -= 1
+        if peer.reset_waiter is not None and not peer.faulting:
+            # A reset asked for before the fault came: the peer drops our notice of it for the
+            # epoch the fault ended, so it is given again for this one (see Engine.reset_pair).
+            self._send_frame(peer, {"k": "rs", "e": peer.epoch})
+            self._maybe_reset(peer)
+
+    def _move_on(
+        self,
+        peer: PeerState,
+        err: BaseException,
+        notify: bool,
+        numbered: dict[str, int] | None,
+        finished_there: dict[str, int] | None,
+    ) -> None:
+        """:meth:`_fault_pair`'s work: the notice, the new epoch, what fails and what goes on."""
         old_epoch = peer.epoch
         self._settle_finished(peer, finished_there=finished_there)
         counts = {kind: peer.channels[kind].next_seq for kind in _KINDS}
@@ -361,6 +381,7 @@ class PairFaults:
             # No fault with the peer if all of the unit's messages with it paid debts.
             numbered = any(m.op.peer == peer.rank and m not in paid for m in unit.messages)
             self._fail_unit(unit, err, cascade=True, skip_peer=None if numbered else peer.rank)
+        self._maybe_reset(peer)  # one asked for while we waited for the answer
 
     def _new_epoch(self, peer: PeerState, *, abort: bool, reason: str) -> None:
         peer.epoch += 1

@@ -115,3 +115,4 @@ class PeerState:
     # the peer said it reached its reset (both needed before the pair's resources go).
     reset_waiter: Any = None
     peer_reset_epoch: int | None = None
+    faulting: int = 0  # how deep in handling a fault with the peer we are (PairFaults)

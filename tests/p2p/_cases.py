@@ -844,6 +844,41 @@ def failed_while_frozen_then_idle(rank: int, world: int) -> list:
     return outcomes
 
 
+def reset_right_after_a_fault(rank: int, world: int) -> list[str]:
+    """Rank 0's send times out while rank 1 is idle, and both reset the pair at once (the
+    uncached benchmark's step): rank 1 reads the fault's notice only inside its reset. Both
+    resets must end, and the pair then work: rank 1's first receive fails at once (it was for
+    the failed send), its second gets rank 0's next send. Returns each step's outcome."""
+    from tensorferry.p2p import _api
+
+    if rank > 1:
+        return []
+    outcomes = []
+    if rank == 0:
+        with contextlib.suppress(TransferTimeoutError):
+            tf.send(payload(0, 1, 1, (8,), torch.float32), 1, timeout=0.5).wait()
+            outcomes.append("first send completed")
+    else:
+        time.sleep(1.0)
+    try:
+        _api._reset_pair(1 - rank, timeout=5.0)
+        outcomes.append("reset")
+    except Exception as exc:  # reported: the pair may be stuck
+        outcomes.append(f"reset failed: {type(exc).__name__}")
+        return outcomes
+    if rank == 0:
+        tf.send(payload(0, 1, 2, (8,), torch.float32), 1, timeout=5.0).wait()
+        return [*outcomes, "ok"]
+    for tag in (1, 2):
+        try:
+            got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(10.0)
+            right = same_bytes(got, payload(0, 1, tag, (8,), torch.float32))
+            outcomes.append("ok" if right else "wrong bytes")
+        except TensorFerryError as exc:
+            outcomes.append(type(exc).__name__)
+    return outcomes
+
+
 def wait_timeout_then_complete(rank: int, world: int) -> str:
     """wait(timeout) on a transfer whose peer is late raises, and the transfer goes on."""
     if rank > 1:

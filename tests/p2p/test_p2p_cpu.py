@@ -496,6 +496,15 @@ def test_a_rank_gone_idle_still_tells_the_peer_what_failed_while_it_waited_for_a
     assert pool.run("send_recv_all_dtypes", 65)[:2] == ["ok", "ok"]
 
 
+def test_a_pair_reset_right_after_a_fault_ends_on_both_sides(pool):
+    # The reset's notices must survive the fault's epoch change on the side that reads the
+    # fault's notice late, and the fault's answer must survive the reset.
+    results = pool.run("reset_right_after_a_fault", timeout=60)
+    assert results[0] == ["reset", "ok"], results
+    assert results[1] == ["reset", "TransferTimeoutError", "ok"], results
+    assert pool.run("send_recv_all_dtypes", 66)[:2] == ["ok", "ok"]
+
+
 def test_wait_timeout_leaves_transfer_running(pool):
     assert pool.run("wait_timeout_then_complete")[:2] == ["ok", "sent"]
 
