@@ -1,5 +1,5 @@
-"""Random traffic between three ranks over gloo, with messages sent by mistake: do both sides
-of every message end alike?
+"""Random traffic between ranks (three by default) over gloo, with messages sent by mistake:
+do both sides of every message end alike?
 
 Runs the CPU tier's ``random_traffic`` case (``tests/p2p/_cases.py``) for each seed, with a
 share of the non-static messages sent one row longer than their receiver expects. Such a
@@ -8,8 +8,8 @@ fail on both sides, promptly. Prints, per seed, the messages whose two sides end
 differently or by a timeout (each side's outcome: ``ok``, an error's class name).
 
 Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
-[--seeds A:B] [--changed P] [--wait S]`` (``--wait``: seconds each wait of the case takes at
-most, and each transfer's timeout, default 3).
+[--seeds A:B] [--changed P] [--wait S] [--world N]`` (``--wait``: seconds each wait of the case
+takes at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3).
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
@@ -36,13 +36,14 @@ def main() -> None:
     parser.add_argument("--seeds", default="100:115")
     parser.add_argument("--changed", type=float, default=0.2)
     parser.add_argument("--wait", type=float, default=3.0)
+    parser.add_argument("--world", type=int, default=3)
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
     sys.path.insert(0, str(TESTS))
     from _pool import WorkerPool
 
     first, last = (int(n) for n in args.seeds.split(":"))
-    pool = WorkerPool(3, transfer_timeout=10.0)
+    pool = WorkerPool(args.world, transfer_timeout=10.0)
     try:
         pool.run("register_speculating_gloo")
         for seed in range(first, last):
