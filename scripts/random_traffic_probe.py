@@ -8,8 +8,9 @@ fail on both sides, promptly. Prints, per seed, the messages whose two sides end
 differently or by a timeout (each side's outcome: ``ok``, an error's class name).
 
 Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
-[--seeds A:B] [--changed P] [--wait S] [--world N]`` (``--wait``: seconds each wait of the case
-takes at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3).
+[--seeds A:B] [--changed P] [--broken P] [--wait S] [--world N]`` (``--broken``: as
+``--changed`` for static messages, default 0; ``--wait``: seconds each wait of the case takes at
+most, and each transfer's timeout, default 3; ``--world``: ranks, default 3).
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.2)
     parser.add_argument("--wait", type=float, default=3.0)
     parser.add_argument("--world", type=int, default=3)
+    parser.add_argument("--broken", type=float, default=0.0)
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
     sys.path.insert(0, str(TESTS))
@@ -48,7 +50,14 @@ def main() -> None:
         pool.run("register_speculating_gloo")
         for seed in range(first, last):
             sides = pool.run(
-                "random_traffic", seed, args.count, args.transport, args.changed, timeout=600
+                "random_traffic",
+                seed,
+                args.count,
+                args.transport,
+                args.changed,
+                args.wait,
+                args.broken,
+                timeout=600,
             )
             fates: dict[int, list[str]] = {}
             for outcomes in sides:
@@ -57,7 +66,8 @@ def main() -> None:
             odd = {
                 tag: fate
                 for tag, fate in sorted(fates.items())
-                if (fate[0] == "ok") != (fate[1] == "ok") or "TransferTimeoutError" in fate
+                if (fate[0] == "ok") != (fate[1] == "ok")
+                or any("Timeout" in outcome or outcome == "wrong bytes" for outcome in fate)
             }
             print(f"seed {seed}: {odd or 'every message ended alike'}", flush=True)
     finally:

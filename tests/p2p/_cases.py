@@ -1291,6 +1291,7 @@ def random_traffic(
     transport: str = "auto",
     changed: float = 0.0,
     wait: float = T,
+    broken: float = 0.0,
 ) -> dict:
     """Every rank derives one script from ``seed``: ``count`` messages between random ordered
     pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
@@ -1302,7 +1303,8 @@ def random_traffic(
     goes once every message in it can: one spanning segments could wait for a peer that waits
     for this rank, see ``batch_waits_for_every_peer``.)
 
-    ``wait``: each call's timeout and each wait's bound, in seconds.
+    ``wait``: each call's timeout and each wait's bound, in seconds. ``broken``: as
+    ``changed``, for the static messages: each one so sent breaks its direction's promise.
 
     With ``changed``, that share of the non-static messages leave with a tensor one row longer
     than their receiver expects: they fail on both sides, and so may others of the calls that
@@ -1326,7 +1328,10 @@ def random_traffic(
             segments.append([])
         src, dst = script.choice(pairs)
         layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
-        mistake = not static[(src, dst)] and script.random() < changed
+        if not static[(src, dst)]:
+            mistake = script.random() < changed
+        else:  # (no draw without ``broken``: the scripts of earlier seeds stay as they were)
+            mistake = broken > 0 and script.random() < broken
         segments[-1].append((src, dst, 7000 + tag, layout, mistake))
     own = random.Random(seed * 1009 + rank)  # this rank's grouping and waits
     _reset_my_pairs(rank, world)
