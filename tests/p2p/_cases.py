@@ -789,6 +789,19 @@ def send_after_unmatched_to_an_idle_peer(rank: int, world: int) -> str:
     return "ok" if same_bytes(got, payload(0, 1, 2, (8,), torch.float32)) else "wrong bytes"
 
 
+def _receive_from_rank_0(tags) -> list[str]:
+    """Rank 1 receives rank 0's 8-float payload of each tag in turn: each one's outcome."""
+    outcomes = []
+    for tag in tags:
+        try:
+            got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(10.0)
+            right = same_bytes(got, payload(0, 1, tag, (8,), torch.float32))
+            outcomes.append("ok" if right else "wrong bytes")
+        except TensorFerryError as exc:
+            outcomes.append(type(exc).__name__)
+    return outcomes
+
+
 def sends_that_time_out_while_the_peer_is_idle(rank: int, world: int) -> list[str]:
     """Rank 0's first send times out while rank 1 is busy elsewhere; its second, sent at once
     with a short timeout, times out too while waiting for rank 1 to answer that fault; its
@@ -806,14 +819,7 @@ def sends_that_time_out_while_the_peer_is_idle(rank: int, world: int) -> list[st
                 outcomes.append(type(exc).__name__)
         return outcomes
     time.sleep(2.5)
-    for tag in (1, 2, 3):
-        try:
-            got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(10.0)
-            right = same_bytes(got, payload(0, 1, tag, (8,), torch.float32))
-            outcomes.append("ok" if right else "wrong bytes")
-        except TensorFerryError as exc:
-            outcomes.append(type(exc).__name__)
-    return outcomes
+    return outcomes + _receive_from_rank_0((1, 2, 3))
 
 
 def failed_while_frozen_then_idle(rank: int, world: int) -> list:
@@ -869,14 +875,7 @@ def reset_right_after_a_fault(rank: int, world: int) -> list[str]:
     if rank == 0:
         tf.send(payload(0, 1, 2, (8,), torch.float32), 1, timeout=5.0).wait()
         return [*outcomes, "ok"]
-    for tag in (1, 2):
-        try:
-            got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(10.0)
-            right = same_bytes(got, payload(0, 1, tag, (8,), torch.float32))
-            outcomes.append("ok" if right else "wrong bytes")
-        except TensorFerryError as exc:
-            outcomes.append(type(exc).__name__)
-    return outcomes
+    return outcomes + _receive_from_rank_0((1, 2))
 
 
 def wait_timeout_then_complete(rank: int, world: int) -> str:
