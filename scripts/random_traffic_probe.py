@@ -45,7 +45,7 @@ def main() -> None:
     from _pool import WorkerPool
 
     first, last = (int(n) for n in args.seeds.split(":"))
-    pool = WorkerPool(args.world, transfer_timeout=10.0)
+    pool = WorkerPool(args.world, transfer_timeout=10.0, backend="gloo")
     try:
         pool.run("register_speculating_gloo")
         for seed in range(first, last):

@@ -24,7 +24,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, timeout: float, optional: bool, conn: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, timeout: float, optional: bool, backend: str, conn: Any
+) -> None:
     sys.path.insert(0, _HERE)
     import logging
 
@@ -40,7 +42,11 @@ def _worker(rank: int, world: int, port: int, timeout: float, optional: bool, co
         if not optional:  # only the built-in transports: these tests are about the p2p layer
             p2p._context.OPTIONAL_TRANSPORT_MODULES.clear()
         p2p.init(
-            rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
+            backend,
+            rank=rank,
+            world_size=world,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timeout,
         )
         conn.send(("ready", None))
     except BaseException:
@@ -65,7 +71,9 @@ def _worker(rank: int, world: int, port: int, timeout: float, optional: bool, co
 
 
 class WorkerPool:
-    """``world`` ranks over gloo on loopback, each a spawned process with ``tf.init`` done."""
+    """``world`` ranks on loopback, each a spawned process with ``tf.init(backend)`` done:
+    ``"gloo"`` keeps them on the CPU on any machine (the CPU tier), ``"auto"`` puts them on
+    their GPUs where there are some (the GPU tier)."""
 
     def __init__(
         self,
@@ -74,6 +82,7 @@ class WorkerPool:
         transfer_timeout: float = 10.0,
         start_timeout: float = 60,
         optional_transports: bool = False,
+        backend: str = "auto",
     ):
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -84,7 +93,7 @@ class WorkerPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world, port, transfer_timeout, optional_transports, child),
+                args=(rank, world, port, transfer_timeout, optional_transports, backend, child),
                 daemon=True,
             )
             proc.start()

@@ -20,7 +20,7 @@ WORLD = 3
 
 @pytest.fixture(scope="module")
 def pool():
-    workers = WorkerPool(WORLD, transfer_timeout=10.0)
+    workers = WorkerPool(WORLD, transfer_timeout=10.0, backend="gloo")
     yield workers
     workers.close()
 
@@ -613,7 +613,8 @@ def test_random_traffic_with_mistakes_ends_promptly_and_never_in_wrong_bytes(poo
 def test_a_batch_with_several_peers_does_not_wait_for_one_that_waits_for_another():
     """As torch's batch_isend_irecv: over gloo each peer's part of a batch goes as soon as it
     can (see the case)."""
-    workers = WorkerPool(3, transfer_timeout=10.0)  # its own world: the case ends in timeouts
+    # Its own world: the case ends in timeouts.
+    workers = WorkerPool(3, transfer_timeout=10.0, backend="gloo")
     try:
         results = workers.run("batch_waits_for_every_peer")
         assert results == ["ok"] * 3, results

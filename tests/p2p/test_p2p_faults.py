@@ -14,7 +14,7 @@ DOOMED = 2
 
 @pytest.fixture(scope="module")
 def pool():
-    workers = WorkerPool(WORLD, transfer_timeout=10.0)
+    workers = WorkerPool(WORLD, transfer_timeout=10.0, backend="gloo")
     yield workers
     workers.close()
 
@@ -39,7 +39,7 @@ def test_peer_killed_mid_transfer(pool):
 def test_peer_killed_with_a_static_receive_issued_ahead():
     # The receive goes the engine's short way, issued before the doomed sender's header
     # (speculating gloo): only the side channel's end tells rank 0 the sender is gone.
-    pool = WorkerPool(WORLD, transfer_timeout=10.0)
+    pool = WorkerPool(WORLD, transfer_timeout=10.0, backend="gloo")
     try:
         assert all(pool.run("register_speculating_gloo"))
         assert pool.run("static_with", DOOMED, "gloo-spec") == ["ok", "idle", "ok"]
@@ -73,7 +73,8 @@ def test_a_process_exits_cleanly_after_its_peer_never_came():
     """The pair's rendezvous, on a helper thread, still waited for the absent peer inside
     gloo when the process exited after tf.shutdown(): the process aborted (exit code -6,
     "terminate called without an active exception")."""
-    pool = WorkerPool(2, transfer_timeout=30.0)  # the rendezvous outlives the receive
+    # The rendezvous outlives the receive.
+    pool = WorkerPool(2, transfer_timeout=30.0, backend="gloo")
     try:
         assert pool.run("recv_from_absent") == ["timed out", "idle"]
     finally:
