@@ -53,7 +53,8 @@ def arrive(store: Any, me: int) -> bool:
         if seen == b"go":
             raise TransportError(
                 "the pair's store already holds a finished set-up: it was used before with the "
-                "same keys (an earlier world on the same store, or a set-up retried in one epoch)"
+                "same keys (by an earlier world: give each world its own store or prefix; or by "
+                "a set-up retried in one epoch)"
             )
         if store.compare_set(_TURN, seen, "go") == b"go":
             store.set(_GO, "1")
@@ -66,14 +67,10 @@ def peer_committed(store: Any) -> bool:
     return store.check([_GO])
 
 
-def wait_committed(store: Any, seconds: float | None = None) -> bool:
-    """Waits up to ``seconds`` (default: the store's timeout) for the peer to commit both
-    ranks; returns whether it did."""
+def wait_committed(store: Any, seconds: float) -> bool:
+    """Waits up to ``seconds`` for the peer to commit both ranks; returns whether it did."""
     try:
-        if seconds is None:
-            store.wait([_GO])
-        else:
-            store.wait([_GO], datetime.timedelta(seconds=seconds))
+        store.wait([_GO], datetime.timedelta(seconds=seconds))
     except RuntimeError:  # c10d's wait timeout (DistStoreError, a RuntimeError)
         return False
     return True
