@@ -21,10 +21,11 @@ call``, the thread waited (for the GIL, most likely, held by another of the proc
 ``--nccl`` (two GPUs) runs the same over the real NCCL transport, one GPU per rank: the wire
 back in, for comparison.
 
-Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases]``
+Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases | --reads]``
 (``--profile``: the short-way ``tf.send`` calls of the lone rows under ``cProfile``, its 25
 costliest functions; ``--phases``: median µs per lone call spent in the main steps of a
-short-way send, timed by wrappers, which add a little each).
+short-way send, timed by wrappers, which add a little each; ``--reads``: how often the short
+way's read of the peer's frames, on each rank, finds any, and how many).
 """
 
 import cProfile
@@ -178,6 +179,36 @@ def _wrap_phases():
     return spent
 
 
+def _count_reads():
+    """Counts the short way's reads of the peer's frames and what they find; returns the
+    counts, filled in as the calls run."""
+    import tensorferry.p2p as tf
+
+    engine = tf._context.current().engine
+    counts = {"short-way calls": 0, "reads that found frames": 0, "frames found": 0}
+    issue_agreed, read_link = engine._issue_agreed, engine._read_link
+    inside = []
+
+    def counted_issue(unit):
+        inside.append(True)
+        try:
+            return issue_agreed(unit)
+        finally:
+            inside.pop()
+
+    def counted_read(link):
+        found = read_link(link)
+        if inside:
+            counts["short-way calls"] += 1
+            if found > 0:
+                counts["reads that found frames"] += 1
+                counts["frames found"] += found
+        return found
+
+    engine._issue_agreed, engine._read_link = counted_issue, counted_read
+    return counts
+
+
 def _worker(rank, port, device, profile, queue, transport):
     global TRANSPORT
     TRANSPORT = transport
@@ -206,6 +237,11 @@ def _worker(rank, port, device, profile, queue, transport):
             _measure(rank, x, True, None, bursts=False)
             queue.put((rank, {}))
             return
+        if profile == "reads":
+            counts = _count_reads()
+            _measure(rank, x, True, None)
+            queue.put((rank, {"reads": counts}))
+            return
         rows = {}
         for _ in range(2):  # interleaved: this machine's host times drift
             for short in (True, False):
@@ -230,7 +266,7 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mode = next((a[2:] for a in sys.argv if a in ("--profile", "--phases")), None)
+    mode = next((a[2:] for a in sys.argv if a in ("--profile", "--phases", "--reads")), None)
     procs = [
         ctx.Process(
             target=_worker,
@@ -255,6 +291,11 @@ def main():
                 sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
     for proc in procs:
         proc.join(30)
+    if "reads" in results[0]:
+        print(f"the short way's reads of the peer's frames, lone and burst rows, on {device}:")
+        for rank in sorted(results):
+            print(f"  rank {rank}: {results[rank]['reads']}")
+        return
     if "phases" in results[0]:
         over = " over NCCL" if nccl else ""
         print(f"median µs per call in each step of a short-way send{over} on {device} (rank 0):")
