@@ -8,9 +8,11 @@ fail on both sides, promptly. Prints, per seed, the messages whose two sides end
 differently or by a timeout (each side's outcome: ``ok``, an error's class name).
 
 Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
-[--seeds A:B] [--changed P] [--broken P] [--wait S] [--world N]`` (``--broken``: as
-``--changed`` for static messages, default 0; ``--wait``: seconds each wait of the case takes at
-most, and each transfer's timeout, default 3; ``--world``: ranks, default 3).
+[--seeds A:B] [--changed P] [--broken P] [--wait S] [--world N] [--trace DIR]`` (``--broken``:
+as ``--changed`` for static messages, default 0; ``--wait``: seconds each wait of the case takes
+at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3; ``--trace``:
+each rank keeps its p2p engine's last events (``TENSORFERRY_P2P_TRACE``, 20000 unless set) and
+writes them to ``DIR/seed<S>-rank<R>.txt`` when a message of seed ``S`` timed out).
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
@@ -39,8 +41,12 @@ def main() -> None:
     parser.add_argument("--wait", type=float, default=3.0)
     parser.add_argument("--world", type=int, default=3)
     parser.add_argument("--broken", type=float, default=0.0)
+    parser.add_argument("--trace", metavar="DIR")
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
+    if args.trace:  # the workers keep their last events and write them out after a timeout
+        os.environ.setdefault("TENSORFERRY_P2P_TRACE", "20000")
+        os.environ["TF_TEST_TRACE_DIR"] = args.trace
     sys.path.insert(0, str(TESTS))
     from _pool import WorkerPool
 

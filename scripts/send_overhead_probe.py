@@ -21,11 +21,14 @@ call``, the thread waited (for the GIL, most likely, held by another of the proc
 ``--nccl`` (two GPUs) runs the same over the real NCCL transport, one GPU per rank: the wire
 back in, for comparison.
 
-Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases | --reads]``
+Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases | --reads |
+--opcodes]``
 (``--profile``: the short-way ``tf.send`` calls of the lone rows under ``cProfile``, its 25
 costliest functions; ``--phases``: median µs per lone call spent in the main steps of a
 short-way send, timed by wrappers, which add a little each; ``--reads``: how often the short
-way's read of the peer's frames, on each rank, finds any, and how many).
+way's read of the peer's frames, on each rank, finds any, and how many; ``--opcodes``: the
+Python opcodes and calls one short-way ``tf.send`` runs on the caller's thread, a count that the
+machine's noise does not move, for A/Bs of small changes).
 """
 
 import cProfile
@@ -179,6 +182,29 @@ def _wrap_phases():
     return spent
 
 
+class _OpcodeCount:
+    """Counts the Python opcodes and calls the sending thread runs while enabled (``_measure``
+    enables it around each lone short-way send, as it does a profiler)."""
+
+    def __init__(self):
+        self.opcodes = self.calls = self.sends = 0
+
+    def _trace(self, frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            self.opcodes += 1
+        elif event == "call":
+            self.calls += 1
+        return self._trace
+
+    def enable(self):
+        self.sends += 1
+        sys.settrace(self._trace)
+
+    def disable(self):
+        sys.settrace(None)
+
+
 def _count_reads():
     """Counts the short way's reads of the peer's frames and what they find; returns the
     counts, filled in as the calls run."""
@@ -237,6 +263,13 @@ def _worker(rank, port, device, profile, queue, transport):
             _measure(rank, x, True, None, bursts=False)
             queue.put((rank, {}))
             return
+        if profile == "opcodes":
+            counter = _OpcodeCount() if rank == 0 else None
+            _measure(rank, x, True, counter, bursts=False)
+            per_send = {"opcodes": counter.opcodes, "calls": counter.calls} if counter else {}
+            sends = counter.sends if counter else 1
+            queue.put((rank, {"opcodes": {k: v / sends for k, v in per_send.items()}}))
+            return
         if profile == "reads":
             counts = _count_reads()
             _measure(rank, x, True, None)
@@ -266,7 +299,8 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mode = next((a[2:] for a in sys.argv if a in ("--profile", "--phases", "--reads")), None)
+    modes = ("--profile", "--phases", "--reads", "--opcodes")
+    mode = next((a[2:] for a in sys.argv if a in modes), None)
     procs = [
         ctx.Process(
             target=_worker,
@@ -295,6 +329,13 @@ def main():
         print(f"the short way's reads of the peer's frames, lone and burst rows, on {device}:")
         for rank in sorted(results):
             print(f"  rank {rank}: {results[rank]['reads']}")
+        return
+    if "opcodes" in results[0]:
+        counts = results[0]["opcodes"]
+        print(
+            f"one short-way tf.send on {device} (rank 0): {counts['opcodes']:.0f} Python "
+            f"opcodes, {counts['calls']:.0f} Python calls"
+        )
         return
     if "phases" in results[0]:
         over = " over NCCL" if nccl else ""

@@ -20,6 +20,7 @@ __all__ = [
     "nccl_calls",
     "nccl_speculate",
     "p2p_short_path",
+    "p2p_trace_events",
     "graph_early_receives",
 ]
 
@@ -136,6 +137,22 @@ def nccl_speculate() -> bool:
     peer's header (``TENSORFERRY_NCCL_SPECULATE``: ``1``, the default, or ``0``). Read when the
     transport is made (``tf.init``)."""
     return _switch("TENSORFERRY_NCCL_SPECULATE", True)
+
+
+def p2p_trace_events() -> int:
+    """How many of the p2p engine's last events each process keeps for a hang's diagnosis
+    (``TENSORFERRY_P2P_TRACE``, default 0: none; see ``tensorferry.p2p.recent_events``). Read
+    at ``tf.init``."""
+    raw = os.environ.get("TENSORFERRY_P2P_TRACE", "").strip()
+    if raw in ("", "0"):
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"TENSORFERRY_P2P_TRACE={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"TENSORFERRY_P2P_TRACE={raw!r} must be 0 (off) or a positive count")
+    return value
 
 
 def p2p_short_path() -> bool:

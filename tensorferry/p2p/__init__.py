@@ -22,6 +22,7 @@ from tensorferry.p2p._context import get_rank, get_world_size, init, is_initiali
 from tensorferry.p2p._gloo import GlooTransport
 from tensorferry.p2p._nccl import NcclTransport
 from tensorferry.p2p._spec import TensorSpec
+from tensorferry.p2p._trace import recent_events
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import (
     P2POp,
@@ -51,6 +52,7 @@ __all__ = [
     "batch",
     "Batch",
     "ring_all_gather",
+    "recent_events",
     "Transfer",
     "TensorSpec",
     # transports

@@ -24,7 +24,7 @@ import torch
 
 from tensorferry import envs
 from tensorferry._seconds import checked_seconds
-from tensorferry.p2p import _link
+from tensorferry.p2p import _link, _trace
 from tensorferry.p2p._spec import Descriptor, describe
 from tensorferry.p2p._transport import (
     Transport,
@@ -87,6 +87,7 @@ class P2PContext:
         self._transports_lock = threading.Lock()
         from tensorferry.p2p._engine import Engine
 
+        _trace.configure(envs.p2p_trace_events())
         self.engine = Engine(self)
         self.transport_ctx = TransportContext(
             rank=rank,

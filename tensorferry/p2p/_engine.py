@@ -66,7 +66,7 @@ from tensorferry.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from tensorferry.p2p import _link
+from tensorferry.p2p import _link, _trace
 from tensorferry.p2p._engine_faults import PairFaults, mirrored
 from tensorferry.p2p._engine_short import ShortWay
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
@@ -130,6 +130,11 @@ _HELPERS_EXIT_S = 6.0
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
 _DRIVEN_RECHECK_S = 0.005
+
+
+def _frame_text(frame: dict) -> str:
+    """A side-channel frame for the flight recorder (``_trace``): its kind and numbers."""
+    return ",".join(f"{k}={v}" for k, v in frame.items() if k not in ("m", "d", "t"))
 
 
 class Engine(PairFaults, ShortWay):
@@ -431,6 +436,8 @@ class Engine(PairFaults, ShortWay):
         """Sends ``frame`` now, or with ``batch`` at the next :meth:`_flush_links` (headers:
         those of one engine step leave in one write). Fault and reset notices go at once: the
         peer must see them before anything the caller does after its transfer failed."""
+        if _trace.ON and isinstance(frame, dict):
+            _trace.record("frame out", peer.rank, _frame_text(frame))
         if peer.link is None:
             peer.outbox.append(frame)
             self._ensure_link(peer)
@@ -540,6 +547,8 @@ class Engine(PairFaults, ShortWay):
             peer.said_bye = True
             return
         epoch = int(frame["e"])
+        if _trace.ON:
+            _trace.record("frame in", peer.rank, _frame_text(frame), "our epoch", peer.epoch)
         if epoch > peer.epoch:
             peer.future_frames.append(frame)  # the peer reset the pair before we did
             return
@@ -631,6 +640,8 @@ class Engine(PairFaults, ShortWay):
         )
         message.seq = channel.next_seq
         message.epoch = peer.epoch
+        if _trace.ON:
+            _trace.record("numbered", peer.rank, message.op.kind, message.seq, "epoch", peer.epoch)
         message.header = None
         message.header_sent = False
         message.resolved = False
@@ -654,6 +665,8 @@ class Engine(PairFaults, ShortWay):
 
     def _send_header(self, peer: PeerState, message: Message) -> None:
         message.header_sent = True
+        if _trace.ON:
+            _trace.record("header out", peer.rank, message.op.kind, message.seq, message.epoch)
         # Written out rather than json.dumps of a dict: one header per message, on the
         # caller's critical path. Every value is a number, a fixed word or a string with
         # nothing to escape (the descriptor text, a transport name).
@@ -673,6 +686,8 @@ class Engine(PairFaults, ShortWay):
             return
         peer.prepared[key] = "running"
         epoch, rank = peer.epoch, peer.rank
+        if _trace.ON:
+            _trace.record("preparing", rank, transport, kind, "epoch", epoch)
 
         def prepare() -> None:
             log.debug("p2p: preparing %s %s rank %d (epoch %d)", transport, kind, rank, epoch)
@@ -688,6 +703,8 @@ class Engine(PairFaults, ShortWay):
 
     def _on_prepared(self, rank: int, key: tuple[str, str], epoch: int, error: Any) -> None:
         peer = self._peer(rank)
+        if _trace.ON:
+            _trace.record("prepared", rank, *key, "epoch", epoch, error or "ok", "now", peer.epoch)
         if epoch != peer.epoch:
             return  # a fault reset the pair meanwhile; the new epoch prepares again
         if error is None:
@@ -963,6 +980,8 @@ class Engine(PairFaults, ShortWay):
             log.debug("p2p: issuing %s", unit.transfer.description)
         unit.state = "issued"
         self._issued.add(unit)
+        if _trace.ON:
+            _trace.record("issued", None, unit.trace_text())
         try:
             # The transports' start(), on the p2p streams; host transports have no event.
             done_event = None if started else self.ctx.issue(unit)
@@ -1034,6 +1053,8 @@ class Engine(PairFaults, ShortWay):
         # Any thread, no engine hop (a wake-up per transfer): the engine drops done units from
         # its issued set itself (_progress).
         unit.state = "done"
+        if _trace.ON:
+            _trace.record("done", None, unit.trace_text())
         if not unit.transfer._finish_if_no_callbacks():
             self._finish(unit, None)  # user callbacks: on a completion-pool worker
         if unit.awaited:
@@ -1047,11 +1068,27 @@ class Engine(PairFaults, ShortWay):
 
     def _expire(self, now: float) -> None:
         for unit in [u for u in self._units if u.deadline <= now]:
+            if _trace.ON:
+                self._trace_waiting(unit)
             err = TransferTimeoutError(
                 f"{unit.transfer.description}: timed out waiting for the peer "
                 f"(no matching call within the transfer timeout)"
             )
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
+
+    def _trace_waiting(self, unit: Unit) -> None:
+        """Records what ``unit``'s messages still wait for, as it times out."""
+        for m in unit.messages:
+            peer = self._peer(m.op.peer)
+            channel = peer.channels[m.op.kind]
+            _trace.record(
+                "timing out",
+                peer.rank,
+                f"{m.op.kind}/{m.seq}@{m.epoch} (pair in epoch {peer.epoch}, frozen {peer.frozen})",
+                f"channel head {channel.waiting[0].seq if channel.waiting else None}",
+                f"held {channel.held}, peer headers {sorted(channel.peer_headers)}",
+                f"prepared {peer.prepared}, debts {dict(peer.debts)}, link {peer.link is not None}",
+            )
 
     # ------------------------------------------------------------------ commands
     def reset_pair(self, rank: int) -> Future:

@@ -11,6 +11,7 @@ import logging
 import time
 
 from tensorferry.errors import TransferTimeoutError
+from tensorferry.p2p import _trace
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["PairFaults", "mirrored"]
@@ -63,6 +64,8 @@ class PairFaults:
     ) -> None:
         if unit.state in ("done", "failed"):
             return
+        if _trace.ON:
+            _trace.record("failed", None, unit.trace_text(), unit.state, exc)
         was_issued = unit.state == "issued"
         unit.state = "failed"
         unit.error = exc
@@ -149,6 +152,9 @@ class PairFaults:
     ) -> None:
         """:meth:`_fault_pair`'s work: the notice, the new epoch, what fails and what goes on."""
         old_epoch = peer.epoch
+        if _trace.ON:
+            ours = numbered is None
+            _trace.record("fault", peer.rank, "epoch", old_epoch, "ours" if ours else numbered, err)
         self._settle_finished(peer, finished_there=finished_there)
         counts = {kind: peer.channels[kind].next_seq for kind in _KINDS}
         if notify:
@@ -288,8 +294,15 @@ class PairFaults:
     def _on_fault_ack(self, peer: PeerState, frame: dict, err: BaseException) -> None:
         """The peer, told of a fault we started, also failed messages of its own past our
         counts (``frame["owe"]``, per our channel kind): our messages with those numbers of the
-        new epoch fail — those posted already, now; the rest as they come."""
-        for kind, count in frame["owe"].items():
+        new epoch fail — those posted already, now; the rest as they come.
+
+        Every count is taken before any unit fails: a failing unit may fault the pair again
+        (one with a message to this peer past the owed ones cannot fail half-way), which
+        moves it to a further epoch whose channels the owed numbers are not about, and whose
+        own fault waits for the peer's own answer."""
+        epoch, owe = peer.epoch, frame["owe"]
+        failing: dict[Unit, None] = {}
+        for kind, count in owe.items():
             channel = peer.channels[kind]
             for message in [m for m in channel.waiting if m.seq < count]:
                 channel.waiting.remove(message)
@@ -298,14 +311,18 @@ class PairFaults:
                 self._retire(channel, message.seq)
                 unit = self._unit_of(message)
                 if unit is not None:
-                    same_peer = [m for m in unit.messages if m.op.peer == peer.rank]
-                    # A unit with more messages to this peer cannot fail half-way: fault again.
-                    skip = peer.rank if len(same_peer) == 1 else None
-                    self._fail_unit(unit, err, cascade=True, skip_peer=skip)
+                    failing[unit] = None
             left = count - channel.next_seq
             if left > 0:
                 peer.numbered_debts[kind] = (left, err)
-        if peer.frozen is not None:  # the peer's answer to our fault
+        for unit in failing:
+            owed = all(
+                m.epoch == epoch and m.seq < owe.get(m.op.kind, 0)
+                for m in unit.messages
+                if m.op.peer == peer.rank
+            )
+            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank if owed else None)
+        if peer.frozen is not None and peer.epoch == epoch:  # the peer's answer to our fault
             self._unfreeze(peer, {})
 
     def _tombstone_deferred(self, peer: PeerState, err: BaseException) -> None:
@@ -341,6 +358,8 @@ class PairFaults:
         ahead of them, the peer fails as many (a fault acknowledgement from us). Then the
         messages still waiting, each paying a debt first if one is left."""
         peer.frozen = None
+        if _trace.ON:
+            _trace.record("unfrozen", peer.rank, "debts", {k: c for k, (c, _e) in debts.items()})
         for kind, (count, err) in debts.items():
             peer.debts[kind] = (peer.debts.get(kind, (0, err))[0] + count, err)
         tombstones, peer.tombstones = peer.tombstones, {}
@@ -385,6 +404,8 @@ class PairFaults:
 
     def _new_epoch(self, peer: PeerState, *, abort: bool, reason: str) -> None:
         peer.epoch += 1
+        if _trace.ON:
+            _trace.record("new epoch", peer.rank, peer.epoch, reason[:60])
         peer.channels = {"send": ChannelState(), "recv": ChannelState()}
         self._evict_transports(peer, abort=abort, reason=reason)
         replay, peer.future_frames = peer.future_frames, []

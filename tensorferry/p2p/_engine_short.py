@@ -9,6 +9,7 @@ the caller's thread (``Engine.submit``). ``TENSORFERRY_P2P_SHORT_PATH=0`` turns 
 from __future__ import annotations
 
 from tensorferry.errors import MismatchError
+from tensorferry.p2p import _trace
 from tensorferry.p2p._engine_state import ChannelState, PeerState, Unit
 
 __all__ = ["ShortWay"]
@@ -36,8 +37,18 @@ class ShortWay:
         peer = self._peers.get(message.op.peer)
         if peer is None or peer.link is None:
             return False
-        read = self._read_link(peer.link)
-        if read and not self._on_frames_read(peer):
+        # What the frames set off (a fault, the peer's answer to one) runs as in a step: a
+        # transfer polled meanwhile (a fault settles those that finished) must not start a
+        # step of its own, which would handle other frames, faults with other peers among
+        # them, in the middle of this pair's move to its next epoch.
+        stepping = getattr(self._stepping, "on", False)
+        self._stepping.on = True
+        try:
+            read = self._read_link(peer.link)
+            usable = not read or self._on_frames_read(peer)
+        finally:
+            self._stepping.on = stepping
+        if not usable:
             return False
         if peer.lost is not None or peer.link is None or peer.debts:
             return False
@@ -78,6 +89,8 @@ class ShortWay:
             self._flush_links()
         else:
             message.header = False
+        if _trace.ON:
+            _trace.record("short way", peer.rank, kind, seq, "epoch", peer.epoch)
         self._start(unit)
         return True
 

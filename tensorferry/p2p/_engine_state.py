@@ -63,6 +63,10 @@ class Unit:
     def peers(self) -> set[int]:
         return {m.op.peer for m in self.messages}
 
+    def trace_text(self) -> str:
+        """Its messages for the flight recorder (``_trace``): ``kind/peer/seq@epoch`` each."""
+        return " ".join(f"{m.op.kind}/{m.op.peer}/{m.seq}@{m.epoch}" for m in self.messages)
+
 
 @dataclass(eq=False, slots=True)
 class ChannelState:

@@ -12,16 +12,27 @@ go alone (packing would add a copy for no gain).
 
 Completion: a gloo send/recv ``Work`` only completes through ``wait()``, so a waiter thread per
 pair waits on each start's works in order and flags the pending handle.
+
+Exit: nothing cuts such a wait short (neither the group's ``abort()`` nor its destruction ends
+it; only its timeout does, or the peer closing the connection). A fault can leave one waiting
+for a message the peer never sends. A waiter that comes out of torch's wait after the
+interpreter began finalizing kills the process as it tries to take the GIL back ("terminate
+called without an active exception", exit code -6), however cleanly the program ended. So at
+exit, before finalizing, the process lets such waits end (see :func:`_wait_for_waiters`), and a
+pair given up on (aborted, closed) waits no more than a moment for each of its later transfers;
+the group goes with the pair's last wait, which ends the peer's waits on it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +51,19 @@ PACK_BELOW = 256 << 10
 _TAG = 0
 # Aborted pairs, kept referenced so that no daemon thread destroys a group at exit.
 _graveyard: list[_GlooPair] = []
+# Pairs whose waiter thread runs (see the module docstring, "Exit"); guarded by _waiters_lock.
+_waiters: set[_GlooPair] = set()
+_waiters_lock = threading.Lock()
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
+# How long the waiter still waits for each work of a pair given up on (aborted, closed, or the
+# process exiting): the ones done by then finish, the others fail (gloo's pending operations
+# hold a work's buffer only weakly: dropping an unfinished work is safe).
+_GIVEN_UP_WAIT = datetime.timedelta(milliseconds=1)
+# How long an exiting process waits, at most, for a gloo wait still under way (see the module
+# docstring, "Exit"). One that would go on longer is left: the peer is alive and keeps its side
+# open, so it seldom ends in the moment the interpreter finalizes; a peer exiting too closes
+# its side, which ends the wait at once, well within this.
+_EXIT_WAIT_S = 10.0
 
 
 class _GlooPending(PendingOps):
@@ -75,49 +98,82 @@ class _GlooPair:
         self.epoch = epoch
         self._timeout = datetime.timedelta(seconds=timeout)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # When the wait the waiter is in ends at the latest (monotonic seconds; 0: none).
+        self.waits_until = 0.0
+        self._given_up = False  # see _GIVEN_UP_WAIT
         self._thread = threading.Thread(
             target=self._wait_loop, name=f"tensorferry-gloo-{peer}", daemon=True
         )
+        with _waiters_lock:
+            _waiters.add(self)
         self._thread.start()
 
     def submit(self, works: list[Any], to_unpack: list[Any], pending: _GlooPending) -> None:
         self._jobs.put((works, to_unpack, pending))
 
     def _wait_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            works, to_unpack, pending = job
-            error = None
-            try:
-                for work in works:
-                    work.wait(self._timeout)
-                for packed, targets in to_unpack:
-                    unpack(packed, targets)
-            except Exception as exc:
-                text = str(exc)
-                if any(hint in text for hint in _LOST_HINTS):
-                    error = PeerLostError(f"gloo: rank {self.peer} is gone ({text.strip()})")
-                else:
-                    error = TransportError(f"gloo transfer with rank {self.peer} failed: {text}")
-            pending.part_done(error)
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                works, to_unpack, pending = job
+                pending.part_done(self._wait_for(works, to_unpack))
+        finally:
+            # The group goes with its last wait: a peer still waiting on its side of a
+            # transfer this side gave up sees the connection close and stops waiting too.
+            # (Not a daemon thread destroying it as the interpreter exits: the exit waits for
+            # this thread first, see _wait_for_waiters.)
+            self.pg = None
+            with _waiters_lock:
+                _waiters.discard(self)
+
+    def _wait_for(self, works: list[Any], to_unpack: list[Any]) -> BaseException | None:
+        """Waits for one start's works; returns the transfer's error, or ``None``."""
+        try:
+            for work in works:
+                timeout = _GIVEN_UP_WAIT if self._given_up else self._timeout
+                self.waits_until = time.monotonic() + timeout.total_seconds()
+                work.wait(timeout)
+            for packed, targets in to_unpack:
+                unpack(packed, targets)
+        except Exception as exc:
+            text = str(exc)
+            if any(hint in text for hint in _LOST_HINTS):
+                return PeerLostError(f"gloo: rank {self.peer} is gone ({text.strip()})")
+            return TransportError(f"gloo transfer with rank {self.peer} failed: {text}")
+        finally:
+            self.waits_until = 0.0
+        return None
+
+    def still_waiting(self) -> bool:
+        return self._thread.is_alive() and self.waits_until > 0.0
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def submit_stop(self) -> None:
+        """Gives up on the works not waited for yet (see ``_GIVEN_UP_WAIT``); the waiter ends
+        after them."""
+        self._given_up = True
+        self._jobs.put(None)
 
     def close(self) -> None:
         # Stop the waiter first and drop the group on this thread: a group destroyed by a
         # daemon thread while the interpreter exits aborts the process.
-        self._jobs.put(None)
+        self.submit_stop()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
         self.pg = None
 
     def abort(self) -> None:
-        # Best effort: gloo's abort() unblocks pending waits on some versions; a waiter still
-        # stuck ends at the group's timeout. The pair waits in the graveyard until
-        # ``GlooTransport.close`` drops it on a non-daemon thread (see ``close``).
-        self._jobs.put(None)
+        # Best effort: gloo's abort() unblocks pending waits on some versions; a wait still
+        # stuck ends at the group's timeout, or when the peer's group goes. The pair waits in
+        # the graveyard until ``GlooTransport.close`` joins its waiter.
+        pg = self.pg
         with contextlib.suppress(Exception):
-            self.pg.abort()
+            pg.abort()
+        self.submit_stop()
         _graveyard.append(self)
 
 
@@ -201,6 +257,27 @@ class GlooTransport(Transport):
         for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
             if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:
                 cache.evict(key, abort=False, reason="shutdown")
+
+
+@atexit.register
+def _wait_for_waiters() -> None:
+    """At exit, before the interpreter finalizes: lets the gloo waits still under way end (see
+    the module docstring, "Exit"), for up to ``_EXIT_WAIT_S``."""
+    with _waiters_lock:
+        pairs = list(_waiters)
+    for pair in pairs:
+        pair.submit_stop()
+    for pair in pairs:
+        left = min(max(0.0, pair.waits_until - time.monotonic()), _EXIT_WAIT_S)
+        if pair.still_waiting() and left > 1.0:
+            log.warning(
+                "tensorferry: before exiting, waiting up to %.0f s for a gloo transfer with rank "
+                "%d to end: its peer has not done its part (a fault abandoned it, or it was left "
+                "in flight at tf.shutdown())",
+                left,
+                pair.peer,
+            )
+        pair.join(left + 0.1)
 
 
 def _connects_lazily() -> bool:

@@ -492,3 +492,33 @@ def test_receive_buffers_must_not_share_memory_with_the_calls_other_tensors():
     items, _, _ = as_recv_list([weight, weight], torch.device("cpu"), "buffers")
     with pytest.raises(ValueError, match=r"buffers\[1\] shares memory with buffers\[0\]"):
         check_receives_apart([("buffers", "recv", items)])
+
+
+def test_the_flight_recorder_setting_and_ring(monkeypatch):
+    from tensorferry import envs
+    from tensorferry.p2p import _trace
+
+    monkeypatch.delenv("TENSORFERRY_P2P_TRACE", raising=False)
+    assert envs.p2p_trace_events() == 0
+    monkeypatch.setenv("TENSORFERRY_P2P_TRACE", "500")
+    assert envs.p2p_trace_events() == 500
+    for raw in ("-1", "many"):
+        monkeypatch.setenv("TENSORFERRY_P2P_TRACE", raw)
+        with pytest.raises(ValueError, match="TENSORFERRY_P2P_TRACE"):
+            envs.p2p_trace_events()
+    _trace.configure(3)  # keeps the last three
+    try:
+        for seq in range(5):
+            _trace.record("numbered", 1, "send", seq)
+        _trace.record("done", None, "send/1/4@0")
+        _trace.record("numbered", 2, "recv", 0)
+        lines = _trace.recent_events()
+        assert [line.split("] ", 1)[1] for line in lines] == [
+            "MainThread: numbered rank 1: send 4",
+            "MainThread: done: send/1/4@0",
+            "MainThread: numbered rank 2: recv 0",
+        ]
+        assert len(_trace.recent_events(peer=1)) == 2  # its own, and those of no single peer
+    finally:
+        _trace.configure(0)
+    assert _trace.recent_events() == []

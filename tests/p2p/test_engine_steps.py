@@ -1,0 +1,39 @@
+"""CPU tier: the p2p engine's bookkeeping where faults meet, checked on two real processes.
+
+Each case looks at the engine's state around one step it used to get wrong (found with the
+random-traffic probe and the flight recorder, ``TENSORFERRY_P2P_TRACE``): the peer's answer to
+a fault owing a whole waiting batch, and the frames the short way reads before it issues.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _pool import WorkerPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(2, transfer_timeout=10.0, backend="gloo")
+    yield workers
+    workers.close()
+
+
+def test_a_batch_the_peer_owes_fails_alone(pool):
+    after, _ = pool.run("owed_messages_fail_without_a_new_fault")
+    assert after == {"epochs moved": 0, "debts": [], "frozen": None, "batch": "MismatchError"}
+    # The pair still carries messages both ways.
+    assert pool.run("ring_sendrecv", 1) == ["ok", "ok"]
+
+
+def test_the_short_way_handles_frames_as_a_step(pool):
+    sender, receiver = pool.run("short_way_reads_in_a_step")
+    for side in (sender, receiver):
+        assert side["reads"] > 0, side  # the case exercised the short way
+        assert side["outside a step"] == 0, side
+
+
+def test_the_flight_recorder_keeps_a_transfers_events(pool):
+    for side in pool.run("recent_events_of_a_transfer"):
+        assert side["off"] == [] and side["after"] == [], side
+        assert side["numbered"] == 1 and side["header out"] == 1 and side["done"] == 1, side
+        assert side["other peers' events"] == 0, side
