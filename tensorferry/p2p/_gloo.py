@@ -19,8 +19,10 @@ for a message the peer never sends. A waiter that comes out of torch's wait afte
 interpreter began finalizing kills the process as it tries to take the GIL back ("terminate
 called without an active exception", exit code -6), however cleanly the program ended. So at
 exit, before finalizing, the process lets such waits end (see :func:`_wait_for_waiters`), and a
-pair given up on (aborted, closed) waits no more than a moment for each of its later transfers;
-the group goes with the pair's last wait, which ends the peer's waits on it.
+pair given up on (aborted, closed) waits no more than a moment for each of its later transfers.
+An aborted pair's group is kept until ``tf.shutdown()``: dropped at once, it would close the
+connection, and the peer's transfers on it would fail as if the peer were gone
+(``PeerLostError``) before the fault's notice told it why.
 """
 
 from __future__ import annotations
@@ -120,11 +122,6 @@ class _GlooPair:
                 works, to_unpack, pending = job
                 pending.part_done(self._wait_for(works, to_unpack))
         finally:
-            # The group goes with its last wait: a peer still waiting on its side of a
-            # transfer this side gave up sees the connection close and stops waiting too.
-            # (Not a daemon thread destroying it as the interpreter exits: the exit waits for
-            # this thread first, see _wait_for_waiters.)
-            self.pg = None
             with _waiters_lock:
                 _waiters.discard(self)
 
@@ -169,7 +166,8 @@ class _GlooPair:
     def abort(self) -> None:
         # Best effort: gloo's abort() unblocks pending waits on some versions; a wait still
         # stuck ends at the group's timeout, or when the peer's group goes. The pair waits in
-        # the graveyard until ``GlooTransport.close`` joins its waiter.
+        # the graveyard until ``GlooTransport.close`` drops it on a non-daemon thread (see
+        # ``close`` and the module docstring, "Exit").
         pg = self.pg
         with contextlib.suppress(Exception):
             pg.abort()
