@@ -262,7 +262,19 @@ class PairFaults:
 
         ``finished_there`` (per our channel kind): how many leading messages the faulting peer
         saw finish. Our counterparts of those are finishing too (the bytes left the sender):
-        they get a short while to do so, so that both sides report them alike."""
+        they get a short while to do so, so that both sides report them alike.
+
+        Polled as in an engine step, whichever thread handles the fault: a poll that drove the
+        engine would handle other frames, faults among them, in the middle of this pair's move
+        to its next epoch (see ``ShortWay._issue_agreed``)."""
+        stepping = getattr(self._stepping, "on", False)
+        self._stepping.on = True
+        try:
+            self._settle_each(peer, finished_there)
+        finally:
+            self._stepping.on = stepping
+
+    def _settle_each(self, peer: PeerState, finished_there: dict[str, int] | None) -> None:
         deadline = time.monotonic() + _FINISHING_GRACE_S
         for unit in [u for u in self._issued if u.state == "issued" and peer.rank in u.peers]:
             mine = [m for m in unit.messages if m.op.peer == peer.rank]
