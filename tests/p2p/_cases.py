@@ -1632,3 +1632,22 @@ def recent_events_of_a_transfer(rank: int, world: int) -> dict | str:
         "other peers' events": sum(f" rank {peer}: " in line for line in others),
         "after": tf.recent_events(),
     }
+
+
+def exit_with_a_gloo_wait_stuck(rank: int, world: int, linger: float) -> str:
+    """Ranks 0 and 1 agree a static channel 0 → 1 over gloo; rank 1 then posts one more static
+    receive, which goes to gloo at once (agreed), and rank 0 never sends it. Rank 1 leaves with
+    that gloo wait under way; rank 0 stays ``linger`` seconds before it leaves too."""
+    if rank > 1:
+        return "idle"
+    sent = payload(0, 1, 71, (4,), torch.float32)
+    if rank == 0:
+        for _ in range(2):
+            tf.send(sent, 1, static=True, timeout=T).wait(T)
+        time.sleep(linger)
+        return "lingered"
+    for _ in range(2):
+        tf.recv(poisoned((4,), torch.float32), 0, static=True, timeout=T).wait(T)
+    stuck = tf.recv(poisoned((4,), torch.float32), 0, static=True, timeout=10 * T)
+    time.sleep(0.5)  # issued at once: gloo's wait for it is under way
+    return "left with a receive in flight" if not stuck.done() else "its receive finished?"
