@@ -27,8 +27,9 @@ Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --p
 costliest functions; ``--phases``: median µs per lone call spent in the main steps of a
 short-way send, timed by wrappers, which add a little each; ``--reads``: how often the short
 way's read of the peer's frames, on each rank, finds any, and how many; ``--opcodes``: the
-Python opcodes and calls one short-way ``tf.send`` runs on the caller's thread, a count that the
-machine's noise does not move, for A/Bs of small changes).
+Python opcodes and calls one short-way ``tf.send`` runs on the caller's thread, averaged: a count
+that the machine's speed does not move, for A/Bs of small changes; it varies by a few opcodes
+between runs, with how often the short way's read finds the peer's frames).
 """
 
 import cProfile
