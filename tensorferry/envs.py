@@ -38,7 +38,7 @@ def _float(name: str, default: float) -> float:
     return value
 
 
-def _int(name: str, default: int) -> int:
+def _int(name: str, default: int, *, zero_ok: bool = False) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -46,8 +46,8 @@ def _int(name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name}={raw!r} must be {'>= 0' if zero_ok else 'positive'}")
     return value
 
 
@@ -143,16 +143,7 @@ def p2p_trace_events() -> int:
     """How many of the p2p engine's last events each process keeps for a hang's diagnosis
     (``TENSORFERRY_P2P_TRACE``, default 0: none; see ``tensorferry.p2p.recent_events``). Read
     at ``tf.init``."""
-    raw = os.environ.get("TENSORFERRY_P2P_TRACE", "").strip()
-    if raw in ("", "0"):
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"TENSORFERRY_P2P_TRACE={raw!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"TENSORFERRY_P2P_TRACE={raw!r} must be 0 (off) or a positive count")
-    return value
+    return _int("TENSORFERRY_P2P_TRACE", 0, zero_ok=True)
 
 
 def p2p_short_path() -> bool:
