@@ -1014,30 +1014,30 @@ class Engine(PairFaults, ShortWay):
                 and (done_event is None or is_done(done_event))
             )
 
-        future = self.ctx.completions.watch(
+        completions = self.ctx.completions
+        # On the pool's poller thread: _on_completed is quick and hands user callbacks to a
+        # worker. The deadline's timeout is reworded there, naming the unit.
+        handle = completions.call_when(
             ready,
-            timeout=max(0.0, unit.deadline - time.monotonic()),  # _on_completed names the unit
-            inline=True,  # _on_completed is quick and hands user callbacks to a worker
+            lambda exc: self._on_completed(unit, exc),
+            deadline=unit.deadline,
             # A caller waiting on the transfer usually sees it finish within its polling window
             # and completes it itself: the pool's thread stays out of its way until then.
             delay=spin_window_s(),
         )
-        future.add_done_callback(lambda f: self._on_completed(unit, f))
-        unit.ready, unit.settle = ready, lambda: self._settle_seen(unit, future)
-        completions = self.ctx.completions
+        unit.ready, unit.settle = ready, lambda: self._settle_seen(unit, handle)
         unit.transfer._mark_issued(
-            done_event, ready, unit.settle, expedite=lambda: completions.expedite(future)
+            done_event, ready, unit.settle, expedite=lambda: completions.expedite(handle)
         )
 
-    def _settle_seen(self, unit: Unit, future: Future) -> None:
+    def _settle_seen(self, unit: Unit, handle: Any) -> None:
         # On the thread that waited and saw the work finish (Transfer._settled): complete the
         # transfer there, so no other thread has to wake up (and take the GIL) for it later.
-        if self.ctx.completions.discard(future):
+        if self.ctx.completions.discard(handle):
             self._succeed(unit)
 
-    def _on_completed(self, unit: Unit, future: Future) -> None:
+    def _on_completed(self, unit: Unit, exc: BaseException | None) -> None:
         # On the completion pool's poller thread: quick, and no user code here.
-        exc = future.exception() if not future.cancelled() else TransportError("cancelled")
         if exc is None:
             self._succeed(unit)
             return

@@ -52,7 +52,7 @@ _LINGER_S = 0.2
 
 @dataclass(slots=True)
 class _Item:
-    future: Future
+    future: Future | None  # None for a call (see CompletionPool.call_when)
     ready: Callable[[], bool]
     then: Callable[[], Any] | None
     owner: Hashable | None
@@ -61,6 +61,7 @@ class _Item:
     seq: int = field(default=0)
     inline: bool = False
     due: float = 0.0  # monotonic time of the first poll
+    on_done: Callable[[BaseException | None], Any] | None = None  # a call's function
 
 
 class CompletionPool:
@@ -153,13 +154,58 @@ class CompletionPool:
                 self._lock.notify_all()
         return future
 
-    def expedite(self, future: Future) -> None:
-        """Polls ``future``'s item from now on, as if it had been watched without a delay: for a
-        caller that stops polling it itself and will block on the future."""
-        seq = getattr(future, "_tensorferry_seq", None)
+    def call_when(
+        self,
+        ready: Callable[[], bool],
+        on_done: Callable[[BaseException | None], Any],
+        *,
+        deadline: float,
+        delay: float,
+    ) -> Any:
+        """:meth:`watch` with ``inline=True`` for the library's own per-transfer work, without
+        a future: ``on_done(None)`` once ``ready()`` is true, or ``on_done(exc)`` when it
+        raised, the monotonic ``deadline`` passed (:class:`TransferTimeoutError`), the item
+        was cancelled or the pool shut down. Called once, on the poller thread: quick, never
+        blocking, never user code. Returns a handle for :meth:`discard` and :meth:`expedite`.
+
+        A ``Future`` and its condition variable are most of what a watch costs the caller, and
+        every ``tf.send`` makes one; its callers give ``deadline`` and ``delay`` (seconds)
+        already checked.
+
+        Raises:
+            CompletionPoolShutdownError: the pool was shut down.
+        """
         with self._lock:
-            item = self._pending.get(seq) if seq is not None else None
-            if item is None or item.future is not future:
+            if self._shutdown:
+                raise CompletionPoolShutdownError("the completion pool is shut down")
+            seq = next(self._seq)
+            due = time.monotonic() + delay
+            item = _Item(None, ready, None, None, "", deadline, seq, True, due, on_done)
+            self._pending[seq] = item
+            if delay > 0:
+                self._last_delayed = due - delay
+                if self._lingering:
+                    return item  # polled at the poller's next tick
+            if due < self._poller_wakes_at:
+                self._lock.notify_all()
+        return item
+
+    def _pending_item(self, handle: Any) -> _Item | None:
+        """The pending item of ``handle`` (a future :meth:`watch` returned, or a handle of
+        :meth:`call_when`), or ``None``; under the lock."""
+        if type(handle) is _Item:
+            return handle if self._pending.get(handle.seq) is handle else None
+        seq = getattr(handle, "_tensorferry_seq", None)
+        item = self._pending.get(seq) if seq is not None else None
+        return item if item is not None and item.future is handle else None
+
+    def expedite(self, future: Any) -> None:
+        """Polls the item of ``future`` (or of a :meth:`call_when` handle) from now on, as if it
+        had been watched without a delay: for a caller that stops polling it itself and will
+        block on it."""
+        with self._lock:
+            item = self._pending_item(future)
+            if item is None:
                 return
             now = time.monotonic()
             if item.due > now:
@@ -200,16 +246,16 @@ class CompletionPool:
             running = self._running_per_owner
             return {owner for owner in owners if owner in running} if running else set()
 
-    def discard(self, future: Future) -> bool:
-        """Stops watching ``future`` before the pool completes it: the caller saw the work
-        finish and completes it itself. Returns false when it is too late (the pool already
-        took it, or it was never this pool's); the pool then completes it as usual."""
-        seq = getattr(future, "_tensorferry_seq", None)
+    def discard(self, future: Any) -> bool:
+        """Stops watching ``future`` (or a :meth:`call_when` handle) before the pool completes
+        it: the caller saw the work finish and completes it itself. Returns false when it is
+        too late (the pool already took it, or it was never this pool's); the pool then
+        completes it as usual."""
         with self._lock:
-            item = self._pending.get(seq) if seq is not None else None
-            if item is None or item.future is not future:
+            item = self._pending_item(future)
+            if item is None:
                 return False
-            del self._pending[seq]
+            del self._pending[item.seq]
             self._finish_locked(item)
             return True
 
@@ -230,11 +276,12 @@ class CompletionPool:
                 self._lock.wait(left)
             if self._running_per_owner.get(owner, 0) == 0:
                 return True
-            # Cancel what has not started; what is running we cannot stop.
+            # Cancel what has not started; what is running we cannot stop. (Calls have no
+            # owner: call_when takes none.)
             for seq, item in list(self._pending.items()):
                 if item.owner == owner:
                     del self._pending[seq]
-                    item.future.cancel()
+                    item.future.cancel()  # type: ignore[union-attr]
                     self._finish_locked(item)
             return self._running_per_owner.get(owner, 0) == 0
 
@@ -260,15 +307,12 @@ class CompletionPool:
             self._pending.clear()
             self._lock.notify_all()
         for item in leftovers:
-            if item.future.set_running_or_notify_cancel():
-                item.future.set_exception(
-                    CompletionPoolShutdownError(
-                        f"completion pool shut down before {item.description or 'the work'} "
-                        "completed"
-                    )
-                )
-            with self._lock:
-                self._finish_locked(item)
+            self._complete(
+                item,
+                CompletionPoolShutdownError(
+                    f"completion pool shut down before {item.description or 'the work'} completed"
+                ),
+            )
         self._executor.shutdown(wait=wait)
         self._poller.join(timeout=1.0)
 
@@ -342,7 +386,7 @@ class CompletionPool:
 
     def _check(self, item: _Item, now: float) -> BaseException | bool | None:
         """``True`` when ready, an exception when failed or timed out, ``None`` to keep waiting."""
-        if item.future.cancelled():
+        if item.future is not None and item.future.cancelled():
             return True
         try:
             if item.ready():
@@ -357,6 +401,9 @@ class CompletionPool:
     def _complete(self, item: _Item, outcome: BaseException | bool) -> None:
         future = item.future
         try:
+            if future is None:  # a call (call_when)
+                item.on_done(outcome if isinstance(outcome, BaseException) else None)  # type: ignore[misc]
+                return
             if not future.set_running_or_notify_cancel():
                 return
             if isinstance(outcome, BaseException):

@@ -270,3 +270,79 @@ def test_the_poller_stops_lingering_when_delayed_items_stop(pool, monkeypatch):
     )
     assert not pool._lingering
     assert pool.watch(lambda: True, delay=1e-3).result(timeout=5) is None  # and still wakes
+
+
+class Outcomes:
+    """``call_when``'s function: records what it was called with, and on which thread."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[BaseException | None, str]] = []
+        self.called = threading.Event()
+
+    def __call__(self, exc: BaseException | None) -> None:
+        self.calls.append((exc, threading.current_thread().name))
+        self.called.set()
+
+    def only(self) -> BaseException | None:
+        assert self.called.wait(5), "never called"
+        time.sleep(0.02)  # a second call would show up by now
+        assert len(self.calls) == 1, self.calls
+        return self.calls[0][0]
+
+
+def _call_when(pool, ready, *, deadline_s: float = 30.0, delay: float = 0.0):
+    outcomes = Outcomes()
+    handle = pool.call_when(ready, outcomes, deadline=time.monotonic() + deadline_s, delay=delay)
+    return handle, outcomes
+
+
+def test_a_call_runs_once_on_the_poller_when_ready(pool):
+    flag = Flag()
+    _, outcomes = _call_when(pool, flag)
+    time.sleep(0.05)
+    assert not outcomes.calls, "called before its predicate said ready"
+    flag.value = True
+    assert outcomes.only() is None
+    assert outcomes.calls[0][1] == pool._poller.name
+
+
+def test_a_call_is_told_why_it_failed(pool):
+    _, raised = _call_when(pool, lambda: 1 / 0)
+    assert isinstance(raised.only(), ZeroDivisionError)
+    _, late = _call_when(pool, lambda: False, deadline_s=0.05)
+    exc = late.only()
+    assert isinstance(exc, tf.TransferTimeoutError) and "timed out" in str(exc)
+
+
+def test_a_call_taken_back_is_never_made(pool):
+    flag = Flag()
+    handle, outcomes = _call_when(pool, flag)
+    assert pool.discard(handle), "still pending: the caller may take it back"
+    assert not pool.discard(handle), "a second discard finds nothing"
+    flag.value = True
+    time.sleep(0.05)
+    assert not outcomes.calls and pool.pending() == 0
+    done, made = _call_when(pool, lambda: True)
+    assert made.only() is None
+    assert not pool.discard(done), "too late once the pool made it"
+
+
+def test_an_expedited_call_is_polled_before_its_delay(pool, monkeypatch):
+    from tensorferry.runtime import _completion
+
+    monkeypatch.setattr(_completion, "_LINGER_TICK_S", 30.0)  # ticks too slow to matter
+    assert pool.watch(lambda: True, delay=1e-3, inline=True).result(timeout=5) is None
+    assert _wait_until(lambda: pool._lingering)
+    handle, outcomes = _call_when(pool, lambda: True, delay=30.0)
+    time.sleep(0.05)
+    assert not outcomes.calls, "polled before it was due"
+    pool.expedite(handle)
+    assert outcomes.only() is None
+
+
+def test_a_call_still_pending_at_shutdown_is_told(pool):
+    _, outcomes = _call_when(pool, lambda: False)
+    pool.shutdown(wait=False)
+    assert isinstance(outcomes.only(), tf.CompletionPoolShutdownError)
+    with pytest.raises(tf.CompletionPoolShutdownError):
+        _call_when(pool, lambda: True)
