@@ -59,8 +59,9 @@ def _message(
 
 
 def _caller_event(messages: Sequence[Message]) -> Any:
-    if any(m.op.tensors[0].is_cuda for m in messages):
-        return record_on_current_stream()
+    for m in messages:  # a loop, not any() of a generator: most calls have one message
+        if m.op.tensors[0].is_cuda:
+            return record_on_current_stream()
     return None
 
 

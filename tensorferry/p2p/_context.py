@@ -233,8 +233,15 @@ class P2PContext:
             stream_wait(stream, unit.caller_event)
             recycle(unit.caller_event)  # the wait is enqueued: free to record again
             unit.caller_event = None
-        transports = [(self.transport(name), ops) for name, ops in cuda_groups.items()]
-        if all(transport.makes_stream_current for transport, _ in transports):
+        # Loops, not a comprehension and all() of a generator: each of those is a call, and
+        # nearly every unit has one transport.
+        transports = []
+        switch = False
+        for name, ops in cuda_groups.items():
+            transport = self.transport(name)
+            transports.append((transport, ops))
+            switch = switch or not transport.makes_stream_current
+        if not switch:
             for transport, ops in transports:
                 unit.pending.append(transport.start(ops, stream=stream))
         else:

@@ -136,7 +136,9 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
 
 def record_on_current_stream() -> torch.cuda.Event:
     """An event recorded on the current CUDA stream (see the module docstring)."""
-    index = torch.cuda.current_device()
+    # torch's own calls, not torch.cuda.current_device() (three Python calls): a CUDA tensor
+    # is on its way out, so CUDA is initialised already.
+    index = torch._C._cuda_getDevice()
     # The raw handle of the current stream: torch's Stream object costs microseconds.
     event = _record_pooled(index, torch._C._cuda_getCurrentRawStream(index))
     if event is None:
@@ -192,7 +194,10 @@ def recycle(event: Any) -> None:
     record does not change what an enqueued wait waits for) and nothing polls it any more."""
     if event is None:
         return
-    free = _free.setdefault(event.device.index, collections.deque())
+    index = event.device.index
+    free = _free.get(index)  # not setdefault: that would make a deque on every call
+    if free is None:
+        free = _free.setdefault(index, collections.deque())
     if len(free) < _MAX_FREE:
         free.append(event)
 
