@@ -2,7 +2,9 @@
 
 Two processes share one device (a GPU, or the CPU with ``--cpu``) and move 1 KiB messages over
 a registered transport that moves nothing: its ``start`` enqueues no work and is ready at once.
-What is left is everything tensorferry does around a transport: validation, the message's
+Like NCCL's, it takes its stream as an argument, so the layer switches no streams around it
+(before 2026-11-23 evening it did: numbers from before then include a stream switch). What is
+left is everything tensorferry does around a transport: validation, the message's
 numbering and header, the stream ordering with the caller (CUDA events), the completion
 handling. So it needs no second GPU and no NCCL, and shows how the layer's cost changes with
 the engine's settings. Rank 0 sends with ``static=True``; rank 1 receives. Median host µs:
@@ -27,9 +29,10 @@ Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --p
 costliest functions; ``--phases``: median µs per lone call spent in the main steps of a
 short-way send, timed by wrappers, which add a little each; ``--reads``: how often the short
 way's read of the peer's frames, on each rank, finds any, and how many; ``--opcodes``: the
-Python opcodes and calls one short-way ``tf.send`` runs on the caller's thread, averaged: a count
-that the machine's speed does not move, for A/Bs of small changes; it varies by a few opcodes
-between runs, with how often the short way's read finds the peer's frames).
+Python opcodes and calls one short-way ``tf.send`` runs on the caller's thread, averaged, and
+each function's own share: a count that the machine's speed does not move, for A/Bs of small
+changes; it varies by a few opcodes between runs, with how often the short way's read finds the
+peer's frames).
 """
 
 import cProfile
@@ -62,6 +65,7 @@ def _null_transport(device_type):
 
         name = "null"
         static_speculates = True
+        makes_stream_current = True  # as NCCL's: no stream switch around start()
 
         def prepare(self, peers):
             pass
@@ -189,11 +193,22 @@ class _OpcodeCount:
 
     def __init__(self):
         self.opcodes = self.calls = self.sends = 0
+        self.by_function = {}
+        self._names = {}
 
     def _trace(self, frame, event, arg):
         frame.f_trace_opcodes = True
         if event == "opcode":
             self.opcodes += 1
+            code = frame.f_code
+            where = self._names.get(code)
+            if where is None:
+                where = f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_firstlineno}"
+                where = f"{where}({code.co_qualname})"
+                if code.co_filename == "<string>" and "self" in frame.f_locals:  # a dataclass's
+                    where = f"{type(frame.f_locals['self']).__name__}.{code.co_name} (generated)"
+                self._names[code] = where
+            self.by_function[where] = self.by_function.get(where, 0) + 1
         elif event == "call":
             self.calls += 1
         return self._trace
@@ -269,7 +284,11 @@ def _worker(rank, port, device, profile, queue, transport):
             _measure(rank, x, True, counter, bursts=False)
             per_send = {"opcodes": counter.opcodes, "calls": counter.calls} if counter else {}
             sends = counter.sends if counter else 1
-            queue.put((rank, {"opcodes": {k: v / sends for k, v in per_send.items()}}))
+            by_function = counter.by_function if counter else {}
+            functions = sorted(by_function.items(), key=lambda kv: -kv[1])
+            out = {k: v / sends for k, v in per_send.items()}
+            out["functions"] = [(name, count / sends) for name, count in functions]
+            queue.put((rank, {"opcodes": out}))
             return
         if profile == "reads":
             counts = _count_reads()
@@ -335,8 +354,11 @@ def main():
         counts = results[0]["opcodes"]
         print(
             f"one short-way tf.send on {device} (rank 0): {counts['opcodes']:.0f} Python "
-            f"opcodes, {counts['calls']:.0f} Python calls"
+            f"opcodes, {counts['calls']:.0f} Python calls; each function's own opcodes:"
         )
+        for name, count in counts["functions"]:
+            if count >= 0.5:
+                print(f"  {count:7.1f}  {name}")
         return
     if "phases" in results[0]:
         over = " over NCCL" if nccl else ""
