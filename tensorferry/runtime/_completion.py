@@ -136,22 +136,8 @@ class CompletionPool:
         delay = checked_seconds(delay, "delay", zero_ok=True)
         future: Future = Future()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            if self._shutdown:
-                raise CompletionPoolShutdownError("the completion pool is shut down")
-            seq = next(self._seq)
-            due = time.monotonic() + delay
-            item = _Item(future, ready, then, owner, description, deadline, seq, inline, due)
-            future._tensorferry_seq = seq  # type: ignore[attr-defined]  # for discard()
-            self._pending[seq] = item
-            if owner is not None:
-                self._running_per_owner[owner] = self._running_per_owner.get(owner, 0) + 1
-            if delay > 0:
-                self._last_delayed = due - delay
-                if self._lingering:
-                    return future  # polled at the poller's next tick
-            if due < self._poller_wakes_at:
-                self._lock.notify_all()
+        item = _Item(future, ready, then, owner, description, deadline, inline=inline)
+        future._tensorferry_seq = self._add(item, delay)  # type: ignore[attr-defined]  # discard()
         return future
 
     def call_when(
@@ -164,9 +150,9 @@ class CompletionPool:
     ) -> Any:
         """:meth:`watch` with ``inline=True`` for the library's own per-transfer work, without
         a future: ``on_done(None)`` once ``ready()`` is true, or ``on_done(exc)`` when it
-        raised, the monotonic ``deadline`` passed (:class:`TransferTimeoutError`), the item
-        was cancelled or the pool shut down. Called once, on the poller thread: quick, never
-        blocking, never user code. Returns a handle for :meth:`discard` and :meth:`expedite`.
+        raised, the monotonic ``deadline`` passed (:class:`TransferTimeoutError`) or the pool
+        shut down. Called once, on the poller thread: quick, never blocking, never user code.
+        Returns a handle for :meth:`discard` and :meth:`expedite`.
 
         A ``Future`` and its condition variable are most of what a watch costs the caller, and
         every ``tf.send`` makes one; its callers give ``deadline`` and ``delay`` (seconds)
@@ -175,20 +161,32 @@ class CompletionPool:
         Raises:
             CompletionPoolShutdownError: the pool was shut down.
         """
+        item = _Item(None, ready, None, None, "", deadline, 0, True, 0.0, on_done)
+        self._add(item, delay)
+        return item
+
+    def _add(self, item: _Item, delay: float) -> int:
+        """Numbers ``item``, makes it due in ``delay`` seconds and hands it to the poller, waking
+        it only where it must; returns its number.
+
+        Raises:
+            CompletionPoolShutdownError: the pool was shut down.
+        """
         with self._lock:
             if self._shutdown:
                 raise CompletionPoolShutdownError("the completion pool is shut down")
-            seq = next(self._seq)
-            due = time.monotonic() + delay
-            item = _Item(None, ready, None, None, "", deadline, seq, True, due, on_done)
+            item.seq = seq = next(self._seq)
+            item.due = due = time.monotonic() + delay
             self._pending[seq] = item
+            if item.owner is not None:
+                self._running_per_owner[item.owner] = self._running_per_owner.get(item.owner, 0) + 1
             if delay > 0:
                 self._last_delayed = due - delay
                 if self._lingering:
-                    return item  # polled at the poller's next tick
+                    return seq  # polled at the poller's next tick
             if due < self._poller_wakes_at:
                 self._lock.notify_all()
-        return item
+        return seq
 
     def _pending_item(self, handle: Any) -> _Item | None:
         """The pending item of ``handle`` (a future :meth:`watch` returned, or a handle of
