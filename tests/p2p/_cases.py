@@ -21,6 +21,7 @@ from tensorferry.errors import (
     PeerLostError,
     TensorFerryError,
     TransferTimeoutError,
+    TransportError,
 )
 from tensorferry.p2p._gloo import GlooTransport
 
@@ -1632,6 +1633,58 @@ def recent_events_of_a_transfer(rank: int, world: int) -> dict | str:
         "other peers' events": sum(f" rank {peer}: " in line for line in others),
         "after": tf.recent_events(),
     }
+
+
+def fault_while_the_pool_completes_a_send(rank: int, world: int) -> str:
+    """Rank 0's send finished (rank 1 received it) and the completion pool's poller took it to
+    complete it, but has not yet (held here); then rank 0 faults the pair. The fault cannot
+    settle the send (the pool has it) and fails it as still issued, but that failure reaches
+    the transfer through the pool too, behind the poller's own success. The send finished on
+    both sides, so it must end ok on both. Returns the transfer's outcome on each rank."""
+    from tensorferry.p2p import _api, _context
+
+    if rank > 1:
+        return "idle"
+    ctx = _context.current()
+    sent = payload(0, 1, 81, (16,), torch.float32)
+    if rank == 1:
+        try:
+            got = tf.recv(poisoned((16,), torch.float32), 0, timeout=T).result(T)
+            outcome = "ok" if same_bytes(got, sent) else "wrong bytes"
+        except TensorFerryError as exc:
+            outcome = type(exc).__name__
+        ctx.store.set("pool_completes/received", b"1")
+        ctx.store.wait(["pool_completes/faulted"])
+        _api._reset_pair(0, timeout=T)
+        return outcome
+    pool, engine = ctx.completions, ctx.engine
+    taken, release = threading.Event(), threading.Event()
+    plain_complete = pool._complete
+
+    def held(item, outcome):
+        if item.future is None:  # a transfer's completion call (CompletionPool.call_when)
+            taken.set()
+            release.wait(T)
+        plain_complete(item, outcome)
+
+    pool._complete = held
+    try:
+        transfer = tf.send(sent, 1, timeout=T)
+        ctx.store.wait(["pool_completes/received"])
+        assert taken.wait(T), "the poller never took the send"
+        with engine._lock:
+            engine._fault_pair(engine._peer(1), TransportError("a fault for the test"), notify=True)
+    finally:
+        release.set()
+        del pool._complete
+    ctx.store.set("pool_completes/faulted", b"1")
+    try:
+        transfer.wait(T)
+        outcome = "ok"
+    except TensorFerryError as exc:
+        outcome = type(exc).__name__
+    _api._reset_pair(1, timeout=T)
+    return outcome
 
 
 def exit_with_a_gloo_wait_stuck(rank: int, world: int, linger: float) -> str:

@@ -2,7 +2,8 @@
 
 Each case looks at the engine's state around one step it used to get wrong (found with the
 random-traffic probe and the flight recorder, ``TENSORFERRY_P2P_TRACE``): the peer's answer to
-a fault owing a whole waiting batch, and the frames the short way reads before it issues.
+a fault owing a whole waiting batch, and the frames the short way reads before it issues; or
+around a window between threads: a fault while the completion pool completes a transfer.
 """
 
 from __future__ import annotations
@@ -37,3 +38,8 @@ def test_the_flight_recorder_keeps_a_transfers_events(pool):
         assert side["off"] == [] and side["after"] == [], side
         assert side["numbered"] == 1 and side["header out"] == 1 and side["done"] == 1, side
         assert side["other peers' events"] == 0, side
+
+
+def test_a_fault_finds_a_finished_send_done_while_the_pool_completes_it(pool):
+    assert pool.run("fault_while_the_pool_completes_a_send") == ["ok", "ok"]
+    assert pool.run("ring_sendrecv", 1) == ["ok", "ok"]  # the pair goes on
