@@ -23,16 +23,17 @@ call``, the thread waited (for the GIL, most likely, held by another of the proc
 ``--nccl`` (two GPUs) runs the same over the real NCCL transport, one GPU per rank: the wire
 back in, for comparison.
 
-Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--profile | --phases | --reads |
---opcodes]``
-(``--profile``: the short-way ``tf.send`` calls of the lone rows under ``cProfile``, its 25
-costliest functions; ``--phases``: median µs per lone call spent in the main steps of a
-short-way send, timed by wrappers, which add a little each; ``--reads``: how often the short
-way's read of the peer's frames, on each rank, finds any, and how many; ``--opcodes``: the
-Python opcodes and calls one short-way ``tf.send`` runs on the caller's thread, averaged, and
-each function's own share: a count that the machine's speed does not move, for A/Bs of small
-changes; it varies between runs, by up to about 40 opcodes on the CPU machine, with how often
-the short way's read finds the peer's frames and the poller is woken).
+Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--tensors N] [--profile |
+--phases | --reads | --opcodes]``
+(``--tensors N``: each message a list of N tensors of 4 KiB, as ``bench batch``'s, instead of
+one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls of the lone rows under
+``cProfile``, its 25 costliest functions; ``--phases``: median µs per lone call spent in the
+main steps of a short-way send, timed by wrappers, which add a little each; ``--reads``: how
+often the short way's read of the peer's frames, on each rank, finds any, and how many;
+``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
+thread, averaged, and each function's own share: a count that the machine's speed does not
+move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
+machine, with how often the short way's read finds the peer's frames and the poller is woken).
 """
 
 import cProfile
@@ -144,7 +145,7 @@ _PHASES = (
     ("    socket written", "link", "flush"),
     ("  started (issue and completion)", "engine", "_start"),
     ("    issued (ctx.issue)", "ctx", "issue"),
-    ("    completion watched", "pool", "watch"),
+    ("    completion handed to the pool", "pool", "call_when"),
     ("    marked issued", "transfer", "_mark_issued"),
     ("      transport's start", "transport", "start"),
     ("        ncclGroupEnd", "nccl_lib", "group_end"),
@@ -251,7 +252,7 @@ def _count_reads():
     return counts
 
 
-def _worker(rank, port, device, profile, queue, transport):
+def _worker(rank, port, device, profile, queue, transport, tensors=1):
     global TRANSPORT
     TRANSPORT = transport
     import tensorferry.p2p as tf
@@ -268,6 +269,8 @@ def _worker(rank, port, device, profile, queue, transport):
     try:
         register_transport("null", _null_transport(torch.device(device).type), replace=True)
         x = torch.ones(256, device=device)
+        if tensors > 1:  # a list, as bench batch's: 4 KiB each
+            x = [torch.ones(1024, device=device) for _ in range(tensors)]
         prof = cProfile.Profile() if profile == "profile" and rank == 0 else None
         if profile == "phases" and rank == 0:
             spent = _wrap_phases()
@@ -321,11 +324,12 @@ def main():
     queue = ctx.Queue()
     modes = ("--profile", "--phases", "--reads", "--opcodes")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
+    tensors = int(sys.argv[sys.argv.index("--tensors") + 1]) if "--tensors" in sys.argv else 1
     procs = [
         ctx.Process(
             target=_worker,
             args=(rank, port, f"cuda:{rank}" if nccl else device, mode, queue),
-            kwargs={"transport": "nccl" if nccl else "null"},
+            kwargs={"transport": "nccl" if nccl else "null", "tensors": tensors},
         )
         for rank in range(2)
     ]
@@ -367,7 +371,8 @@ def main():
             print(f"  {label:34s} {value:8.1f}")
         return
     where = "over NCCL, one GPU per rank" if nccl else f"with no wire, on {device}"
-    print(f"host µs per message {where} (rank 0 sends), two interleaved runs:")
+    what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
+    print(f"host µs per {what} {where} (rank 0 sends), two interleaved runs:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
     print(results[0].get("profile", ""))

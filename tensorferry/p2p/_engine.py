@@ -663,7 +663,9 @@ class Engine(PairFaults, ShortWay):
             self._send_header(peer, message)
         self._ensure_link(peer)
 
-    def _send_header(self, peer: PeerState, message: Message) -> None:
+    def _send_header(self, peer: PeerState, message: Message, *, now: bool = False) -> None:
+        """Queues ``message``'s header for the next :meth:`_flush_links`; with ``now``, sends it
+        at once (with anything queued before it)."""
         message.header_sent = True
         if _trace.ON:
             _trace.record("header out", peer.rank, message.op.kind, message.seq, message.epoch)
@@ -678,7 +680,21 @@ class Engine(PairFaults, ShortWay):
             "true" if message.static else "false",
             message.transport,
         )
+        link = peer.link
+        if now and link is not None and not link.closed and not self._unflushed:
+            # The short way's lone header, nothing else queued to go with it: one write, without
+            # the batching around it (a few microseconds of every such send).
+            try:
+                link.write(frame.encode())
+            except OSError:
+                self._on_link_lost(link)
+                return
+            if link.wants_write:  # the rest goes when the socket takes it
+                self._update_interest(link)
+            return
         self._send_frame(peer, frame.encode(), batch=True)
+        if now:
+            self._flush_links()
 
     def _ensure_prepared(self, peer: PeerState, transport: str, kind: str) -> None:
         key = (transport, kind)

@@ -2,7 +2,7 @@
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
 and helpers (``_peers``, ``_units``, ``_read_link``, ``_confirm``, ``_compare_header``,
-``_send_header``, ``_flush_links``, ``_start``, ``ctx``) and runs under the engine's lock, on
+``_send_header``, ``_start``, ``ctx``) and runs under the engine's lock, on
 the caller's thread (``Engine.submit``). ``TENSORFERRY_P2P_SHORT_PATH=0`` turns it off.
 """
 
@@ -82,11 +82,10 @@ class ShortWay:
         channel.next_seq = channel.issue_next = seq + 1
         if speculates:  # the peer checks every message against its own (see _confirm)
             message.header = True
-            self._send_header(peer, message)
             if frame is None:
                 message.confirmed = False
                 channel.unconfirmed[seq] = message
-            self._flush_links()
+            self._send_header(peer, message, now=True)
         else:
             message.header = False
         if _trace.ON:

@@ -107,6 +107,21 @@ class Link:
                 return
             del self._out[:sent]
 
+    def write(self, payload: bytes) -> None:
+        """Sends one encoded frame now: in one system call when nothing is queued before it
+        (what the socket does not take is queued, as :meth:`send`). Raises OSError if the
+        socket is broken."""
+        if self._out:
+            self.send(payload)
+            return
+        data = _LEN.pack(len(payload)) + payload
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            self._out += data[sent:]
+
     @property
     def wants_write(self) -> bool:
         return bool(self._out)

@@ -90,3 +90,37 @@ def test_a_closed_connection_counts_as_a_lost_peer(pair):
     while got is not None and time.monotonic() < deadline:
         got = link.receive()
     assert got is None
+
+
+def test_a_frame_written_at_once_goes_after_the_queued_ones(pair):
+    link, writer = pair
+    sender = Link(writer, peer=0)
+    sender.queue({"k": "f", "e": 1, "msg": "queued first"})
+    sender.write(b'{"k":"h","e":1,"c":"s","q":0,"d":"float32:4","st":true,"t":"nccl"}')
+    assert not sender.wants_write
+    sender.write(b'{"k":"h","e":1,"c":"s","q":1,"d":"float32:4","st":true,"t":"nccl"}')
+    assert read_until(link, 3) == [
+        {"k": "f", "e": 1, "msg": "queued first"},
+        {"k": "h", "e": 1, "c": "s", "q": 0, "d": "float32:4", "st": True, "t": "nccl"},
+        {"k": "h", "e": 1, "c": "s", "q": 1, "d": "float32:4", "st": True, "t": "nccl"},
+    ]
+
+
+def test_what_the_socket_does_not_take_at_once_is_queued_and_arrives_whole(pair):
+    link, writer = pair
+    writer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender = Link(writer, peer=0)
+    # Larger than the socket buffers on both ends: the first write cannot take it all.
+    texts = ["x" * (4 << 20), "after it"]
+    for text in texts:
+        sender.write(json.dumps({"k": "f", "e": 2, "msg": text}).encode())
+    assert sender.wants_write
+    frames: list = []
+    deadline = time.monotonic() + 10
+    while len(frames) < 2 and time.monotonic() < deadline:
+        sender.flush()
+        got = link.receive()
+        assert got is not None, "the link reported a lost peer"
+        frames.extend(got)
+    assert [f["msg"] for f in frames] == texts
+    assert not sender.wants_write
