@@ -680,21 +680,27 @@ class Engine(PairFaults, ShortWay):
             "true" if message.static else "false",
             message.transport,
         )
-        link = peer.link
-        if now and link is not None and not link.closed and not self._unflushed:
-            # The short way's lone header, nothing else queued to go with it: one write, without
-            # the batching around it (a few microseconds of every such send).
-            try:
-                link.write(frame.encode())
-            except OSError:
-                self._on_link_lost(link)
-                return
-            if link.wants_write:  # the rest goes when the socket takes it
-                self._update_interest(link)
+        data = frame.encode()
+        if now and self._write_now(peer.link, data):
             return
-        self._send_frame(peer, frame.encode(), batch=True)
+        self._send_frame(peer, data, batch=True)
         if now:
             self._flush_links()
+
+    def _write_now(self, link: _link.Link | None, frame: bytes) -> bool:
+        """Writes ``frame`` on ``link`` in one go when nothing else is queued to go with it (the
+        short way's lone header: a few microseconds less than the batching around a flush).
+        Returns false, having done nothing, when that is not so."""
+        if link is None or link.closed or self._unflushed:
+            return False
+        try:
+            link.write(frame)
+        except OSError:
+            self._on_link_lost(link)
+            return True
+        if link.wants_write:  # the rest goes when the socket takes it
+            self._update_interest(link)
+        return True
 
     def _ensure_prepared(self, peer: PeerState, transport: str, kind: str) -> None:
         key = (transport, kind)
