@@ -15,6 +15,11 @@ stream and hands a *unit* (one call, or one batch) to the engine, which then
 A lone message that keeps its static channel's agreement takes all three steps at once, on
 the caller's thread, without the generic step around them (:mod:`._engine_short`).
 
+The engine's parts live in mixins, one idea each, all on the one state below: the side
+channels and their frames (:mod:`._engine_links`), step 2 (:mod:`._engine_agreement`), pair
+faults (:mod:`._engine_faults`) and the short way; this module keeps the loop, submission,
+issuing and completion.
+
 Faults. A *pair fault* (deadline passed, transport error, static agreement broken, a unit
 failed half-way) fails every unfinished unit with that peer, aborts and evicts the pair's
 transport resources and moves the pair to its next *epoch*; a ``fault`` frame tells the peer
@@ -47,7 +52,6 @@ the engine thread through :meth:`Engine.call` (a command queue plus a wake-up so
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import selectors
 import socket
@@ -60,17 +64,18 @@ from typing import TYPE_CHECKING, Any
 
 from tensorferry import envs
 from tensorferry.errors import (
-    MismatchError,
     PeerLostError,
     TensorFerryError,
     TransferTimeoutError,
     TransportError,
 )
 from tensorferry.p2p import _link, _trace
-from tensorferry.p2p._engine_faults import PairFaults, mirrored
+from tensorferry.p2p._engine_agreement import HeaderAgreement
+from tensorferry.p2p._engine_faults import PairFaults
+from tensorferry.p2p._engine_links import PeerLinks
 from tensorferry.p2p._engine_short import ShortWay
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
-from tensorferry.p2p._spec import Descriptor, compare, descriptor_from_text, descriptor_text
+from tensorferry.p2p._spec import descriptor_text
 from tensorferry.runtime._daemon_threads import DaemonThreads
 from tensorferry.runtime._events import is_done
 from tensorferry.runtime._spin import spin_window_s
@@ -86,16 +91,6 @@ log = logging.getLogger(__name__)
 # A header frame (see _send_header): epoch, "s"/"r", sequence number, descriptor text, static
 # ("true"/"false"), transport.
 _HEADER = '{"k":"h","e":%d,"c":"%s","q":%d,"d":"%s","st":%s,"t":"%s"}'
-
-_ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
-
-
-def _error_of(frame: dict, what: str) -> BaseException:
-    """The error a fault (or fault acknowledgement) frame carries, as the peer raised it."""
-    cls = _ERRORS.get(frame.get("err", ""), TransportError)
-    text = f"{what}: {frame.get('msg', '')}"
-    return MismatchError(text, field=frame.get("field")) if cls is MismatchError else cls(text)
-
 
 # A transfer issued ahead of the peer's header, polled for completion, runs an engine step to
 # read the peer's frames unless one ended this recently (seconds): polling many transfers in
@@ -132,12 +127,7 @@ _HELPERS_EXIT_S = 6.0
 _DRIVEN_RECHECK_S = 0.005
 
 
-def _frame_text(frame: dict) -> str:
-    """A side-channel frame for the flight recorder (``_trace``): its kind and numbers."""
-    return ",".join(f"{k}={v}" for k, v in frame.items() if k not in ("m", "d", "t"))
-
-
-class Engine(PairFaults, ShortWay):
+class Engine(PeerLinks, HeaderAgreement, PairFaults, ShortWay):
     """The p2p issuing thread of one process. Made by ``tf.init``, stopped by ``tf.shutdown``."""
 
     def __init__(self, ctx: P2PContext) -> None:
@@ -406,179 +396,6 @@ class Engine(PairFaults, ShortWay):
             if mask & selectors.EVENT_READ:
                 self._read_link(link)
 
-    def _read_link(self, link: _link.Link) -> int:
-        """Handles the frames that came on ``link``; returns their count, or -1 when the link
-        was lost."""
-        frames = link.receive()
-        if frames is None:
-            self._on_link_lost(link)
-            return -1
-        for frame in frames:
-            self._on_frame(link, frame)
-        return len(frames)
-
-    def _update_interest(self, link: _link.Link) -> None:
-        if link.closed:
-            return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.wants_write else 0)
-        if events != link.interest:  # unchanged after most flushes: skip the selector's work
-            self._selector.modify(link, events, link)
-            link.interest = events
-
-    # ------------------------------------------------------------------ peers and links
-    def _peer(self, rank: int) -> PeerState:
-        peer = self._peers.get(rank)
-        if peer is None:
-            peer = self._peers[rank] = PeerState(rank)
-        return peer
-
-    def _send_frame(self, peer: PeerState, frame: dict | bytes, *, batch: bool = False) -> None:
-        """Sends ``frame`` now, or with ``batch`` at the next :meth:`_flush_links` (headers:
-        those of one engine step leave in one write). Fault and reset notices go at once: the
-        peer must see them before anything the caller does after its transfer failed."""
-        if _trace.ON and isinstance(frame, dict):
-            _trace.record("frame out", peer.rank, _frame_text(frame))
-        if peer.link is None:
-            peer.outbox.append(frame)
-            self._ensure_link(peer)
-            return
-        peer.link.queue(frame)
-        self._unflushed.add(peer.link)
-        if not batch:
-            self._flush_links()
-
-    def _flush_links(self) -> None:
-        """Writes the frames queued since the last flush: one system call per link for all the
-        headers of a batch, rather than one per header."""
-        links, self._unflushed = self._unflushed, set()
-        for link in links:
-            if link.closed:
-                continue
-            try:
-                link.flush()
-            except OSError:
-                self._on_link_lost(link)
-                continue
-            self._update_interest(link)
-
-    def _ensure_link(self, peer: PeerState) -> None:
-        # The lower rank connects; the higher rank waits for the hello.
-        if peer.link is not None or peer.connecting or peer.lost or self.rank > peer.rank:
-            return
-        peer.connecting = True
-        rank = peer.rank
-
-        def connect() -> None:
-            log.debug("p2p: connecting to rank %d", rank)
-            try:
-                sock = _link.connect(
-                    self.ctx.peer_address(rank), my_rank=self.rank, timeout=self.ctx.timeout_s
-                )
-            except Exception as exc:
-                err = PeerLostError(f"could not reach rank {rank}'s p2p side channel: {exc}")
-                self.call(lambda: self._on_connect_failed(rank, err))
-                return
-            self.call(lambda: self._attach(rank, _link.Link(sock, rank)))
-
-        self._helpers.submit(connect)
-
-    def _on_connect_failed(self, rank: int, err: BaseException) -> None:
-        peer = self._peer(rank)
-        peer.connecting = False
-        self._lose_peer(peer, err)
-
-    def _attach(self, rank: int, link: _link.Link) -> None:
-        peer = self._peer(rank)
-        peer.connecting = False
-        if peer.link is not None or peer.lost is not None:
-            link.close()
-            return
-        peer.link = link
-        link.peer = rank
-        if link.fileno() not in self._selector.get_map():
-            self._selector.register(link, selectors.EVENT_READ, link)
-        outbox, peer.outbox = peer.outbox, []
-        for frame in outbox:
-            self._send_frame(peer, frame)
-
-    def _on_link_lost(self, link: _link.Link) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(link)
-        link.close()
-        if link.peer is None:
-            return
-        peer = self._peer(link.peer)
-        if peer.link is not link:
-            return
-        peer.link = None
-        if peer.said_bye:
-            err = PeerLostError(f"rank {peer.rank} shut down its p2p layer")
-        else:
-            err = PeerLostError(f"rank {peer.rank} is gone (its side channel closed)")
-        self._lose_peer(peer, err, clean=peer.said_bye)
-
-    def _lose_peer(self, peer: PeerState, err: BaseException, *, clean: bool = False) -> None:
-        if peer.lost is not None:
-            return
-        peer.lost = err
-        if peer.reset_waiter is not None:
-            peer.reset_waiter.set_exception(PeerLostError(str(err)))
-            peer.reset_waiter = None
-        log.log(logging.INFO if clean else logging.WARNING, "p2p: %s", err)
-        # After a clean goodbye, transfers already issued may still complete (the peer's side
-        # of them was done when it left); they end on their own, or at their deadline. Its
-        # communicators are closed at our shutdown. After a crash everything with it fails now.
-        if not clean:  # first, so that callers who see the error find the caches clean
-            self._evict_transports(peer, abort=True, reason=str(err))
-        doomed = self._units if clean else self._all_units()
-        for unit in [u for u in doomed if peer.rank in u.peers]:
-            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
-
-    # ------------------------------------------------------------------ frames
-    def _on_frame(self, link: _link.Link, frame: dict) -> None:
-        kind = frame.get("k")
-        if kind == "hello" or "hello" in frame:
-            self._attach(int(frame["hello"]), link)
-            return
-        if link.peer is None:
-            return
-        peer = self._peer(link.peer)
-        if kind == "bye":
-            peer.said_bye = True
-            return
-        epoch = int(frame["e"])
-        if _trace.ON:
-            _trace.record("frame in", peer.rank, _frame_text(frame), "our epoch", peer.epoch)
-        if epoch > peer.epoch:
-            peer.future_frames.append(frame)  # the peer reset the pair before we did
-            return
-        if epoch < peer.epoch:
-            if kind == "f" and peer.frozen == epoch:  # the peer's fault crossed ours
-                self._on_crossed_fault(peer, frame, _error_of(frame, f"rank {peer.rank} failed it"))
-            return  # else stale: from before a fault both sides have left
-        if kind == "h":
-            # The peer's role on ITS channel: "s" = it sends to us → our "recv" channel.
-            channel = peer.channels["recv" if frame["c"] == "s" else "send"]
-            if int(frame["q"]) >= channel.first_seq:
-                channel.peer_headers[int(frame["q"])] = frame
-        elif kind == "f":
-            self._on_fault_frame(peer, frame)
-        elif kind == "fa":
-            self._on_fault_ack(peer, frame, _error_of(frame, f"rank {peer.rank} failed it too"))
-        elif kind == "rs":
-            peer.peer_reset_epoch = epoch
-            self._maybe_reset(peer)
-
-    def _on_fault_frame(self, peer: PeerState, frame: dict) -> None:
-        err = _error_of(frame, f"rank {peer.rank} abandoned the transfer")
-        self._fault_pair(
-            peer,
-            err,
-            notify=False,
-            numbered=mirrored(frame["all"]),
-            finished_there=mirrored(frame.get("done", {"send": 0, "recv": 0})),
-        )
-
     # ------------------------------------------------------------------ submission
     def _accept(self, unit: Unit) -> None:
         if self._stopping:
@@ -687,21 +504,6 @@ class Engine(PairFaults, ShortWay):
         if now:
             self._flush_links()
 
-    def _write_now(self, link: _link.Link | None, frame: bytes) -> bool:
-        """Writes ``frame`` on ``link`` in one go when nothing else is queued to go with it (the
-        short way's lone header: a few microseconds less than the batching around a flush).
-        Returns false, having done nothing, when that is not so."""
-        if link is None or link.closed or self._unflushed:
-            return False
-        try:
-            link.write(frame)
-        except OSError:
-            self._on_link_lost(link)
-            return True
-        if link.wants_write:  # the rest goes when the socket takes it
-            self._update_interest(link)
-        return True
-
     def _ensure_prepared(self, peer: PeerState, transport: str, kind: str) -> None:
         key = (transport, kind)
         if peer.prepared.get(key) is not None:
@@ -762,164 +564,6 @@ class Engine(PairFaults, ShortWay):
                 self._issue_parts(unit)
             elif self._issuable(unit):
                 self._issue(unit)
-
-    def _resolve(self, peer: PeerState, kind: str) -> None:
-        channel: ChannelState = peer.channels[kind]
-        while channel.waiting and not channel.held:
-            message: Message = channel.waiting[0]
-            if message.header is None:  # only where static agreements skip headers
-                if channel.static_desc is not None:
-                    message.header = False
-                else:
-                    message.header = True
-                    self._send_header(peer, message)
-            if message.header:
-                frame = channel.peer_headers.pop(message.seq, None)
-                if frame is not None:
-                    self._agree(peer, channel, message, frame)
-                elif self._may_speculate(channel, message):
-                    self._speculate(peer, channel, message)
-                else:
-                    return
-            else:
-                self._check_static(peer, channel, message)
-            if peer.channels[kind] is not channel:
-                return  # a fault moved the pair to a new epoch meanwhile
-            if channel.waiting and channel.waiting[0] is message:
-                channel.waiting.popleft()
-                if message.static:
-                    channel.static_candidates -= 1
-
-    def _may_speculate(self, channel: ChannelState, message: Message) -> bool:
-        return (
-            message.static
-            and channel.static_desc is not None
-            and self.ctx.transport(message.transport).static_speculates
-        )
-
-    def _speculate(self, peer: PeerState, channel: ChannelState, message: Message) -> None:
-        """Resolves a message of an agreed static channel before the peer's header arrived (see
-        ``Transport.static_speculates``): checked against the agreement now (a change faults the
-        pair before anything moves), issued without waiting, and done only once the peer's
-        header confirmed it (:meth:`_confirm`)."""
-        self._check_static(peer, channel, message)
-        if peer.channels[message.op.kind] is channel:  # no fault: it kept the promise
-            message.confirmed = False
-            channel.unconfirmed[message.seq] = message
-
-    def _confirm(self, peer: PeerState, kind: str) -> None:
-        """Checks the peer's headers of messages issued before they arrived."""
-        channel: ChannelState = peer.channels[kind]
-        for seq in [q for q in channel.unconfirmed if q in channel.peer_headers]:
-            message = channel.unconfirmed.pop(seq)
-            try:
-                self._compare_header(peer, message, channel.peer_headers.pop(seq))
-            except MismatchError as exc:
-                # The peer broke the promise: our side is issued, so only a pair fault (which
-                # aborts the communicator) ends it: ours, or the sender's (_static_broken).
-                err = MismatchError(f"static channel changed: {exc}", field=exc.field)
-                self._static_broken(peer, channel, message, err)
-                return
-            message.confirmed = True
-
-    def _compare_header(self, peer: PeerState, message: Message, frame: dict) -> None:
-        """Raises :class:`MismatchError` naming the first field where ``message`` and the peer's
-        header ``frame`` for it differ (both sides compare the same pair, so both raise it)."""
-        ours = message.desc
-        if frame["t"] == message.transport and frame["d"] == descriptor_text(ours):
-            return  # the common case: one string comparison
-        theirs: Descriptor = descriptor_from_text(frame["d"])
-        send_desc, recv_desc = (ours, theirs) if message.op.kind == "send" else (theirs, ours)
-        src, dst = (self.rank, peer.rank) if message.op.kind == "send" else (peer.rank, self.rank)
-        if frame["t"] != message.transport:
-            raise MismatchError(
-                f"rank {src} -> rank {dst}: transports differ: rank {self.rank} uses "
-                f"{message.transport!r}, rank {peer.rank} uses {frame['t']!r}",
-                field="transport",
-            )
-        compare(send_desc, recv_desc, src=src, dst=dst)
-
-    def _agree(self, peer: PeerState, channel: ChannelState, message: Message, frame: dict) -> None:
-        message.resolved = True
-        try:
-            self._compare_header(peer, message, frame)
-        except MismatchError as exc:
-            if channel.static_desc is not None and frame.get("st") and self._speculates(frame):
-                # The peer may have issued its side ahead: not a lone mismatch.
-                err = MismatchError(f"static channel changed: {exc}", field=exc.field)
-                self._static_broken(peer, channel, message, err)
-                return
-            unit = self._unit_of(message)
-            if unit is not None:
-                unit.symmetric_error_peers.add(peer.rank)
-                self._fail_unit(unit, exc, cascade=True, skip_peer=None)
-            self._retire(channel, message.seq)
-            return
-        transport = self.ctx.transport(message.transport)
-        if (
-            message.static
-            and frame["st"]
-            and channel.static_desc is None
-            and (transport.static_skips_headers or transport.static_speculates)
-        ):
-            channel.static_desc = message.desc
-            channel.static_transport = message.transport
-
-    def _check_static(self, peer: PeerState, channel: ChannelState, message: Message) -> None:
-        message.resolved = True
-        agreed = channel.static_desc
-        assert agreed is not None
-        src, dst = (self.rank, peer.rank) if message.op.kind == "send" else (peer.rank, self.rank)
-        try:
-            if message.transport != channel.static_transport:
-                raise MismatchError(
-                    f"rank {src} -> rank {dst}: transport changed on a static channel",
-                    field="transport",
-                )
-            compare(
-                agreed,
-                message.desc,
-                src=src,
-                dst=dst,
-                names=("the channel's agreed layout", f"this {message.op.kind}"),
-            )
-        except MismatchError as exc:
-            err = MismatchError(
-                f"static channel changed: {exc} (once agreed, a channel keeps its layout for "
-                "every later message, static=False ones included: pass static=True only for a "
-                "layout that never changes between these two ranks)",
-                field=exc.field,
-            )
-            channel.waiting.popleft()
-            if message.static:
-                channel.static_candidates -= 1
-            if self.ctx.transport(message.transport).static_speculates:
-                self._static_broken(peer, channel, message, err)
-            else:  # no headers go out on this channel: the peer learns only from our fault
-                self._fault_pair(peer, err, notify=True)
-
-    def _speculates(self, frame: dict) -> bool:
-        try:
-            return bool(self.ctx.transport(frame["t"]).static_speculates)
-        except Exception:  # a transport this rank does not have: it issues nothing ahead here
-            return False
-
-    def _static_broken(
-        self, peer: PeerState, channel: ChannelState, message: Message, err: BaseException
-    ) -> None:
-        """A broken static promise on a channel whose messages may be issued ahead of the peer's
-        header. Its SENDER faults the pair; the receiver fails its message and holds the channel
-        until that fault arrives. Were both to fault at once, each would see the other's notice
-        as stale and their counts would never meet; were the receiver to go on, its next receive
-        could take the sender's message already in flight."""
-        if message.op.kind == "send":
-            self._fault_pair(peer, err, notify=True)
-            return
-        channel.held = True
-        unit = self._unit_of(message)
-        if unit is not None and unit.state == "waiting":
-            self._fail_unit(unit, err, cascade=True, skip_peer=peer.rank)
-        # An issued one (received ahead) ends with the sender's fault, which aborts the pair.
 
     def _issuable(self, unit: Unit) -> bool:
         return self._after_allows(unit) and self._may_go(unit.messages)

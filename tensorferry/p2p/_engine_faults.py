@@ -30,7 +30,7 @@ def mirrored(counts: dict) -> dict[str, int]:
 
 
 def _error_fields(err: BaseException) -> dict:
-    """How a fault frame carries ``err`` to the peer (``_engine._error_of`` reads it)."""
+    """How a fault frame carries ``err`` to the peer (``_engine_links._error_of`` reads it)."""
     return {"err": type(err).__name__, "field": getattr(err, "field", None), "msg": str(err)}
 
 
