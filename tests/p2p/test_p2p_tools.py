@@ -368,6 +368,51 @@ def test_header_frames_are_json_the_peer_reads_back():
     assert err.value.field == "shape"
 
 
+@pytest.mark.parametrize("queued_before", [False, True])
+def test_a_header_written_at_once_never_overtakes_frames_queued_before_it(queued_before):
+    """The short way writes its header at once (``now=True``); a frame queued earlier on the
+    link, not yet flushed, must still reach the peer first."""
+    import json
+    import selectors
+    import socket
+    from types import SimpleNamespace
+
+    from tensorferry.p2p._engine import Engine
+    from tensorferry.p2p._link import Link
+    from tensorferry.p2p._spec import describe
+
+    server = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(server.getsockname())
+    theirs, _ = server.accept()
+    server.close()
+    link, peer_end = Link(ours, peer=1), Link(theirs, peer=0)
+    engine = object.__new__(Engine)
+    engine._unflushed = set()
+    engine._selector = selectors.DefaultSelector()
+    engine._selector.register(link, selectors.EVENT_READ, link)
+    peer = SimpleNamespace(rank=1, link=link, outbox=[])
+    if queued_before:
+        engine._send_frame(peer, {"k": "f", "e": 0, "msg": "queued first"}, batch=True)
+    message = SimpleNamespace(
+        epoch=0, seq=5, desc=describe([torch.zeros(3)]), static=True, transport="nccl",
+        header_sent=False, op=SimpleNamespace(kind="send"),
+    )  # fmt: skip
+    engine._send_header(peer, message, now=True)
+    assert not engine._unflushed and not link.wants_write  # all of it went, nothing waits
+    frames = []
+    for _ in range(100):
+        frames += peer_end.receive()
+        if len(frames) == 1 + queued_before:
+            break
+    kinds = [frame["k"] for frame in frames]
+    assert kinds == (["f", "h"] if queued_before else ["h"])
+    assert frames[-1]["q"] == 5 and message.header_sent
+    assert json.loads(json.dumps(frames[-1]))["d"] == "float32:3"
+    engine._selector.close()
+    link.close()
+    peer_end.close()
+
+
 def test_nccl_speculation_is_on_unless_turned_off(monkeypatch):
     from tensorferry import envs
     from tensorferry.p2p._nccl import NcclTransport
