@@ -572,7 +572,7 @@ class ActorHandle:
 def _unpicklable(call: str, args: tuple, kwargs: dict, error: Exception) -> TypeError:
     """The error for a call whose arguments failed to pickle on their way to an actor's process,
     naming the first argument that does not pickle alone."""
-    from tensorferry.graph._channel import first_unpicklable, named_arguments
+    from tensorferry.graph._sendable import first_unpicklable, named_arguments
 
     culprit = first_unpicklable(named_arguments(args, kwargs.items()))
     if culprit is None:

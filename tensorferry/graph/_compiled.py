@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tensorferry import envs
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError, GraphCompileError, TransferTimeoutError
-from tensorferry.graph._channel import GraphStopped, RemoteError, check_sendable
+from tensorferry.graph._channel import GraphStopped, RemoteError
 from tensorferry.graph._dag import ClassMethodNode, DAGNode, MultiOutputNode
 from tensorferry.graph._lower import lower
 from tensorferry.graph._plan import DRIVER, GraphSpec, Schedules
 from tensorferry.graph._schedule import build_schedules
+from tensorferry.graph._sendable import check_sendable
 
 if TYPE_CHECKING:
     from tensorferry.graph._actor import ActorHandle

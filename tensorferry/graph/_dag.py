@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tensorferry.graph._channel import named_arguments
 from tensorferry.graph._plan import TRANSPORTS
+from tensorferry.graph._sendable import named_arguments
 
 if TYPE_CHECKING:
     from tensorferry.graph._actor import ActorHandle

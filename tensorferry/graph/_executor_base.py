@@ -13,8 +13,9 @@ import time
 from typing import Any
 
 from tensorferry.errors import ActorDiedError
-from tensorferry.graph._channel import PeerDied, first_unpicklable, named_arguments
+from tensorferry.graph._channel import PeerDied
 from tensorferry.graph._plan import GraphSpec, Schedules
+from tensorferry.graph._sendable import first_unpicklable, named_arguments
 
 __all__ = ["ExecutorBase", "unpicklable_constant"]
 

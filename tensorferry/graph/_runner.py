@@ -37,11 +37,10 @@ from tensorferry.graph._channel import (
     GraphStopped,
     PeerDied,
     RemoteError,
-    check_sendable,
-    tensor_layout,
 )
 from tensorferry.graph._methods import actor_method
 from tensorferry.graph._plan import DRIVER, ArgRef, EdgeSpec, GraphSpec, Operation, OpKind
+from tensorferry.graph._sendable import check_sendable, tensor_layout
 
 __all__ = ["ActorRunPlan", "Endpoints", "ScheduleRunner", "ShmEndpoints", "ProfileRecord"]
 
