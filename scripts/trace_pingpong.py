@@ -95,9 +95,9 @@ def worker(rank, world, cfg):
 
         _completion._LINGER_S = 0.0
     if cfg.get("watch_delay_ms") is not None:  # when the completion pool first polls a transfer
-        from tensorferry.p2p import _engine
+        from tensorferry.p2p import _engine_issue
 
-        _engine.spin_window_s = lambda: cfg["watch_delay_ms"] / 1e3
+        _engine_issue.spin_window_s = lambda: cfg["watch_delay_ms"] / 1e3
     if cfg.get("dump_after"):
         import faulthandler
         import sys

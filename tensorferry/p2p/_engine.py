@@ -17,8 +17,8 @@ the caller's thread, without the generic step around them (:mod:`._engine_short`
 
 The engine's parts live in mixins, one idea each, all on the one state below: the side
 channels and their frames (:mod:`._engine_links`), step 2 (:mod:`._engine_agreement`), pair
-faults (:mod:`._engine_faults`) and the short way; this module keeps the loop, submission,
-issuing and completion.
+faults (:mod:`._engine_faults`), step 3 and completion (:mod:`._engine_issue`) and the short
+way; this module keeps the loop, the calls from other threads, submission and teardown.
 
 Faults. A *pair fault* (deadline passed, transport error, static agreement broken, a unit
 failed half-way) fails every unfinished unit with that peer, aborts and evicts the pair's
@@ -66,19 +66,17 @@ from tensorferry import envs
 from tensorferry.errors import (
     PeerLostError,
     TensorFerryError,
-    TransferTimeoutError,
     TransportError,
 )
 from tensorferry.p2p import _link, _trace
 from tensorferry.p2p._engine_agreement import HeaderAgreement
 from tensorferry.p2p._engine_faults import PairFaults
+from tensorferry.p2p._engine_issue import Issuing
 from tensorferry.p2p._engine_links import PeerLinks
 from tensorferry.p2p._engine_short import ShortWay
-from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
+from tensorferry.p2p._engine_state import Message, PeerState, Unit
 from tensorferry.p2p._spec import descriptor_text
 from tensorferry.runtime._daemon_threads import DaemonThreads
-from tensorferry.runtime._events import is_done
-from tensorferry.runtime._spin import spin_window_s
 from tensorferry.runtime._wakeup import write_wakeup
 
 if TYPE_CHECKING:
@@ -91,11 +89,6 @@ log = logging.getLogger(__name__)
 # A header frame (see _send_header): epoch, "s"/"r", sequence number, descriptor text, static
 # ("true"/"false"), transport.
 _HEADER = '{"k":"h","e":%d,"c":"%s","q":%d,"d":"%s","st":%s,"t":"%s"}'
-
-# A transfer issued ahead of the peer's header, polled for completion, runs an engine step to
-# read the peer's frames unless one ended this recently (seconds): polling many transfers in
-# a row would otherwise run a step for each, and with them every frame read once is enough.
-_RESTEP_S = 20e-6
 
 
 def _unreachable(error: BaseException) -> bool:
@@ -127,7 +120,7 @@ _HELPERS_EXIT_S = 6.0
 _DRIVEN_RECHECK_S = 0.005
 
 
-class Engine(PeerLinks, HeaderAgreement, PairFaults, ShortWay):
+class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
     """The p2p issuing thread of one process. Made by ``tf.init``, stopped by ``tf.shutdown``."""
 
     def __init__(self, ctx: P2PContext) -> None:
@@ -564,197 +557,6 @@ class Engine(PeerLinks, HeaderAgreement, PairFaults, ShortWay):
                 self._issue_parts(unit)
             elif self._issuable(unit):
                 self._issue(unit)
-
-    def _issuable(self, unit: Unit) -> bool:
-        return self._after_allows(unit) and self._may_go(unit.messages)
-
-    def _after_allows(self, unit: Unit) -> bool:
-        """Whether the unit ``unit`` waits for (a ring's previous step) lets it go; fails
-        ``unit`` when that one failed."""
-        before = unit.after
-        if before is None:
-            return True
-        if before.state == "failed":
-            err = before.error or TransportError("an earlier step failed")
-            self._fail_unit(unit, err, cascade=True, skip_peer=None)
-            return False
-        return before.state == "done" or (unit.after_issued_is_enough and before.state == "issued")
-
-    def _may_go(self, messages: list[Message]) -> bool:
-        """Whether ``messages`` (a unit's, or its part with one peer) are agreed, their
-        transports prepared, and everything before them on their channels issued."""
-        first_seq: dict[tuple[int, str], int] = {}
-        for message in messages:
-            peer = self._peers[message.op.peer]
-            prepared = peer.prepared.get((message.transport, message.op.kind))
-            if not message.resolved or prepared != "done":
-                return False
-            key = (message.op.peer, message.op.kind)
-            first_seq[key] = min(first_seq.get(key, message.seq), message.seq)
-        # A unit's messages on one channel are numbered consecutively: they may go once the
-        # channel issued everything before the first of them.
-        return all(
-            self._peers[peer].channels[kind].issue_next == seq
-            for (peer, kind), seq in first_seq.items()
-        )
-
-    def _issue(self, unit: Unit) -> None:
-        self._units.remove(unit)
-        for message in unit.messages:
-            self._retire(self._peers[message.op.peer].channels[message.op.kind], message.seq)
-        self._start(unit)
-
-    def _goes_per_peer(self, unit: Unit) -> bool:
-        """Whether ``unit`` is issued peer by peer (see ``Transport.issues_per_peer``)."""
-        return (
-            len(unit.messages) > 1  # a lone message (the commonest unit) never is
-            and len(unit.peers) > 1
-            and all(self.ctx.transport(m.transport).issues_per_peer for m in unit.messages)
-        )
-
-    def _issue_parts(self, unit: Unit) -> None:
-        """Issues each peer's part of ``unit`` that may go (see ``Transport.issues_per_peer``),
-        and once every part went, hands the unit's completion to the completion pool."""
-        if not self._after_allows(unit):
-            return
-        went = set(unit.issued_peers or ())
-        for rank in sorted(unit.peers - went):
-            part = [m for m in unit.messages if m.op.peer == rank]
-            if not self._may_go(part):
-                continue
-            for message in part:
-                self._retire(self._peers[rank].channels[message.op.kind], message.seq)
-            went.add(rank)
-            unit.issued_peers = frozenset(went)
-            if log.isEnabledFor(logging.DEBUG):
-                what = unit.transfer.description
-                log.debug("p2p: issuing the part with rank %d of %s", rank, what)
-            try:
-                self.ctx.issue_on_host(unit, part)
-            except BaseException as exc:
-                err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
-                self._fail_unit(unit, err, cascade=True, skip_peer=None)
-                return
-        if len(went) == len(unit.peers):
-            self._units.remove(unit)
-            self._start(unit, started=True)
-
-    def _start(self, unit: Unit, *, started: bool = False) -> None:
-        """Issues ``unit`` (its messages numbered, agreed and retired; with ``started``, issued
-        already, peer by peer) and hands its completion to the completion pool."""
-        if log.isEnabledFor(logging.DEBUG) and not started:
-            log.debug("p2p: issuing %s", unit.transfer.description)
-        unit.state = "issued"
-        self._issued.add(unit)
-        if _trace.ON:
-            _trace.record("issued", None, unit.trace_text())
-        try:
-            # The transports' start(), on the p2p streams; host transports have no event.
-            done_event = None if started else self.ctx.issue(unit)
-        except BaseException as exc:
-            err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
-            self._fail_unit(unit, err, cascade=True, skip_peer=None)
-            return
-        pending = list(unit.pending)
-
-        messages = unit.messages
-
-        def confirmed() -> bool:
-            if all(m.confirmed for m in messages):
-                return True
-            # Issued ahead of the peer's header (see _speculate): whoever polls reads the
-            # peer's frames (a caller waiting, the completion pool), so the engine thread need
-            # not be woken for them. One step reads them for every transfer in flight: those
-            # polled right after it (a sweep of many) do not take another.
-            if time.monotonic() - self._stepped_at > _RESTEP_S:
-                self.drive()
-            return all(m.confirmed for m in messages)
-
-        def ready() -> bool:
-            # Confirmation first: until the peer's header agreed with a message issued ahead of
-            # it, a transport error may just be the pair fault on its way, and that fault's
-            # error (a MismatchError, say) is the one to report.
-            return (
-                confirmed()
-                and all(p.ready() for p in pending)
-                and (done_event is None or is_done(done_event))
-            )
-
-        completions = self.ctx.completions
-        # On the pool's poller thread: _on_completed is quick and hands user callbacks to a
-        # worker. The deadline's timeout is reworded there, naming the unit.
-        handle = completions.call_when(
-            ready,
-            lambda exc: self._on_completed(unit, exc),
-            deadline=unit.deadline,
-            # A caller waiting on the transfer usually sees it finish within its polling window
-            # and completes it itself: the pool's thread stays out of its way until then.
-            delay=spin_window_s(),
-        )
-        unit.ready, unit.settle = ready, lambda: self._settle_seen(unit, handle)
-        unit.transfer._mark_issued(
-            done_event, ready, unit.settle, expedite=lambda: completions.expedite(handle)
-        )
-
-    def _settle_seen(self, unit: Unit, handle: Any) -> None:
-        # On the thread that waited and saw the work finish (Transfer._settled): complete the
-        # transfer there, so no other thread has to wake up (and take the GIL) for it later.
-        if self.ctx.completions.discard(handle):
-            self._succeed(unit)
-
-    def _on_completed(self, unit: Unit, exc: BaseException | None) -> None:
-        # On the completion pool's poller thread: quick, and no user code here.
-        if exc is None:
-            self._succeed(unit)
-            return
-        if isinstance(exc, TransferTimeoutError):
-            exc = TransferTimeoutError(
-                f"{unit.transfer.description}: timed out (peer never completed its side)"
-            )
-        elif not isinstance(exc, TensorFerryError):
-            exc = TransportError(f"{unit.transfer.description}: {exc}")
-        self.call(lambda: self._fail_unit(unit, exc, cascade=True, skip_peer=None))
-
-    def _succeed(self, unit: Unit) -> None:
-        # Any thread, no engine hop (a wake-up per transfer): the engine drops done units from
-        # its issued set itself (_progress).
-        unit.state = "done"
-        if _trace.ON:
-            _trace.record("done", None, unit.trace_text())
-        if not unit.transfer._finish_if_no_callbacks():
-            self._finish(unit, None)  # user callbacks: on a completion-pool worker
-        if unit.awaited:
-            self._wake()  # a unit waits for this one (a ring's next step): issue it now
-
-    def _retire(self, channel: ChannelState, seq: int) -> None:
-        channel.retired.add(seq)
-        while channel.issue_next in channel.retired:
-            channel.retired.discard(channel.issue_next)
-            channel.issue_next += 1
-
-    def _expire(self, now: float) -> None:
-        for unit in [u for u in self._units if u.deadline <= now]:
-            if _trace.ON:
-                self._trace_waiting(unit)
-            err = TransferTimeoutError(
-                f"{unit.transfer.description}: timed out waiting for the peer "
-                f"(no matching call within the transfer timeout)"
-            )
-            self._fail_unit(unit, err, cascade=True, skip_peer=None)
-
-    def _trace_waiting(self, unit: Unit) -> None:
-        """Records what ``unit``'s messages still wait for, as it times out."""
-        for m in unit.messages:
-            peer = self._peer(m.op.peer)
-            channel = peer.channels[m.op.kind]
-            _trace.record(
-                "timing out",
-                peer.rank,
-                f"{m.op.kind}/{m.seq}@{m.epoch} (pair in epoch {peer.epoch}, frozen {peer.frozen})",
-                f"channel head {channel.waiting[0].seq if channel.waiting else None}",
-                f"held {channel.held}, peer headers {sorted(channel.peer_headers)}",
-                f"prepared {peer.prepared}, debts {dict(peer.debts)}, link {peer.link is not None}",
-            )
 
     # ------------------------------------------------------------------ commands
     def reset_pair(self, rank: int) -> Future:

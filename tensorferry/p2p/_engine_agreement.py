@@ -3,8 +3,8 @@ agreed and kept, messages of agreed channels issued ahead of the peer's header a
 when it comes.
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
-(``_peers``, ``ctx``, ``rank``) and its steps (``_send_header``, ``_retire``, ``_unit_of``,
-``_fail_unit``, ``_fault_pair``), and runs under the engine's lock.
+(``ctx``, ``rank``) and steps of the engine and its other parts (``_send_header``,
+``_retire``, ``_unit_of``, ``_fail_unit``, ``_fault_pair``), and runs under the engine's lock.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 what a lost link means (see :mod:`._link` for the framing).
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
-(``_peers``, ``_selector``, ``_unflushed``, ``_helpers``, ``ctx``, ``rank``) and its steps
-(``call``, ``_fail_unit``, ``_all_units``, ``_units``, ``_evict_transports``), the fault
-handling of :class:`._engine_faults.PairFaults` (``_fault_pair``, ``_on_fault_ack``,
-``_on_crossed_fault``, ``_maybe_reset``), and runs under the engine's lock.
+(``_peers``, ``_units``, ``_selector``, ``_unflushed``, ``_helpers``, ``ctx``, ``rank``) and
+steps of the engine and its other parts (``call``, ``_maybe_reset``; from
+:class:`._engine_faults.PairFaults`: ``_fault_pair``, ``_fail_unit``, ``_all_units``,
+``_on_fault_ack``, ``_on_crossed_fault``, ``_evict_transports``), and runs under the engine's
+lock.
 """
 
 from __future__ import annotations
