@@ -50,12 +50,12 @@ def _timed(label, inner):
 
 
 def _install() -> None:
-    from tensorferry.graph import _channel, _gpu
+    from tensorferry.graph import _channel, _gpu, _gpu_host
 
     for name in ("read", "compute", "write", "_send", "_to_host", "_snapshot", "settle"):
         setattr(_gpu.GpuOps, name, _timed(name, getattr(_gpu.GpuOps, name)))
-    _gpu._HostWrites.submit = _timed("host submit", _gpu._HostWrites.submit)
-    _gpu._HostWrites.pump = _timed("host pump", _gpu._HostWrites.pump)
+    _gpu_host.HostWrites.submit = _timed("host submit", _gpu_host.HostWrites.submit)
+    _gpu_host.HostWrites.pump = _timed("host pump", _gpu_host.HostWrites.pump)
     _channel.Channel.write = _timed("channel write", _channel.Channel.write)
     _channel.Channel.read = _timed("channel read (with its wait)", _channel.Channel.read)
 

@@ -21,10 +21,11 @@ driver is first copied into pinned memory on the ``device_to_host`` stream, so n
 waits for that copy. The actor's own thread writes the channel, never a helper thread: handing a
 value to another thread costs a wake-up and a turn at the GIL (tens to hundreds of microseconds,
 more while this thread spin-waits) on the critical path of every execution. When the event has
-already fired the write happens at once; otherwise the value waits in :class:`_HostWrites` and the
-thread writes it from its next wait (for an input, a receive, room in a channel), so it never
-blocks on the GPU for it. With channels that cannot be polled (the Ray executor's TCP channels)
-a writer thread (:class:`_HostWriter`) does it instead.
+already fired the write happens at once; otherwise the value waits in
+:class:`._gpu_host.HostWrites` and the thread writes it from its next wait (for an input, a
+receive, room in a channel), so it never blocks on the GPU for it. With channels that cannot be
+polled (the Ray executor's TCP channels) a writer thread (:class:`._gpu_host.HostWriter`) does
+it instead.
 
 An upstream error travels in the metadata in place of shapes; both ends then skip the NCCL
 operation, so their sequences of sends and receives stay matched.
@@ -32,14 +33,10 @@ operation, so their sequences of sends and receives stay matched.
 
 from __future__ import annotations
 
-import collections
 import io
 import logging
 import pickle
-import queue
-import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,11 +44,16 @@ import torch
 from tensorferry import envs
 from tensorferry.graph._channel import (
     Channel,
-    GraphStopped,
-    PeerDied,
     RemoteError,
     resolved,
     wait_until,
+)
+from tensorferry.graph._gpu_host import (
+    EVENT_PAUSE_S,
+    FOREVER,
+    HostWriter,
+    HostWrites,
+    PinnedResults,
 )
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
 
@@ -62,10 +64,6 @@ __all__ = ["GpuOps"]
 
 log = logging.getLogger(__name__)
 
-_FOREVER = 1e9
-# Longest sleep while GPU work is in flight (after the spin): its end is expected soon, and each
-# sleep adds its length to the latency of the result.
-_EVENT_PAUSE_S = 100e-6
 # Results for the driver up to this size are staged in pinned memory (the allocator caches those
 # blocks for good, so huge ones are copied by the plain blocking path instead).
 _PIN_MAX_BYTES = 256 << 20
@@ -74,13 +72,6 @@ _ANNOUNCED = "announced"
 # How long closing waits for the actor's GPU work before it aborts the links (teardown's own
 # limit is 10 s by default; the links' abort takes about half a second).
 _DRAIN_S = 2.0
-# Reused pinned result tensors: per shape and dtype, and how many shapes and dtypes.
-_PINNED_PER_LAYOUT = 4
-_PINNED_LAYOUTS = 16
-
-
-def _fired(event: torch.cuda.Event | None) -> bool:
-    return event is None or event.query()
 
 
 class _Arrived:
@@ -129,146 +120,6 @@ class _CudaUnpickler(pickle.Unpickler):
         return self._tensors[pid]
 
 
-class _HostWrites:
-    """Results for host channels that wait for their compute event; written by the actor's thread.
-
-    Only the actor's thread calls it (``submit`` and ``pump``), so a channel never has two writers
-    and no lock is needed. Values keep their order per channel; channels are independent, so a
-    full one (a same-GPU reader that is behind) holds back only its own values.
-    """
-
-    def __init__(self) -> None:
-        self._queues: dict[Any, collections.deque] = {}
-        self.pending = 0
-        """Values not written yet, over all channels."""
-
-    def submit(
-        self,
-        channel: Any,
-        value: Any,
-        event: torch.cuda.Event | None,
-        written: Callable[[Any], None] | None = None,
-    ) -> None:
-        """``written(value)`` is called once the channel holds its own copy of ``value``."""
-        held = self._queues.get(channel)
-        if not held and _fired(event) and channel.writable():
-            channel.write(value, timeout=_FOREVER)  # a free slot: does not wait
-            if written is not None:
-                written(value)
-            return
-        if held is None:
-            held = self._queues[channel] = collections.deque()
-        held.append((value, event, written))
-        self.pending += 1
-
-    def pump(self) -> None:
-        """Writes every value whose event fired and whose channel has room; never waits."""
-        if not self.pending:
-            return
-        for channel, held in self._queues.items():
-            while held:
-                value, event, written = held[0]
-                if not (_fired(event) and channel.writable()):
-                    break
-                held.popleft()
-                self.pending -= 1
-                channel.write(value, timeout=_FOREVER)
-                if written is not None:
-                    written(value)
-
-    def close(self) -> None:
-        self._queues.clear()
-        self.pending = 0
-
-
-class _HostWriter:
-    """Writes GPU results into channels that cannot be polled, once their event fired.
-
-    Same interface as :class:`_HostWrites`; ``pending`` stays 0 because the actor's thread has
-    nothing to pump.
-    """
-
-    pending = 0
-
-    def __init__(self, device: torch.device, control: Any) -> None:
-        self._device = device
-        self._control = control
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="tf-host-writer", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        torch.cuda.set_device(self._device)
-        try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                channel, value, event = item
-                if event is not None and not event.query():
-                    # No spin: this thread would take turns at the GIL with the actor's thread.
-                    wait_until(
-                        event.query,
-                        control=self._control,
-                        timeout=_FOREVER,
-                        what="result for a host channel",
-                        spin_s=0.0,
-                        max_pause_s=_EVENT_PAUSE_S,
-                    )
-                channel.write(value, timeout=_FOREVER)
-        except (GraphStopped, PeerDied):
-            return
-        except BaseException as exc:
-            self.failure = exc
-
-    def submit(
-        self,
-        channel: Any,
-        value: Any,
-        event: torch.cuda.Event | None,
-        written: Callable[[Any], None] | None = None,
-    ) -> None:
-        # ``written`` is ignored: these channels may keep the value after their write returns.
-        if self.failure is not None:
-            raise self.failure
-        self._queue.put((channel, value, event))
-
-    def pump(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=2.0)
-
-
-class _PinnedResults:
-    """Pinned host tensors for CUDA results going to the driver, reused once written.
-
-    A fresh pinned tensor per result (``torch.empty(pin_memory=True)``) cost the actor's thread
-    more than the copy it serves: torch's pinned allocator looks at the events of its cached
-    blocks on every request. A shared-memory channel copies a value into its slot when written,
-    so the tensor is free again right after; other channels may keep it, so they get fresh ones.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        free = self._free.get((shape, dtype))
-        if free:
-            return free.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-    def give_back(self, tensor: torch.Tensor) -> None:
-        layout = (tuple(tensor.shape), tensor.dtype)
-        if len(self._free) >= _PINNED_LAYOUTS and layout not in self._free:
-            self._free.clear()  # results of ever new shapes: keep only the recent ones
-        free = self._free.setdefault(layout, [])
-        if len(free) < _PINNED_PER_LAYOUT:
-            free.append(tensor)
-
-
 class GpuOps:
     """The GPU side of a :class:`ScheduleRunner` (see the module doc)."""
 
@@ -309,10 +160,10 @@ class GpuOps:
         pollable = all(hasattr(c, "readable") for c in runner.readers.values()) and all(
             hasattr(c, "writable") for c in runner.writers.values()
         )
-        self._host: _HostWrites | _HostWriter = (
-            _HostWrites() if pollable else _HostWriter(self.device, runner.control)
+        self._host: HostWrites | HostWriter = (
+            HostWrites() if pollable else HostWriter(self.device, runner.control)
         )
-        self._pinned = _PinnedResults()
+        self._pinned = PinnedResults()
         # Outgoing edges that announce sends (see announce), the execution each last announced,
         # and the zeros sent in place of a failed value after an announcement.
         self._announcing = self._announcing_edges()
@@ -364,10 +215,10 @@ class GpuOps:
         wait_until(
             lambda: not host.pending or ready(),
             control=self._control,
-            timeout=_FOREVER,
+            timeout=FOREVER,
             what=f"{self.runner.plan.actor}: {what}",
             idle=host.pump,
-            max_pause_s=_EVENT_PAUSE_S,
+            max_pause_s=EVENT_PAUSE_S,
         )
 
     def _wait_event(self, event: torch.cuda.Event, what: str) -> None:
@@ -377,10 +228,10 @@ class GpuOps:
         wait_until(
             event.query,
             control=self._control,
-            timeout=_FOREVER,
+            timeout=FOREVER,
             what=f"{self.runner.plan.actor}: {what}",
             idle=self._host.pump,
-            max_pause_s=_EVENT_PAUSE_S,
+            max_pause_s=EVENT_PAUSE_S,
         )
 
     # ------------------------------------------------------------------ streams
@@ -410,8 +261,8 @@ class GpuOps:
             # Host data (driver inputs, or a same-GPU actor's staged result): copies it makes to
             # this GPU must be ordered before the compute that uses them.
             self._use(self.compute_stream)
-            return channel.read(timeout=_FOREVER)
-        meta = channel.read(timeout=_FOREVER)
+            return channel.read(timeout=FOREVER)
+        meta = channel.read(timeout=FOREVER)
         if isinstance(meta, RemoteError):
             return meta
         announced = meta == _ANNOUNCED
@@ -435,7 +286,7 @@ class GpuOps:
         if not self.overlap:
             self._wait_event(event, f"receive on edge {edge.edge_id}")  # no overlap: host waits
             if announced:
-                outcome = channel.read(timeout=_FOREVER)  # written before the send: here now
+                outcome = channel.read(timeout=FOREVER)  # written before the send: here now
                 return value if outcome is None else outcome
             return value
         return _Arrived(value, event, buffers, channel if announced else None)
@@ -451,7 +302,7 @@ class GpuOps:
             value.outcome_from = None  # several tasks may take the value: read it once
             if self._host.pending:
                 self._pump_until(channel.readable, "outcome of a received value")
-            value.error = channel.read(timeout=_FOREVER)
+            value.error = channel.read(timeout=FOREVER)
         return value if value.error is None else value.error
 
     # ------------------------------------------------------------------ announcements
@@ -471,7 +322,7 @@ class GpuOps:
             channel = self.runner.writers[edge.edge_id]
             if self._host.pending:
                 self._pump_until(channel.writable, f"announce on edge {edge.edge_id}")
-            channel.write(_ANNOUNCED, timeout=_FOREVER)
+            channel.write(_ANNOUNCED, timeout=FOREVER)
             self._announced[edge.edge_id] = execution
 
     def _announcing_edges(self) -> list[EdgeSpec]:
@@ -589,10 +440,10 @@ class GpuOps:
                 self._fail_send(execution, op, edge, problem, announced, done)
                 return
             # After an announcement: its outcome (none went wrong); else the layout is as agreed.
-            channel.write(None if announced else True, timeout=_FOREVER)
+            channel.write(None if announced else True, timeout=FOREVER)
         else:
             self._static[edge.edge_id] = meta
-            channel.write(meta, timeout=_FOREVER)
+            channel.write(meta, timeout=FOREVER)
         self._send(execution, op, edge, tensors, done)
 
     def _snapshot(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
@@ -624,7 +475,7 @@ class GpuOps:
         """Sends ``problem`` in place of the value. Without an announcement neither end moves
         tensors; after one, the receiver has posted its receive, so stand-ins of the agreed
         layout go instead (never read: the outcome tells the receiver to drop them)."""
-        self.runner.writers[edge.edge_id].write(problem, timeout=_FOREVER)
+        self.runner.writers[edge.edge_id].write(problem, timeout=FOREVER)
         if not announced:
             return
         stand_ins = self._stand_ins.get(edge.edge_id)
@@ -668,7 +519,7 @@ class GpuOps:
         """Starts copying a result for the driver into pinned memory; returns the host tensor
         and the event after which it holds the data. The driver receives host tensors anyway
         (its channel ends have no device), so nothing changes for it. ``reuse``: into one of
-        :class:`_PinnedResults` (given back once written), else a fresh one."""
+        :class:`PinnedResults` (given back once written), else a fresh one."""
         stream = self.d2h_stream
         self._use(stream)
         if done is not None:
@@ -704,7 +555,7 @@ class GpuOps:
                     timeout_s,
                 )
                 return False
-            time.sleep(_EVENT_PAUSE_S * 10)
+            time.sleep(EVENT_PAUSE_S * 10)
         return True
 
     def close(self, *, peer_died: bool = False) -> None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tensorferry.graph._channel import RemoteError
-from tensorferry.graph._gpu import _ANNOUNCED, GpuOps, _Arrived, _HostWrites
+from tensorferry.graph._gpu import _ANNOUNCED, GpuOps, _Arrived
+from tensorferry.graph._gpu_host import HostWrites
 from tensorferry.graph._plan import EdgeSpec, Operation, OpKind
 
 
@@ -67,7 +68,7 @@ def _ops(control, link, *, writers=None, readers=None, overlap=True) -> GpuOps:
     plan = SimpleNamespace(schedule=[WRITE], graph=graph, max_inflight=1, actor="x")
     ops.runner = SimpleNamespace(writers=writers or {}, readers=readers or {}, plan=plan)
     ops._control = control
-    ops._host = _HostWrites()
+    ops._host = HostWrites()
     ops.overlap = overlap
     ops.device = torch.device("cpu")
     ops.compute_stream = ops.recv_stream = ops.send_stream = None

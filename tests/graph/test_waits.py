@@ -13,7 +13,8 @@ import torch
 
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.graph._channel import Channel, Control, GraphStopped, unlink_prefix, wait_until
-from tensorferry.graph._gpu import GpuOps, _HostWriter, _HostWrites, _PinnedResults
+from tensorferry.graph._gpu import GpuOps
+from tensorferry.graph._gpu_host import HostWriter, HostWrites, PinnedResults
 
 
 class FakeEvent:
@@ -111,7 +112,7 @@ def test_channel_read_waits_past_the_spin(rings):
 # ---------------------------------------------------------------------- results held by the actor
 def test_host_writes_go_out_at_once_when_the_event_fired(rings):
     _, [(writer, reader), _] = rings
-    host = _HostWrites()
+    host = HostWrites()
     host.submit(writer, torch.ones(2), FakeEvent(fired=True))
     assert host.pending == 0 and torch.equal(reader.read(timeout=1.0), torch.ones(2))
     host.submit(writer, "no event", None)
@@ -120,7 +121,7 @@ def test_host_writes_go_out_at_once_when_the_event_fired(rings):
 
 def test_host_writes_wait_for_their_event_and_keep_order(rings):
     _, [(writer, reader), _] = rings
-    host = _HostWrites()
+    host = HostWrites()
     first, second = FakeEvent(), FakeEvent(fired=True)
     host.submit(writer, "first", first)
     host.submit(writer, "second", second)  # fired, but behind "first"
@@ -135,7 +136,7 @@ def test_host_writes_wait_for_their_event_and_keep_order(rings):
 
 def test_a_full_channel_holds_back_only_its_own_results(rings):
     _, [(writer_a, reader_a), (writer_b, reader_b)] = rings
-    host = _HostWrites()
+    host = HostWrites()
     host.submit(writer_a, "a0", None)  # fills a's only slot
     host.submit(writer_a, "a1", None)
     host.submit(writer_b, "b0", None)
@@ -150,7 +151,7 @@ def test_a_full_channel_holds_back_only_its_own_results(rings):
 
 def test_written_is_called_only_once_the_channel_holds_its_copy(rings):
     _, [(writer, reader), _] = rings
-    host = _HostWrites()
+    host = HostWrites()
     written = []
     value = torch.arange(4.0)
     host.submit(writer, value, FakeEvent(fired=True), written.append)
@@ -180,7 +181,7 @@ def test_pinned_results_are_reused_per_shape_and_dtype(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(torch, "empty", fake_empty)
-    pinned = _PinnedResults()
+    pinned = PinnedResults()
     first = pinned.take((2, 3), torch.float32)
     pinned.give_back(first)
     assert pinned.take((2, 3), torch.float32) is first
@@ -191,18 +192,18 @@ def test_pinned_results_are_reused_per_shape_and_dtype(monkeypatch):
 
 
 def test_pinned_results_forget_old_shapes_past_the_limit(monkeypatch):
-    from tensorferry.graph import _gpu
+    from tensorferry.graph import _gpu_host
 
-    pinned = _PinnedResults()
-    tensors = [torch.zeros(n + 1) for n in range(_gpu._PINNED_LAYOUTS + 1)]
+    pinned = PinnedResults()
+    tensors = [torch.zeros(n + 1) for n in range(_gpu_host._PINNED_LAYOUTS + 1)]
     for t in tensors:
         pinned.give_back(t)
     monkeypatch.setattr(torch, "empty", lambda shape, **kw: "fresh")
     assert pinned.take((1,), torch.float32) == "fresh"  # the oldest shapes were dropped
     assert pinned.take(tuple(tensors[-1].shape), torch.float32) is tensors[-1]
-    for _ in range(_gpu._PINNED_PER_LAYOUT + 2):
+    for _ in range(_gpu_host._PINNED_PER_LAYOUT + 2):
         pinned.give_back(torch.zeros(3, 3))
-    assert len(pinned._free[((3, 3), torch.float32)]) == _gpu._PINNED_PER_LAYOUT
+    assert len(pinned._free[((3, 3), torch.float32)]) == _gpu_host._PINNED_PER_LAYOUT
 
 
 def _ops(control: Control, host) -> GpuOps:
@@ -216,7 +217,7 @@ def _ops(control: Control, host) -> GpuOps:
 
 def test_an_actor_writes_held_results_while_it_waits(rings):
     control, [(writer, reader), (_, other_reader)] = rings
-    host = _HostWrites()
+    host = HostWrites()
     ops = _ops(control, host)
     event = FakeEvent()
     host.submit(writer, "result", event)
@@ -235,7 +236,7 @@ def test_an_actor_writes_held_results_while_it_waits(rings):
 
 def test_stop_ends_an_actor_wait_on_the_gpu(rings):
     control, _ = rings
-    ops = _ops(control, _HostWrites())
+    ops = _ops(control, HostWrites())
     _later(0.02, control.stop)
     with pytest.raises(GraphStopped):
         ops._wait_event(FakeEvent(), "receive")
@@ -244,7 +245,7 @@ def test_stop_ends_an_actor_wait_on_the_gpu(rings):
 def test_writer_thread_writes_after_the_event_and_ends_on_stop(rings, monkeypatch):
     control, [(writer, reader), _] = rings
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    thread_writer = _HostWriter(torch.device("cpu"), control)
+    thread_writer = HostWriter(torch.device("cpu"), control)
     assert thread_writer.pending == 0
     event = FakeEvent()
     thread_writer.submit(writer, "late", event)
