@@ -14,6 +14,9 @@ the engine's settings. Rank 0 sends with ``static=True``; rank 1 receives. Media
 - ``burst``: 64 ``tf.send`` calls back to back, then one wait for all (``call`` per send,
   ``round`` for all 64).
 
+Rank 1's ``tf.recv`` calls are timed the same way; their ``call`` rows are printed after rank
+0's.
+
 Each row is measured with the engine's short way for agreed static messages on and off
 (``TENSORFERRY_P2P_SHORT_PATH``), twice, interleaved.
 
@@ -375,6 +378,10 @@ def main():
     print(f"host µs per {what} {where} (rank 0 sends), two interleaved runs:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
+    print("the receiving side (rank 1's tf.recv calls, the same rows):")
+    for name, values in sorted(results[1]["rows"].items()):
+        if "call" in name:
+            print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
     print(results[0].get("profile", ""))
 
 
