@@ -6,6 +6,8 @@ one process per GPU:
 
 - ``ncclSend`` in a group: ``ncclGroupStart``/``ncclSend``/``ncclGroupEnd`` through ``ctypes``
   on a communicator of the probe's own (the floor for any Python caller of NCCL);
+- ``ncclSend`` alone, with no group around it (NCCL launches it at once): what a lone
+  message's issue would cost without the two group calls, which the transport makes today;
 - the same plus an event recorded after it (what a completion needs);
 - a lean path in Python: what an agreed static message cannot skip, done with the layer's own
   pieces and nothing else (validation and description, the caller's event, the transfer
@@ -54,17 +56,19 @@ def worker(rank, world, cfg):
         comm = lib.init_rank(2, ids[0], rank)
         stream = torch.cuda.Stream(device)
 
-        def raw(record):
+        def raw(record, group=True):
             event = torch.cuda.Event()
             samples = []
             for i in range(CALLS + 50):
                 t0 = time.perf_counter()
-                lib.group_start()
+                if group:
+                    lib.group_start()
                 if rank == 0:
                     lib.send(x.data_ptr(), x.numel() * 4, peer, comm, stream.cuda_stream)
                 else:
                     lib.recv(x.data_ptr(), x.numel() * 4, peer, comm, stream.cuda_stream)
-                lib.group_end()
+                if group:
+                    lib.group_end()
                 if record:
                     event.record(stream)
                 if i >= 50:
@@ -150,6 +154,7 @@ def worker(rank, world, cfg):
         for _ in range(2):  # twice, interleaved: this machine's host times drift
             for name, fn in (
                 ("ncclSend in a group (ctypes)", lambda: raw(False)),
+                ("ncclSend alone, no group (ctypes)", lambda: raw(False, group=False)),
                 ("  + an event recorded", lambda: raw(True)),
                 ("lean path (Python)", lean),
                 ("torch.distributed.isend", torch_isend),
