@@ -16,7 +16,8 @@ way). Variants:
 
 Completion: tf variants wait with ``wait_stream()`` + a stream sync on GPU (device completion,
 like ``work.wait()`` + sync for torch); on CPU ``wait()`` for both. Also measured: the host time
-of one ``tf.send`` call (median), and one-way bandwidth of large messages, tf vs torch: one
+of one ``tf.send`` call (rank 0) and one ``tf.recv`` call (rank 1), median, for one 1 KiB tensor
+and for the list, and one-way bandwidth of large messages, tf vs torch: one
 message alone, and eight back to back.
 Fairness: torch.distributed runs on its own default process group (same backend), created
 before tf's pair communicators; both warm up before timing.
@@ -85,16 +86,18 @@ def run(args: argparse.Namespace) -> int:
         f"transport='auto' picks {results[0]['auto_list']!r} for the list of {args.count} and "
         f"{results[0]['auto_small']!r} for one {args.bytes}-byte tensor"
     )
-    send_us = results[0]["send_host_us"]
-    rows.append(
-        {
-            "variant": "tf.send host time (median)",
-            "device": device,
-            "tensors": 1,
-            "bytes_each": config["bytes"],
-            "one_way_us": round(send_us, 1),
-        }
-    )
+    # Host time of the calls alone: rank 0 times its sends, rank 1 its receives.
+    for label, count, key in (("", 1, "one"), ("(list)", config["count"], "list")):
+        for call, rank in (("send", 0), ("recv", 1)):
+            rows.append(
+                {
+                    "variant": f"tf.{call}{label} host time (median)",
+                    "device": device,
+                    "tensors": count,
+                    "bytes_each": config["bytes"] if count > 1 else 1024,
+                    "one_way_us": round(results[rank]["host_us"][key], 1),
+                }
+            )
     for name in results[0].get("bandwidth_gbps", {}):
         gbps = min(r["bandwidth_gbps"][name] for r in results)  # the slower rank's view
         rows.append(
@@ -227,7 +230,10 @@ def _measure(rank: int, peer: int, device: Any, config: dict) -> dict:
     ctx = tf._context.current()
     result = {
         "one_way_us": one_way_us,
-        "send_host_us": _send_host_time(rank, peer, device),
+        "host_us": {
+            "one": _call_host_time(rank, peer, torch.ones(256, device=device)),
+            "list": _call_host_time(rank, peer, out if rank == 0 else into),
+        },
         "auto_small": ctx.choose("auto", peer, out[:1]),
         "auto_list": ctx.choose("auto", peer, out),
     }
@@ -237,25 +243,25 @@ def _measure(rank: int, peer: int, device: Any, config: dict) -> dict:
     return result
 
 
-def _send_host_time(rank: int, peer: int, device: Any) -> float:
-    """Median host time of one ``tf.send`` call (the call only, not the transfer)."""
-    import torch
+def _call_host_time(rank: int, peer: int, tensors: Any) -> float:
+    """Median host time of one ``tf.send`` (rank 0) or ``tf.recv`` (rank 1) call of ``tensors``,
+    after 10 warm-up calls: the call only, not the transfer, each waited for before the next."""
     import torch.distributed as dist
 
     import tensorferry.p2p as tf
 
-    x = torch.ones(256, device=device)
+    tf._api._reset_pair(peer)  # a static channel of its own: another layout came before
     samples = []
     for _ in range(200):
+        t0 = time.perf_counter()
         if rank == 0:
-            t0 = time.perf_counter()
-            handle = tf.send(x, peer, static=True)
-            samples.append(time.perf_counter() - t0)
-            handle.wait()
+            handle = tf.send(tensors, peer, static=True)
         else:
-            tf.recv(x, peer, static=True).wait()
+            handle = tf.recv(tensors, peer, static=True)
+        samples.append(time.perf_counter() - t0)
+        handle.wait()
     dist.barrier()
-    return statistics.median(samples) * 1e6 if samples else 0.0
+    return statistics.median(samples[10:]) * 1e6
 
 
 def _bandwidth(rank: int, peer: int, device: Any, nbytes: int) -> dict:

@@ -98,6 +98,8 @@ def test_bench_batch_cpu(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "torch batch_isend_irecv" in text and "tf send(list)" in text
+    for call in ("tf.send", "tf.recv", "tf.send(list)", "tf.recv(list)"):
+        assert f"{call} host time (median)" in text  # each call's host time, both sides
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
     assert "command:" in md and "torch:" in md
 
