@@ -17,6 +17,12 @@ the engine's settings. Rank 0 sends with ``static=True``; rank 1 receives. Media
 Rank 1's ``tf.recv`` calls are timed the same way; their ``call`` rows are printed after rank
 0's.
 
+``--busy-us N`` makes each message's work finish N µs after it starts (the transport's
+``ready()`` says false until then), as real device work does; ``--ready-us N`` makes each
+``ready()`` cost N µs of the caller's thread, the GIL held (NCCL's async-error query costs about
+2). With ``--busy-us 5000`` the lone rows show what a call costs right after its thread waited
+milliseconds for the previous transfer.
+
 Each row is measured with the engine's short way for agreed static messages on and off
 (``TENSORFERRY_P2P_SHORT_PATH``), twice, interleaved.
 
@@ -26,8 +32,8 @@ call``, the thread waited (for the GIL, most likely, held by another of the proc
 ``--nccl`` (two GPUs) runs the same over the real NCCL transport, one GPU per rank: the wire
 back in, for comparison.
 
-Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--tensors N] [--profile |
---phases | --reads | --opcodes]``
+Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--tensors N] [--busy-us N]
+[--ready-us N] [--profile | --phases | --reads | --opcodes]``
 (``--tensors N``: each message a list of N tensors of 4 KiB, as ``bench batch``'s, instead of
 one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls of the lone rows under
 ``cProfile``, its 25 costliest functions; ``--phases``: median µs per lone call spent in the
@@ -54,12 +60,19 @@ ROUNDS = 400
 BURST = 64
 
 
-def _null_transport(device_type):
+def _null_transport(device_type, ready_us=0.0, busy_us=0.0):
     from tensorferry.p2p._transport import PendingOps, Transport
 
     class Finished(PendingOps):
+        def __init__(self):
+            self.done_at = time.perf_counter() + busy_us * 1e-6
+
         def ready(self):
-            return True
+            if ready_us:  # what a real transport's check costs, the GIL held (NCCL's: a query)
+                end = time.perf_counter() + ready_us * 1e-6
+                while time.perf_counter() < end:
+                    pass
+            return time.perf_counter() >= self.done_at
 
         def abort(self):
             pass
@@ -255,7 +268,7 @@ def _count_reads():
     return counts
 
 
-def _worker(rank, port, device, profile, queue, transport, tensors=1):
+def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0.0, busy_us=0.0):
     global TRANSPORT
     TRANSPORT = transport
     import tensorferry.p2p as tf
@@ -270,7 +283,8 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1):
         timeout=120,
     )
     try:
-        register_transport("null", _null_transport(torch.device(device).type), replace=True)
+        null = _null_transport(torch.device(device).type, ready_us, busy_us)
+        register_transport("null", null, replace=True)
         x = torch.ones(256, device=device)
         if tensors > 1:  # a list, as bench batch's: 4 KiB each
             x = [torch.ones(1024, device=device) for _ in range(tensors)]
@@ -328,11 +342,18 @@ def main():
     modes = ("--profile", "--phases", "--reads", "--opcodes")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(sys.argv[sys.argv.index("--tensors") + 1]) if "--tensors" in sys.argv else 1
+    ready_us = float(sys.argv[sys.argv.index("--ready-us") + 1]) if "--ready-us" in sys.argv else 0
+    busy_us = float(sys.argv[sys.argv.index("--busy-us") + 1]) if "--busy-us" in sys.argv else 0
     procs = [
         ctx.Process(
             target=_worker,
             args=(rank, port, f"cuda:{rank}" if nccl else device, mode, queue),
-            kwargs={"transport": "nccl" if nccl else "null", "tensors": tensors},
+            kwargs={
+                "transport": "nccl" if nccl else "null",
+                "tensors": tensors,
+                "ready_us": ready_us,
+                "busy_us": busy_us,
+            },
         )
         for rank in range(2)
     ]
