@@ -34,6 +34,7 @@ def _error_fields(err: BaseException) -> dict:
     return {"err": type(err).__name__, "field": getattr(err, "field", None), "msg": str(err)}
 
 
+# The engine's parts log as the engine: one logger to turn up for all of it.
 log = logging.getLogger("tensorferry.p2p._engine")
 
 

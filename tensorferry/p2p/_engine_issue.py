@@ -22,6 +22,7 @@ from tensorferry.runtime._spin import spin_window_s
 
 __all__ = ["Issuing"]
 
+# The engine's parts log as the engine: one logger to turn up for all of it.
 log = logging.getLogger("tensorferry.p2p._engine")
 
 # A transfer issued ahead of the peer's header, polled for completion, runs an engine step to

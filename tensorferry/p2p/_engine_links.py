@@ -22,6 +22,7 @@ from tensorferry.p2p._engine_state import PeerState
 
 __all__ = ["PeerLinks"]
 
+# The engine's parts log as the engine: one logger to turn up for all of it.
 log = logging.getLogger("tensorferry.p2p._engine")
 
 _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}

@@ -2,8 +2,8 @@
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
 and helpers (``_peers``, ``_units``, ``_read_link``, ``_confirm``, ``_compare_header``,
-``_send_header``, ``_start``, ``ctx``) and runs under the engine's lock, on
-the caller's thread (``Engine.submit``). ``TENSORFERRY_P2P_SHORT_PATH=0`` turns it off.
+``_send_header``, ``_start``, ``ctx``) and runs under the engine's lock, on the caller's thread
+(``Engine.submit``). ``TENSORFERRY_P2P_SHORT_PATH=0`` turns it off.
 """
 
 from __future__ import annotations
