@@ -4,11 +4,14 @@
 #   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
 #   trace-nospeculate trace-noshort trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
-#   allgather symm-pairs stream-probe profile-pingpong profile-graph
+#   allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
 # p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off;
 # batch-noshort and trace-noshort run those without the engine's short way (A/Bs of it).
+# send-floor and send-overhead print the host time of one send from the bare NCCL call up
+# (scripts/send_floor_probe.py) and the layer's host time per call over NCCL, 1 and 64 tensors
+# (scripts/send_overhead_probe.py --nccl).
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -96,6 +99,11 @@ for s in $steps; do
     symm-pairs) step symm-pairs 60 env PROBE_LIMIT=45 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" scripts/symm_pairs_probe.py ;;
     trace-graph) step trace-graph 60 python3 scripts/trace_graph.py ;;
+    send-floor) step send-floor 150 python3 scripts/send_floor_probe.py
+      tail -n 12 "$LOGS/send-floor.log" ;;
+    send-overhead) step send-overhead 150 python3 scripts/send_overhead_probe.py --nccl
+      step send-overhead-64 150 python3 scripts/send_overhead_probe.py --nccl --tensors 64
+      tail -n 20 "$LOGS/send-overhead.log" "$LOGS/send-overhead-64.log" ;;
     profile-pingpong | profile-graph)
       if ! ls .whl/py_spy-*.whl >/dev/null 2>&1; then
         echo "=== $s: no .whl/py_spy-*.whl here (git-ignored: carry .whl to the GPU machine)"
