@@ -331,6 +331,11 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0
         tf.shutdown()
 
 
+def _option(name, default):
+    """The number given after ``name`` on the command line, or ``default``."""
+    return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
 def main():
     nccl = "--nccl" in sys.argv
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
@@ -341,9 +346,8 @@ def main():
     queue = ctx.Queue()
     modes = ("--profile", "--phases", "--reads", "--opcodes")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
-    tensors = int(sys.argv[sys.argv.index("--tensors") + 1]) if "--tensors" in sys.argv else 1
-    ready_us = float(sys.argv[sys.argv.index("--ready-us") + 1]) if "--ready-us" in sys.argv else 0
-    busy_us = float(sys.argv[sys.argv.index("--busy-us") + 1]) if "--busy-us" in sys.argv else 0
+    tensors = int(_option("--tensors", 1))
+    ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
     procs = [
         ctx.Process(
             target=_worker,

@@ -17,8 +17,8 @@ way). Variants:
 Completion: tf variants wait with ``wait_stream()`` + a stream sync on GPU (device completion,
 like ``work.wait()`` + sync for torch); on CPU ``wait()`` for both. Also measured: the host time
 of one ``tf.send`` call (rank 0) and one ``tf.recv`` call (rank 1), median, for one 1 KiB tensor
-and for the list, and one-way bandwidth of large messages, tf vs torch: one
-message alone, and eight back to back.
+and for the list, and one-way bandwidth of large messages, tf vs torch: one message alone, and
+eight back to back.
 Fairness: torch.distributed runs on its own default process group (same backend), created
 before tf's pair communicators; both warm up before timing.
 """
@@ -33,6 +33,9 @@ from typing import Any
 from tensorferry.cli._args import non_negative_int, positive_int
 
 __all__ = ["add_arguments", "run"]
+
+# The lone float32 tensor whose tf.send / tf.recv host time is measured, in bytes.
+_ONE_BYTES = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                     "variant": f"tf.{call}{label} host time (median)",
                     "device": device,
                     "tensors": count,
-                    "bytes_each": config["bytes"] if count > 1 else 1024,
+                    "bytes_each": config["bytes"] if count > 1 else _ONE_BYTES,
                     "one_way_us": round(results[rank]["host_us"][key], 1),
                 }
             )
@@ -231,7 +234,7 @@ def _measure(rank: int, peer: int, device: Any, config: dict) -> dict:
     result = {
         "one_way_us": one_way_us,
         "host_us": {
-            "one": _call_host_time(rank, peer, torch.ones(256, device=device)),
+            "one": _call_host_time(rank, peer, torch.ones(_ONE_BYTES // 4, device=device)),
             "list": _call_host_time(rank, peer, out if rank == 0 else into),
         },
         "auto_small": ctx.choose("auto", peer, out[:1]),
