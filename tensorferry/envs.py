@@ -20,6 +20,7 @@ __all__ = [
     "nccl_calls",
     "nccl_speculate",
     "p2p_short_path",
+    "p2p_local_links",
     "p2p_trace_events",
     "graph_early_receives",
 ]
@@ -151,6 +152,13 @@ def p2p_short_path() -> bool:
     way, without a full step of the p2p engine (``TENSORFERRY_P2P_SHORT_PATH``: ``1``, the
     default, or ``0``). Read at ``tf.init``."""
     return _switch("TENSORFERRY_P2P_SHORT_PATH", True)
+
+
+def p2p_local_links() -> bool:
+    """Whether two ranks on one host (same kernel, same network namespace) talk over a Unix
+    socket rather than TCP on loopback (``TENSORFERRY_P2P_LOCAL_LINKS``: ``1``, the default,
+    or ``0``). Read at ``tf.init``."""
+    return _switch("TENSORFERRY_P2P_LOCAL_LINKS", True)
 
 
 def graph_early_receives() -> bool:

@@ -147,6 +147,11 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         self._wake_selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._listener = _link.open_listener(ctx.host)
         self._selector.register(self._listener, selectors.EVENT_READ, "listen")
+        # Peers on this host connect here instead (see _link): cheaper frames both ways.
+        self._local_links = envs.p2p_local_links()
+        self._local_listener = _link.open_local_listener() if self._local_links else None
+        if self._local_listener is not None:
+            self._selector.register(self._local_listener, selectors.EVENT_READ, "listen")
         self._stopping = False
         self._short_path = envs.p2p_short_path()  # see _issue_agreed
         # Guards all the state below. The engine thread holds it while it handles what woke it;
@@ -177,7 +182,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
 
     @property
     def address(self) -> str:
-        return f"{self.ctx.host}:{self._listener.getsockname()[1]}"
+        return _link.listener_address(self.ctx.host, self._listener, self._local_listener)
 
     def start(self) -> None:
         self._thread.start()
@@ -305,6 +310,8 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         self._selector.close()
         self._wake_selector.close()
         self._listener.close()
+        if self._local_listener is not None:
+            self._local_listener.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -372,7 +379,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
             self._wake_pending = False
         elif key.data == "listen":
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = key.fileobj.accept()  # type: ignore[union-attr]
             except (BlockingIOError, OSError):
                 return
             link = _link.Link(sock, peer=None)  # peer known from its hello

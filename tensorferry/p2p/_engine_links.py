@@ -2,9 +2,9 @@
 what a lost link means (see :mod:`._link` for the framing).
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
-(``_peers``, ``_units``, ``_selector``, ``_unflushed``, ``_helpers``, ``ctx``, ``rank``) and
-steps of the engine and its other parts (``call``, ``_maybe_reset``; from
-:class:`._engine_faults.PairFaults`: ``_fault_pair``, ``_fail_unit``, ``_all_units``,
+(``_peers``, ``_units``, ``_selector``, ``_unflushed``, ``_helpers``, ``_local_links``,
+``ctx``, ``rank``) and steps of the engine and its other parts (``call``, ``_maybe_reset``;
+from :class:`._engine_faults.PairFaults`: ``_fault_pair``, ``_fail_unit``, ``_all_units``,
 ``_on_fault_ack``, ``_on_crossed_fault``, ``_evict_transports``), and runs under the engine's
 lock.
 """
@@ -123,7 +123,10 @@ class PeerLinks:
             log.debug("p2p: connecting to rank %d", rank)
             try:
                 sock = _link.connect(
-                    self.ctx.peer_address(rank), my_rank=self.rank, timeout=self.ctx.timeout_s
+                    self.ctx.peer_address(rank),
+                    my_rank=self.rank,
+                    timeout=self.ctx.timeout_s,
+                    local=self._local_links,
                 )
             except Exception as exc:
                 err = PeerLostError(f"could not reach rank {rank}'s p2p side channel: {exc}")

@@ -1704,3 +1704,19 @@ def exit_with_a_gloo_wait_stuck(rank: int, world: int, linger: float) -> str:
     stuck = tf.recv(poisoned((4,), torch.float32), 0, static=True, timeout=10 * T)
     time.sleep(0.5)  # issued at once: gloo's wait for it is under way
     return "left with a receive in flight" if not stuck.done() else "its receive finished?"
+
+
+def side_channel_families(rank: int, world: int) -> list[str]:
+    """Exchanges a message with every other rank (in rank order: no cycle of waits), checks
+    it, then names the socket family of each side channel this rank holds."""
+    from tensorferry.p2p import _context
+
+    _reset_my_pairs(rank, world)  # earlier cases of the pool may have agreed other layouts
+    for peer in range(world):
+        if peer == rank:
+            continue
+        got = poisoned((5,), torch.float32)
+        tf.sendrecv(payload(rank, peer, 0, (5,), torch.float32), peer, got, peer).wait(T)
+        assert same_bytes(got, payload(peer, rank, 0, (5,), torch.float32))
+    engine = _context.current().engine
+    return sorted(engine._peer(p).link.sock.family.name for p in range(world) if p != rank)

@@ -1,20 +1,33 @@
-"""The p2p side channel's framing (``tensorferry.p2p._link``), on a loopback connection."""
+"""The p2p side channel (``tensorferry.p2p._link``): its framing, on a loopback TCP connection
+and on a Unix socket, and how a rank connects to a peer's listeners."""
 
 from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 
 import pytest
 
+from tensorferry.p2p import _link
 from tensorferry.p2p._link import _LEN, Link
 
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="abstract Unix sockets: Linux"
+)
 
-@pytest.fixture
-def pair():
-    server = socket.create_server(("127.0.0.1", 0))
-    writer = socket.create_connection(server.getsockname())
+
+@pytest.fixture(params=["tcp", pytest.param("unix", marks=linux_only)])
+def pair(request):
+    if request.param == "tcp":
+        server = socket.create_server(("127.0.0.1", 0))
+        writer = socket.create_connection(server.getsockname())
+    else:
+        server = _link.open_local_listener()
+        server.setblocking(True)
+        writer = socket.socket(socket.AF_UNIX)
+        writer.connect(server.getsockname())
     reader, _ = server.accept()
     server.close()
     link = Link(reader, peer=1)
@@ -124,3 +137,61 @@ def test_what_the_socket_does_not_take_at_once_is_queued_and_arrives_whole(pair)
         frames.extend(got)
     assert [f["msg"] for f in frames] == texts
     assert not sender.wants_write
+
+
+@pytest.fixture
+def listeners():
+    tcp = _link.open_listener("127.0.0.1")
+    local = _link.open_local_listener()
+    for sock in (tcp, local):
+        if sock is not None:
+            sock.setblocking(True)
+            sock.settimeout(5)
+    yield tcp, local
+    for sock in (tcp, local):
+        if sock is not None:
+            sock.close()
+
+
+def hello_through(listener: socket.socket, sock: socket.socket) -> list:
+    """Accepts ``sock``'s connection on ``listener`` and reads its hello."""
+    accepted, _ = listener.accept()
+    link = Link(accepted, peer=None)
+    try:
+        return read_until(link, 1)
+    finally:
+        link.close()
+        sock.close()
+
+
+@linux_only
+def test_a_peer_on_this_host_is_reached_over_its_unix_socket(listeners):
+    tcp, local = listeners
+    address = _link.listener_address("127.0.0.1", tcp, local)
+    assert address.startswith(f"127.0.0.1:{tcp.getsockname()[1]} unix=")
+    sock = _link.connect(address, my_rank=3, timeout=5)
+    assert sock.family == socket.AF_UNIX
+    assert hello_through(local, sock) == [{"hello": 3}]
+
+
+@linux_only
+@pytest.mark.parametrize("why", ["switched off", "another host", "socket gone"])
+def test_a_peer_is_reached_over_tcp_otherwise(listeners, why):
+    tcp, local = listeners
+    address = _link.listener_address("127.0.0.1", tcp, local)
+    if why == "another host":
+        address = address.replace(_link.local_host_id(), "another-boot-id-and-namespace")
+    if why == "socket gone":
+        local.close()  # as a peer in another network namespace, on the same kernel: unreachable
+    sock = _link.connect(address, my_rank=2, timeout=5, local=why != "switched off")
+    assert sock.family == socket.AF_INET
+    assert hello_through(tcp, sock) == [{"hello": 2}]
+
+
+def test_without_a_unix_listener_the_address_is_tcp_alone(listeners):
+    tcp, _ = listeners
+    address = _link.listener_address("127.0.0.1", tcp, None)
+    assert address == f"127.0.0.1:{tcp.getsockname()[1]}"
+    sock = _link.connect(address, my_rank=1, timeout=5)
+    assert sock.family == socket.AF_INET
+    assert hello_through(tcp, sock) == [{"hello": 1}]

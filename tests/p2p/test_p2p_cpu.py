@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -618,5 +619,20 @@ def test_a_batch_with_several_peers_does_not_wait_for_one_that_waits_for_another
     try:
         results = workers.run("batch_waits_for_every_peer")
         assert results == ["ok"] * 3, results
+    finally:
+        workers.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets: Linux")
+def test_ranks_of_one_host_talk_over_unix_sockets(pool):
+    assert pool.run("side_channel_families") == [["AF_UNIX", "AF_UNIX"]] * WORLD
+
+
+def test_side_channels_over_tcp_when_local_links_are_off(monkeypatch):
+    # Its own world: the switch is read as each rank starts (spawned with this environment).
+    monkeypatch.setenv("TENSORFERRY_P2P_LOCAL_LINKS", "0")
+    workers = WorkerPool(2, transfer_timeout=10.0, backend="gloo")
+    try:
+        assert workers.run("side_channel_families") == [["AF_INET"]] * 2
     finally:
         workers.close()
