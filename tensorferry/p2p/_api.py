@@ -323,17 +323,19 @@ class Batch(Transfer):
             err = ValueError("tf.batch() is empty: add at least one send or recv")
             self._finish(err)
             raise err
+        messages = self._messages
         try:
             check_receives_apart(
-                [(_entry(n, m), m.op.kind, m.op.tensors) for n, m in enumerate(self._messages)]
+                [(n, m.op.kind, m.op.tensors) for n, m in enumerate(messages)],
+                names=lambda n: _entry(n, messages[n]),
             )
         except ValueError as err:
             self._state = "discarded"
             self._finish(err)
             raise
         self._state = "submitted"
-        self.description = f"batch: {_describe(self._messages)}"
-        _submit(self._ctx, self._messages, self._received, self._timeout, transfer=self)
+        self.description = lambda: f"batch: {_describe(messages)}"  # made when shown
+        _submit(self._ctx, messages, self._received, self._timeout, transfer=self)
 
     def _check_open(self) -> None:
         if self._state != "open":

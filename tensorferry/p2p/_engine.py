@@ -401,16 +401,15 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         if self._stopping:
             self._finish(unit, TensorFerryError("the p2p layer is shutting down"))
             return
-        for message in unit.messages:
-            peer = self._peer(message.op.peer)
+        peers = [self._peer(message.op.peer) for message in unit.messages]
+        for peer in peers:
             if peer.lost is not None:
                 self._finish(unit, PeerLostError(str(peer.lost)))
                 return
         unit.state = "waiting"  # so a failure below cascades to the unit's other peers
         self._units.append(unit)
         error, paid = None, []
-        for message in unit.messages:
-            peer = self._peer(message.op.peer)
+        for message, peer in zip(unit.messages, peers, strict=True):
             if peer.frozen is not None:  # numbered once the peer answered our fault
                 peer.deferred.append((message, unit))
                 continue
@@ -447,14 +446,15 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
 
     def _number(self, peer: PeerState, message: Message) -> None:
         channel = peer.channels[message.op.kind]
-        log.debug(
-            "p2p: %s message %d, epoch %d, peer %d, static agreed %s",
-            message.op.kind,
-            channel.next_seq,
-            peer.epoch,
-            peer.rank,
-            channel.static_desc is not None,
-        )
+        if log.isEnabledFor(logging.DEBUG):  # once per message of every batch: not for nothing
+            log.debug(
+                "p2p: %s message %d, epoch %d, peer %d, static agreed %s",
+                message.op.kind,
+                channel.next_seq,
+                peer.epoch,
+                peer.rank,
+                channel.static_desc is not None,
+            )
         message.seq = channel.next_seq
         message.epoch = peer.epoch
         if _trace.ON:

@@ -8,7 +8,7 @@ compare the two with :func:`compare` — so both raise the same :class:`Mismatch
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,12 +374,18 @@ def as_recv_list(
     return _detached(out), describe(out), single
 
 
-def check_receives_apart(parts: Sequence[tuple[str, str, Sequence[torch.Tensor]]]) -> None:
+def check_receives_apart(
+    parts: Sequence[tuple[Any, str, Sequence[torch.Tensor]]],
+    *,
+    names: Callable[[Any], str] = str,
+) -> None:
     """Raises ``ValueError`` when a receive buffer shares memory with another tensor of the same
     call: another receive buffer, or a tensor the call sends (an exchange in place). The
     transports read and write a call's tensors at once, so what arrived would be garbled, and
     differently on NCCL, gloo and with packing. ``parts``: ``(what, kind, tensors)`` per message,
-    ``kind`` being ``"send"`` or ``"recv"``. Sends may share memory with each other.
+    ``kind`` being ``"send"`` or ``"recv"``; ``names(what)`` names the message in the error (a
+    batch gives its entries' numbers, named only when one is wrong). Sends may share memory with
+    each other.
 
     Reading every tensor's address costs a fraction of a microsecond each, too much for the
     per-call path of many-tensor messages: a call that only receives is checked in full only
@@ -397,25 +403,26 @@ def check_receives_apart(parts: Sequence[tuple[str, str, Sequence[torch.Tensor]]
         for i, t in enumerate(tensors):
             if t.nbytes:
                 start = t.data_ptr()
-                spans.append((start, start + t.nbytes, kind == "recv", f"{what}[{i}]"))
+                spans.append((start, start + t.nbytes, kind == "recv", (what, i)))
     spans.sort(key=lambda span: span[0])
     # Sorted by start: a span overlaps an earlier one exactly when it starts before the
     # furthest end so far of that kind, whose owner is then one it overlaps.
     recv_end = send_end = -1
-    recv_owner = send_owner = ""
-    for start, end, is_recv, name in spans:
+    recv_owner = send_owner = None
+    for start, end, is_recv, owner in spans:
         clash = (
-            recv_owner if start < recv_end else send_owner if is_recv and start < send_end else ""
+            recv_owner if start < recv_end else send_owner if is_recv and start < send_end else None
         )
-        if clash:
+        if clash is not None:
             raise ValueError(
-                f"{name} shares memory with {clash}: a transfer cannot receive into memory it "
-                "also sends from or receives into elsewhere; receive into a separate tensor"
+                f"{names(owner[0])}[{owner[1]}] shares memory with {names(clash[0])}[{clash[1]}]: "
+                "a transfer cannot receive into memory it also sends from or receives into "
+                "elsewhere; receive into a separate tensor"
             )
         if is_recv and end > recv_end:
-            recv_end, recv_owner = end, name
+            recv_end, recv_owner = end, owner
         elif not is_recv and end > send_end:
-            send_end, send_owner = end, name
+            send_end, send_owner = end, owner
 
 
 def _check_buffer_types(items: Sequence[Any], what: str) -> None:

@@ -182,8 +182,8 @@ class Transfer:
         return text
 
     @description.setter
-    def description(self, text: str) -> None:
-        self._description = text
+    def description(self, text: str | Callable[[], str]) -> None:
+        self._description = text  # a function: called when first shown
 
     # ------------------------------------------------------------------ futures API
     def done(self) -> bool:

@@ -691,9 +691,15 @@ def _gather_misplaced(world: int) -> None:
 
 
 def _batch_shift_in_place(x: torch.Tensor, right: int, left: int) -> None:
-    with tf.batch() as b:
-        b.send(x, right)
-        b.recv(x[1:], left)  # a view of what it sends
+    try:
+        with tf.batch() as b:
+            b.send(x, right)
+            b.recv(x[1:], left)  # a view of what it sends
+    except ValueError as exc:  # the error names both entries
+        text = str(exc)
+        assert text.startswith(f"batch entry 1 (recv from rank {left}) tensors[0] shares"), text
+        assert f"with batch entry 0 (send to rank {right}) tensors[0]" in text, text
+        raise
 
 
 # ---------------------------------------------------------------------- faults

@@ -534,6 +534,14 @@ def test_receive_buffers_must_not_share_memory_with_the_calls_other_tensors():
     for parts, text in clashes:
         with pytest.raises(ValueError, match=text):
             check_receives_apart(parts)
+
+    # Names may be made by a function (a batch's entries): only for the error that shows them.
+    def never_shown(what: int) -> str:
+        raise AssertionError("a name was made for a call with nothing wrong")
+
+    check_receives_apart([(0, "send", [buf[:8]]), (1, "recv", [buf[8:]])], names=never_shown)
+    with pytest.raises(ValueError, match=r"entry 1\[0\] shares memory with entry 0\[0\]"):
+        check_receives_apart([(0, "send", [buf]), (1, "recv", [buf])], names="entry {}".format)
     # Buffers that require grad are detached first: one listed twice is still caught.
     weight = torch.zeros(4, requires_grad=True)
     items, _, _ = as_recv_list([weight, weight], torch.device("cpu"), "buffers")
