@@ -16,16 +16,12 @@ Usage: ``python scripts/batch_overhead_probe.py [--cpu] [--count N] [--profile]`
 """
 
 import cProfile
-import io
-import pstats
-import socket
 import statistics
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
-from send_overhead_probe import _null_transport, _option
+from send_overhead_probe import _option, free_port, init_with_null, profile_text, run_ranks
 
 ROUNDS = 300
 
@@ -67,26 +63,15 @@ def _measure(rank, xs, prof):
 
 def _worker(rank, port, device, count, profile, queue):
     import tensorferry.p2p as tf
-    from tensorferry.p2p._transport import register_transport
 
-    tf.init(
-        "gloo" if device == "cpu" else "nccl",
-        rank=rank,
-        world_size=2,
-        init_method=f"tcp://127.0.0.1:{port}",
-        device=device,
-        timeout=120,
-    )
+    init_with_null(rank, port, device)
     try:
-        register_transport("null", _null_transport(torch.device(device).type), replace=True)
         xs = [torch.ones(1024, device=device) for _ in range(count)]
         prof = cProfile.Profile() if profile else None
         rows = [_measure(rank, xs, prof) for _ in range(2)]
         out = {"rows": rows}
         if prof is not None:
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-            out["profile"] = text.getvalue()
+            out["profile"] = profile_text(prof)
         queue.put((rank, out))
     finally:
         tf.shutdown()
@@ -95,18 +80,8 @@ def _worker(rank, port, device, count, profile, queue):
 def main():
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
     count = int(_option("--count", 64))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    args = (port, device, count, "--profile" in sys.argv, queue)
-    procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for proc in procs:
-        proc.join(30)
+    port = free_port()
+    results = run_ranks(_worker, lambda rank: (port, device, count, "--profile" in sys.argv))
     print(f"host µs per tf.batch of {count} one-tensor messages with no wire, on {device}:")
     for rank, side in ((0, "sends"), (1, "receives")):
         for name in ("entries", "exit", "exit cpu", "round"):

@@ -268,9 +268,9 @@ def _count_reads():
     return counts
 
 
-def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0.0, busy_us=0.0):
-    global TRANSPORT
-    TRANSPORT = transport
+def init_with_null(rank, port, device, ready_us=0.0, busy_us=0.0):
+    """``tf.init`` of ``rank`` in a world of two on loopback, with the transport that moves
+    nothing registered as ``"null"``."""
     import tensorferry.p2p as tf
     from tensorferry.p2p._transport import register_transport
 
@@ -282,9 +282,59 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0
         device=device,
         timeout=120,
     )
+    null = _null_transport(torch.device(device).type, ready_us, busy_us)
+    register_transport("null", null, replace=True)
+
+
+def profile_text(prof):
+    """The 25 costliest functions of ``prof`` by their own time."""
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def run_ranks(target, args_of_rank, kwargs=None):
+    """Runs ``target(rank, *args_of_rank(rank), queue, **kwargs)`` in two spawned processes;
+    each puts ``(rank, result)`` on the queue. Returns the results by rank; exits if a rank
+    dies or five minutes pass."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=target, args=(rank, *args_of_rank(rank), queue), kwargs=kwargs or {})
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    results = {}
+    deadline = time.monotonic() + 300
+    while len(results) < len(procs):
+        try:
+            rank, out = queue.get(timeout=1)
+            results[rank] = out
+        except Exception:  # queue.Empty: a rank that died will never answer
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    for proc in procs:
+        proc.join(30)
+    return results
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0.0, busy_us=0.0):
+    global TRANSPORT
+    TRANSPORT = transport
+    import tensorferry.p2p as tf
+
+    init_with_null(rank, port, device, ready_us, busy_us)
     try:
-        null = _null_transport(torch.device(device).type, ready_us, busy_us)
-        register_transport("null", null, replace=True)
         x = torch.ones(256, device=device)
         if tensors > 1:  # a list, as bench batch's: 4 KiB each
             x = [torch.ones(1024, device=device) for _ in range(tensors)]
@@ -323,9 +373,7 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0
                     rows.setdefault(key, []).append(value)
         out = {"rows": rows}
         if prof is not None:
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-            out["profile"] = text.getvalue()
+            out["profile"] = profile_text(prof)
         queue.put((rank, out))
     finally:
         tf.shutdown()
@@ -339,44 +387,21 @@ def _option(name, default):
 def main():
     nccl = "--nccl" in sys.argv
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    port = free_port()
     modes = ("--profile", "--phases", "--reads", "--opcodes")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(_option("--tensors", 1))
     ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, port, f"cuda:{rank}" if nccl else device, mode, queue),
-            kwargs={
-                "transport": "nccl" if nccl else "null",
-                "tensors": tensors,
-                "ready_us": ready_us,
-                "busy_us": busy_us,
-            },
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    results = {}
-    deadline = time.monotonic() + 300
-    while len(results) < len(procs):
-        try:
-            rank, out = queue.get(timeout=1)
-            results[rank] = out
-        except Exception:  # queue.Empty: a rank that died will never answer
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for proc in procs:
-                    proc.kill()
-                sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
-    for proc in procs:
-        proc.join(30)
+    results = run_ranks(
+        _worker,
+        lambda rank: (port, f"cuda:{rank}" if nccl else device, mode),
+        {
+            "transport": "nccl" if nccl else "null",
+            "tensors": tensors,
+            "ready_us": ready_us,
+            "busy_us": busy_us,
+        },
+    )
     if "reads" in results[0]:
         print(f"the short way's reads of the peer's frames, lone and burst rows, on {device}:")
         for rank in sorted(results):
