@@ -19,6 +19,20 @@ def test_doctor_reports_transports(capsys):
     assert "gloo    usable" in out
 
 
+@pytest.mark.parametrize("local_links", ["1", "0"])
+def test_doctor_says_how_ranks_carry_their_headers(capsys, monkeypatch, local_links):
+    monkeypatch.setenv("TENSORFERRY_P2P_LOCAL_LINKS", local_links)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    if local_links == "0":
+        expected = "tcp to every rank (TENSORFERRY_P2P_LOCAL_LINKS=0)"
+    elif sys.platform.startswith("linux"):
+        expected = "unix socket to ranks of this host, tcp to other hosts"
+    else:
+        expected = "tcp to every rank (no abstract Unix sockets here)"
+    assert f"p2p side channel (headers, fault notices)\n  {expected}\n" in out
+
+
 def test_doctor_json_explains_unusable_transports(capsys):
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

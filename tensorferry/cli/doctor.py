@@ -140,6 +140,20 @@ def transport_report() -> dict[str, str | None]:
     return report
 
 
+def side_channel_report() -> str:
+    """How this process's p2p ranks would carry headers to each other (see ``p2p._link``)."""
+    from tensorferry import envs
+    from tensorferry.p2p import _link
+
+    if not envs.p2p_local_links():
+        return "tcp to every rank (TENSORFERRY_P2P_LOCAL_LINKS=0)"
+    listener = _link.open_local_listener()
+    if listener is None:
+        return "tcp to every rank (no abstract Unix sockets here)"
+    listener.close()
+    return "unix socket to ranks of this host, tcp to other hosts"
+
+
 def _collect() -> dict:
     import torch
 
@@ -180,6 +194,7 @@ def _collect() -> dict:
         if i < j
     ]
     info["transports"] = transport_report()
+    info["side_channel"] = side_channel_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
 
@@ -210,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     print("transports")
     for name, reason in info["transports"].items():
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
+    print(f"p2p side channel (headers, fault notices)\n  {info['side_channel']}")
     layout = info["layout"]
     if layout is not None:
         print(f"torchrun layout: {layout['world_size']} ranks on {len(layout['nodes'])} node(s)")
