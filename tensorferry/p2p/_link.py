@@ -151,7 +151,7 @@ class Link:
 
     def __init__(self, sock: socket.socket, peer: int | None) -> None:
         sock.setblocking(False)
-        if sock.family != socket.AF_UNIX:  # TCP: frames are small, send each at once
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # TCP: send each small frame now
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.peer = peer
