@@ -11,7 +11,8 @@
 # batch-noshort and trace-noshort run those without the engine's short way (A/Bs of it).
 # send-floor and send-overhead print the host time of one send from the bare NCCL call up
 # (scripts/send_floor_probe.py) and the layer's host time per call over NCCL, 1 and 64 tensors
-# (scripts/send_overhead_probe.py --nccl).
+# (scripts/send_overhead_probe.py --nccl); send-overhead also runs that probe and
+# batch_overhead_probe.py with no wire, and side_channel_probe.py (this host's Python and sockets).
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -103,7 +104,12 @@ for s in $steps; do
       tail -n 12 "$LOGS/send-floor.log" ;;
     send-overhead) step send-overhead 150 python3 scripts/send_overhead_probe.py --nccl
       step send-overhead-64 150 python3 scripts/send_overhead_probe.py --nccl --tensors 64
-      tail -n 20 "$LOGS/send-overhead.log" "$LOGS/send-overhead-64.log" ;;
+      # The same with no wire (both ranks on cuda:0): what this host's Python costs, to hold
+      # against the one-GPU machine's numbers and the NCCL rows above.
+      step send-overhead-null 150 python3 scripts/send_overhead_probe.py
+      step batch-overhead-null 150 python3 scripts/batch_overhead_probe.py
+      step side-channel 60 python3 scripts/side_channel_probe.py
+      tail -n 20 "$LOGS"/send-overhead*.log "$LOGS/batch-overhead-null.log" "$LOGS/side-channel.log" ;;
     profile-pingpong | profile-graph)
       if ! ls .whl/py_spy-*.whl >/dev/null 2>&1; then
         echo "=== $s: no .whl/py_spy-*.whl here (git-ignored: carry .whl to the GPU machine)"
