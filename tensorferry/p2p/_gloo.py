@@ -237,6 +237,12 @@ class GlooTransport(Transport):
                         buffers.append(packed)
                         to_unpack.append((packed, small))
                 buffers.extend(as_bytes(op.tensors[i]) for i in alone_idx)
+                if not buffers:
+                    # Only empty tensors: a one-byte token still travels, so that the receive
+                    # completes only once the send happened. On an agreed static channel no
+                    # header does that (static_skips_headers), and a receive that completes
+                    # alone would count as done even where a fault abandoned its send.
+                    buffers.append(torch.zeros(1, dtype=torch.uint8))
                 for buf in buffers:
                     if op.kind == "send":
                         works.append(pair.pg.send([buf], pair.other, _TAG))

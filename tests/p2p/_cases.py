@@ -1726,3 +1726,29 @@ def side_channel_families(rank: int, world: int) -> list[str]:
         assert same_bytes(got, payload(peer, rank, 0, (5,), torch.float32))
     engine = _context.current().engine
     return sorted(engine._peer(p).link.sock.family.name for p in range(world) if p != rank)
+
+
+def empty_static_receive_waits_for_its_send(rank: int, world: int) -> dict | None:
+    """Rank 1 receives a message of empty tensors on an agreed static channel from rank 0,
+    which sends it only later. Over gloo such a channel skips headers; a receive must still
+    not complete before its send does (else, should a fault abandon the send, the two sides
+    would end differently). Returns rank 1's view: whether the receive had completed while
+    rank 0 had not sent yet, and how it ended."""
+    _reset_my_pairs(rank, world)
+    if rank not in (0, 1):
+        return None
+    layout = [((0, 3), torch.float32), ((0,), torch.int64)]
+    for _ in range(3):  # agree the channel 0 -> 1
+        if rank == 0:
+            tf.send([payload(0, 1, 0, s, d) for s, d in layout], 1, static=True).wait(T)
+        else:
+            tf.recv([poisoned(s, d) for s, d in layout], 0, static=True).wait(T)
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 has posted its receive and looked at it meanwhile
+        tf.send([payload(0, 1, 1, s, d) for s, d in layout], 1, static=True).wait(T)
+        return None
+    pending = tf.recv([poisoned(s, d) for s, d in layout], 0, static=True)
+    time.sleep(0.5)
+    early = pending.done()
+    pending.wait(T)
+    return {"done before the send": early, "then": "ok" if pending.exception() is None else "?"}

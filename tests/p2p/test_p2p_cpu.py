@@ -386,6 +386,11 @@ def test_static_channel_then_change_raises_on_both_sides(pool):
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD
 
 
+def test_an_empty_message_on_a_static_channel_completes_only_with_its_send(pool):
+    results = pool.run("empty_static_receive_waits_for_its_send")
+    assert results[1] == {"done before the send": False, "then": "ok"}, results
+
+
 def test_static_messages_issue_ahead_of_the_peers_header(pool):
     # gloo-spec: gloo keeping every header, issuing agreed static messages ahead (as NCCL does).
     assert pool.run("register_speculating_gloo") == [True] * WORLD
