@@ -2,7 +2,8 @@
 
 A mixin of :class:`._engine.Engine` (the module docstring there describes the fault protocol);
 it uses the engine's state and helpers (``_units``, ``_issued``, ``_peer``, ``_send_frame``,
-``_number``, ``_ensure_prepared``, ``_on_frame``, ``ctx``) and runs under the engine's lock.
+``_number``, ``_ensure_prepared``, ``_on_frame``, ``_succeed``, ``ctx``) and runs under the
+engine's lock.
 """
 
 from __future__ import annotations
@@ -289,6 +290,11 @@ class PairFaults:
                     break
                 if finished:
                     unit.settle()
+                    if unit.state == "issued":
+                        # Its caller saw it finish first and took its completion (settle did
+                        # nothing here), but has not marked it done yet: done it is, or the
+                        # fault would fail a transfer whose caller was told it succeeded.
+                        self._succeed(unit)
                     break
                 if not finishing or time.monotonic() > deadline:
                     break

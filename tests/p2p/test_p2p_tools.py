@@ -577,3 +577,41 @@ def test_the_flight_recorder_setting_and_ring(monkeypatch):
     finally:
         _trace.configure(0)
     assert _trace.recent_events() == []
+
+
+@pytest.mark.parametrize("caller_first", [True, False])
+def test_a_fault_settles_as_done_a_transfer_whose_work_finished(caller_first):
+    """A fault first completes the transfers with its peer whose work already finished (a fault
+    must not fail bytes in place). ``caller_first``: the transfer's caller saw it finish and took
+    its completion from the pool, but had not marked it done when the fault came (settling it
+    then does nothing): the fault must still count it done, not fail a transfer whose wait
+    already returned success."""
+    import threading
+    import time
+
+    from tensorferry.p2p._engine import Engine
+    from tensorferry.p2p._engine_state import Message, PeerState, Unit
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._transfer import Transfer
+    from tensorferry.p2p._transport import P2POp
+
+    engine = object.__new__(Engine)
+    engine._stepping = threading.local()
+    tensors = (torch.zeros(3),)
+    desc = describe(tensors)
+    message = Message(P2POp("recv", 1, tensors, desc), "gloo", desc, False, seq=0, epoch=0)
+    transfer = Transfer("recv 1 tensor(s) from rank 1", deadline=time.monotonic() + 10)
+    unit = Unit([message], transfer, transfer._deadline, state="issued")
+    settled = []
+
+    def settle() -> None:  # as Issuing._settle_seen: the pool's item goes to one taker only
+        if not caller_first:
+            settled.append("here")
+            engine._succeed(unit)
+
+    unit.ready, unit.settle = (lambda: True), settle
+    engine._issued = {unit}
+    engine._settle_finished(PeerState(1))
+    assert unit.state == "done"
+    assert transfer.done() and transfer.exception() is None
+    assert settled == ([] if caller_first else ["here"])
