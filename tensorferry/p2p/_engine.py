@@ -118,6 +118,10 @@ _HELPERS_EXIT_S = 6.0
 # While callers drive, the engine thread still wakes this often (seconds) to see whether they
 # stopped, in case none of them could tell it (see end_driving).
 _DRIVEN_RECHECK_S = 0.005
+# With nothing in flight the engine thread leaves the peers' frames to the next call, but reads
+# them itself this often (seconds), so that a rank that makes no more calls still answers its
+# peers' faults.
+_IDLE_READ_S = 0.5
 
 
 class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
@@ -283,7 +287,8 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
                 timeout = self._next_timeout()
                 # The peers' frames are for callers to read while they drive, and when nothing
                 # is in flight (the next call reads what came): this thread then stays asleep
-                # instead of taking turns at the GIL with them. It rechecks periodically.
+                # instead of taking turns at the GIL with them. It rechecks periodically, and
+                # when idle reads them itself every _IDLE_READ_S (below).
                 watch_links = self._drivers == 0 and self._busy()
                 if self._drivers:
                     timeout = min(timeout, _DRIVEN_RECHECK_S)
@@ -300,6 +305,10 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
             self._awake = True
             if self._drivers and not self._commands and all(k.data != "wake" for k, _ in events):
                 continue  # a caller is driving and reads the frames itself
+            if not events and timeout > 0 and not watch_links and not self._drivers:
+                # Idle a while (_IDLE_READ_S): read what the peers sent after all. A peer may
+                # wait on this rank (for the answer to its fault) while this rank calls nothing.
+                events = self._selector.select(0)
             with self._lock:
                 self._wakes_at = 0.0
                 self._handle(events)
@@ -363,7 +372,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         if self._commands:
             return 0.0
         if not self._units:
-            return 0.5
+            return _IDLE_READ_S
         soonest = min(u.deadline for u in self._units)
         return min(0.5, max(0.0, soonest - time.monotonic()))
 

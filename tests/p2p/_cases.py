@@ -1752,3 +1752,35 @@ def empty_static_receive_waits_for_its_send(rank: int, world: int) -> dict | Non
     early = pending.done()
     pending.wait(T)
     return {"done before the send": early, "then": "ok" if pending.exception() is None else "?"}
+
+
+def idle_rank_answers_a_fault(rank: int, world: int) -> float | str | None:
+    """Rank 1 faults its pair with rank 0 (a send that times out: rank 0 never receives it)
+    while rank 0 makes no call at all. Rank 0 must still read the fault and answer it: rank 1
+    numbers its next messages with rank 0 only after that answer, and rank 0 may never call
+    again. Returns, on rank 1, the seconds from the fault to the answer (``None``: none came
+    within 2.5 s); on rank 0, how its late receive of that message ended (at once, with rank
+    1's error, as a late call does after a fault)."""
+    from tensorferry.p2p import _context
+
+    _reset_my_pairs(rank, world)
+    answered_after: float | str | None = None
+    if rank == 0:
+        time.sleep(3.5)  # idle: no call reads what rank 1 sends meanwhile
+        late = tf.recv(poisoned((4,), torch.float32), 1, timeout=T)
+        start = time.monotonic()
+        error = late.exception(T)
+        took = "at once" if time.monotonic() - start < 1.0 else "late"
+        answered_after = f"{type(error).__name__} {took}"
+    elif rank == 1:
+        with contextlib.suppress(TransferTimeoutError):
+            tf.send(payload(1, 0, 0, (4,), torch.float32), 0, timeout=0.3).wait(T)
+        peer = _context.current().engine._peer(0)
+        start = time.monotonic()
+        assert peer.frozen is not None, "the timeout did not fault the pair"
+        while time.monotonic() - start < 2.5 and answered_after is None:
+            if peer.frozen is None:
+                answered_after = time.monotonic() - start
+            time.sleep(0.01)
+    _reset_my_pairs(rank, world)
+    return answered_after

@@ -391,6 +391,12 @@ def test_an_empty_message_on_a_static_channel_completes_only_with_its_send(pool)
     assert results[1] == {"done before the send": False, "then": "ok"}, results
 
 
+def test_a_rank_that_makes_no_calls_still_answers_a_fault(pool):
+    late_receive, answered_after, _ = pool.run("idle_rank_answers_a_fault")
+    assert answered_after is not None and answered_after < 1.5, answered_after
+    assert late_receive == "TransferTimeoutError at once", late_receive
+
+
 def test_static_messages_issue_ahead_of_the_peers_header(pool):
     # gloo-spec: gloo keeping every header, issuing agreed static messages ahead (as NCCL does).
     assert pool.run("register_speculating_gloo") == [True] * WORLD
