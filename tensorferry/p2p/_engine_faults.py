@@ -297,8 +297,23 @@ class PairFaults:
                         self._succeed(unit)
                     break
                 if not finishing or time.monotonic() > deadline:
+                    self._claim_unfinished(unit)
                     break
                 time.sleep(50e-6)
+
+    def _claim_unfinished(self, unit: Unit) -> None:
+        """Takes the completion of ``unit``, unfinished when the fault looked: the fault counts
+        it failed and fails it, and its caller, should it see the work finish meanwhile, must
+        not report success. Where another thread took the completion first (its caller saw the
+        work finish in between), the unit is done, and counts so."""
+        if unit.claim is None or unit.claim():
+            return
+        try:
+            finished = unit.ready is not None and unit.ready()
+        except Exception:  # a failed transport: the fault fails it
+            return
+        if finished and unit.state == "issued":
+            self._succeed(unit)
 
     def _finished_counts(self, peer: PeerState) -> dict[str, int]:
         """Per channel: how many leading messages with ``peer`` finished (the first unfinished

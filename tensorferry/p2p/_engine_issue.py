@@ -161,15 +161,20 @@ class Issuing:
             delay=spin_window_s(),
         )
         unit.ready, unit.settle = ready, lambda: self._settle_seen(unit, handle)
+        unit.claim = lambda: completions.discard(handle)
         unit.transfer._mark_issued(
             done_event, ready, unit.settle, expedite=lambda: completions.expedite(handle)
         )
 
-    def _settle_seen(self, unit: Unit, handle: Any) -> None:
+    def _settle_seen(self, unit: Unit, handle: Any) -> bool:
         # On the thread that waited and saw the work finish (Transfer._settled): complete the
         # transfer there, so no other thread has to wake up (and take the GIL) for it later.
+        # False when another thread took its completion first (the pool, or a fault that
+        # counted it unfinished): that thread's outcome is the transfer's.
         if self.ctx.completions.discard(handle):
             self._succeed(unit)
+            return True
+        return False
 
     def _on_completed(self, unit: Unit, exc: BaseException | None) -> None:
         # On the completion pool's poller thread: quick, and no user code here.

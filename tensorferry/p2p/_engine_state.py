@@ -57,7 +57,11 @@ class Unit:
     ready: Any = None
     """Once issued: true when its work finished (never blocks)."""
     settle: Any = None
-    """Once issued: completes it now if nobody did yet (after ``ready`` said true)."""
+    """Once issued: completes it now if nobody did yet (after ``ready`` said true); returns
+    whether it did."""
+    claim: Any = None
+    """Once issued: takes its completion from the completion pool, so that nobody else
+    completes it from then on (a fault about to fail it); returns whether it got it."""
 
     @property
     def peers(self) -> set[int]:

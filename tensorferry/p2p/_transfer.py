@@ -165,7 +165,7 @@ class Transfer:
         # caller polls it itself for a short window (runtime._spin) instead of sleeping until
         # the completion pool tells it, which costs a thread wake-up or two.
         self._ready: Callable[[], bool] | None = None
-        self._settle: Callable[[], None] | None = None
+        self._settle: Callable[[], bool] | None = None
         # Hands the transfer to the completion pool without the pool's usual delay: called
         # before a caller blocks on the future (see CompletionPool.expedite).
         self._expedite: Callable[[], None] | None = None
@@ -255,7 +255,7 @@ class Transfer:
         self,
         done_event: Any = None,
         ready: Callable[[], bool] | None = None,
-        settle: Callable[[], None] | None = None,
+        settle: Callable[[], bool] | None = None,
         expedite: Callable[[], None] | None = None,
     ) -> None:
         """``ready``: see ``_ready``; ``settle``: completes the transfer on the thread that saw
@@ -300,14 +300,20 @@ class Transfer:
         if ready is None:
             return False
         try:
-            self._seen_ready = bool(ready())
+            finished = bool(ready())
         except Exception:  # the completion pool reports the failure properly
             self._ready = None
             return False
+        if not finished:
+            return False
         settle, self._settle = self._settle, None
-        if self._seen_ready and settle is not None:
-            settle()
-        return self._seen_ready
+        if settle is not None and not settle():
+            # Another thread took its completion first (a fault that counted it unfinished,
+            # say): its outcome is the transfer's, whatever was seen here. Wait for it.
+            self._ready = None
+            return self._outcome.done()
+        self._seen_ready = True
+        return True
 
     def _finish(self, exc: BaseException | None = None) -> None:
         """Completes the transfer (first call wins). Runs the callbacks on this thread."""

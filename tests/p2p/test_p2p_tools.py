@@ -615,3 +615,48 @@ def test_a_fault_settles_as_done_a_transfer_whose_work_finished(caller_first):
     assert unit.state == "done"
     assert transfer.done() and transfer.exception() is None
     assert settled == ([] if caller_first else ["here"])
+
+
+def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
+    """The fault looks at a transfer whose work has not finished: it counts it failed (and
+    tells the peer so), and takes its completion. When the caller then sees the work finish,
+    its wait must not report success: it reports the fault's error."""
+    import threading
+    import time
+
+    from tensorferry.errors import MismatchError
+    from tensorferry.p2p._engine import Engine
+    from tensorferry.p2p._engine_state import Message, PeerState, Unit
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._transfer import Transfer
+    from tensorferry.p2p._transport import P2POp
+    from tensorferry.runtime import CompletionPool
+
+    pool = CompletionPool(threads=1)
+    engine = object.__new__(Engine)
+    engine._stepping = threading.local()
+    engine.ctx = type("Ctx", (), {"completions": pool})()
+    tensors = (torch.zeros(3),)
+    desc = describe(tensors)
+    message = Message(P2POp("recv", 1, tensors, desc), "gloo", desc, False, seq=0, epoch=0)
+    transfer = Transfer("recv 1 tensor(s) from rank 1", deadline=time.monotonic() + 10)
+    unit = Unit([message], transfer, transfer._deadline, state="issued")
+    finished = [False]
+    handle = pool.call_when(
+        lambda: finished[0], lambda exc: None, deadline=time.monotonic() + 10, delay=5.0
+    )
+    unit.ready = lambda: finished[0]
+    unit.settle = lambda: engine._settle_seen(unit, handle)
+    unit.claim = lambda: pool.discard(handle)
+    transfer._mark_issued(None, unit.ready, unit.settle)
+    engine._issued = {unit}
+    try:
+        engine._settle_finished(PeerState(1))  # unfinished: claimed by the fault
+        finished[0] = True  # the work finishes before the fault fails the unit
+        assert not transfer._settled()  # seen finished, but not completed here
+        error = MismatchError("rank 1 abandoned the transfer: ...", field="shape")
+        transfer._finish(error)  # as the fault's _fail_unit does, through the pool
+        assert transfer._settled()
+        assert transfer.exception(1) is error
+    finally:
+        pool.shutdown(wait=False)
