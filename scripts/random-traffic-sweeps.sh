@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Five random-traffic loops (scripts/random_traffic_probe.py) side by side on this host's CPUs
+# until LIMIT seconds pass, then a per-loop summary. Runs that end in a timeout keep their output
+# and traces in one archive, $OUT/timeouts.tgz (one file: the device machine caps file counts).
+# Usage: [TIERS=1] [LIMIT=300] [MODE=mixed|gloo] bash scripts/random-traffic-sweeps.sh
+#   TIERS=1 first runs the one-GPU test tier; MODE=gloo runs plain gloo in five seed ranges,
+#   mixed runs gloo-spec lanes (one with broken messages) beside one plain gloo lane.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
+if [ "${TIERS:-0}" = 1 ]; then
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/p2p tests/graph 2>&1 | tail -3
+fi
+LIMIT=${LIMIT:-300}
+out=/tmp/sweeps; rm -rf "$out"; mkdir -p "$out"
+lane() {  # lane NAME ARGS...
+  local name=$1; shift; local n=0 end=$((SECONDS + LIMIT))
+  while [ $SECONDS -lt $end ]; do
+    n=$((n + 1))
+    CUDA_VISIBLE_DEVICES= timeout $((end - SECONDS + 5)) python3 scripts/random_traffic_probe.py "$@" --trace "$out/trace-$name-$n" > "$out/$name-$n.txt" 2>&1
+    echo "rc=$?" >> "$out/$name-$n.txt"
+  done
+}
+if [ "${MODE:-mixed}" = gloo ]; then  # plain gloo only, five seed ranges
+  lane a --count 24 --seeds 1000:1100 &
+  lane b --count 24 --seeds 1100:1200 &
+  lane c --count 24 --seeds 1200:1300 &
+  lane d --count 24 --seeds 1300:1400 &
+  lane e --count 24 --seeds 1400:1500 &
+else
+  lane a --transport gloo-spec --count 24 --seeds 1100:1200 &
+  lane b --transport gloo-spec --count 24 --seeds 1150:1200 &
+  lane c --count 24 --seeds 1000:1100 &
+  lane d --transport gloo-spec --count 24 --broken 0.1 --changed 0 --seeds 3200:3300 &
+  lane e --transport gloo-spec --count 24 --seeds 1170:1200 &
+fi
+wait
+for lane in a b c d e; do
+  full=0; cut=0; tmo=0; wrong=0; uneven=""
+  for f in "$out"/$lane-*.txt; do
+    if grep -q "^rc=0" "$f"; then full=$((full + 1)); else cut=$((cut + 1)); fi
+    tmo=$((tmo + $(grep "^seed" "$f" | grep -c "Timeout")))
+    wrong=$((wrong + $(grep -c "wrong bytes" "$f")))
+    uneven="$uneven $(grep "^seed" "$f" | grep -vc "every message ended alike")"
+  done
+  echo "lane $lane: full runs $full, cut $cut, seeds with a timeout $tmo, wrong bytes $wrong, uneven per run:$uneven"
+done | tee "$out/summary.txt"
+keep=()
+for f in "$out"/*.txt; do
+  if grep "^seed" "$f" | grep -q Timeout; then
+    run=$(basename "$f" .txt)
+    echo "== $run:"; grep "^seed" "$f" | grep Timeout | cut -c1-600
+    keep+=("$run.txt" "trace-$run")
+  fi
+done
+[ ${#keep[@]} -gt 0 ] && (cd "$out" && tar czf "${OUT:-/tmp}/timeouts.tgz" "${keep[@]}")
