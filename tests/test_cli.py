@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -61,36 +60,32 @@ def test_unknown_command_is_a_usage_error():
     assert exc.value.code == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_doctor_gathers_node_layout_under_two_node_torchrun():
-    port = _free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                "--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1",
-                f"--master-port={port}", "-m", "tensorferry.cli.main", "doctor",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    outputs = []
-    for node in nodes:
-        try:
-            outputs.append(node.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for n in nodes:
-                n.kill()
-            pytest.fail("torchrun doctor hung")
-        assert node.returncode == 0, outputs[-1][-2000:]
+    from tensorferry.p2p._launch import reserved_port
+
+    with reserved_port() as port:  # until both nodes are done: held from other worlds' stores
+        nodes = [
+            subprocess.Popen(
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1",
+                    f"--master-port={port}", "-m", "tensorferry.cli.main", "doctor",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]  # fmt: skip
+        outputs = []
+        for node in nodes:
+            try:
+                outputs.append(node.communicate(timeout=120)[0])
+            except subprocess.TimeoutExpired:
+                for n in nodes:
+                    n.kill()
+                pytest.fail("torchrun doctor hung")
+            assert node.returncode == 0, outputs[-1][-2000:]
     for out in outputs:
         assert "torchrun layout: 2 ranks on 2 node(s)" in out
         assert "node 0" in out and "node 1" in out

@@ -15,17 +15,27 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["under_torchrun", "run_world", "torch_group"]
+__all__ = ["under_torchrun", "reserved_port", "run_world", "torch_group"]
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A free TCP port on ``host`` for a rendezvous store, kept from others while the block runs.
+
+    A port found free and let go at once can be taken before rank 0's store binds it: by another
+    world's store picking ports the same way, or as the local end of any outgoing connection
+    (both draw from the kernel's free ports). Held bound but not listening, with
+    ``SO_REUSEADDR``, the port is never handed out by the kernel, while a store binding it with
+    ``SO_REUSEADDR`` (torch's ``TCPStore`` does) still can.
+    """
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        yield sock.getsockname()[1]
 
 
 def _entry(
@@ -82,9 +92,21 @@ def run_world(
             return [fn(p2p.get_rank(), p2p.get_world_size(), *args)]
         finally:
             p2p.shutdown()
+    with reserved_port() as port:
+        return _spawn_world(fn, args, world, port, backend, timeout, join_timeout)
+
+
+def _spawn_world(
+    fn: Callable[..., Any],
+    args: tuple,
+    world: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    join_timeout: float,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
     procs = [
         ctx.Process(
             target=_entry,

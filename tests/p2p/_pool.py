@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
 from typing import Any
 
+from tensorferry.p2p._launch import reserved_port
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(
@@ -84,16 +79,22 @@ class WorkerPool:
         optional_transports: bool = False,
         backend: str = "auto",
     ):
-        ctx = mp.get_context("spawn")
-        port = free_port()
         self.world = world
         self.broken: str | None = None
         self._conns, self._procs = [], []
+        with reserved_port() as port:  # until every rank is in: pools may start side by side
+            self._start(port, transfer_timeout, start_timeout, optional_transports, backend)
+
+    def _start(
+        self, port: int, transfer_timeout: float, start_timeout: float, optional: bool, backend: str
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        world = self.world
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world, port, transfer_timeout, optional_transports, backend, child),
+                args=(rank, world, port, transfer_timeout, optional, backend, child),
                 daemon=True,
             )
             proc.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -128,13 +129,34 @@ def test_a_process_forked_from_a_rank_starts_uninitialised():
 
 
 def test_a_rendezvous_that_fails_names_the_init_method_in_one_line():
-    from tensorferry.p2p._launch import _free_port
+    from tensorferry.p2p._launch import reserved_port
 
-    method = f"tcp://127.0.0.1:{_free_port()}"  # nobody serves it: rank 1 cannot connect
-    with pytest.raises(RuntimeError, match=f"^tf.init: the rendezvous at {method} failed") as exc:
-        tf.init("gloo", rank=1, world_size=2, init_method=method, timeout=1)
+    with reserved_port() as port:  # bound, never listening: rank 1 cannot connect
+        method = f"tcp://127.0.0.1:{port}"
+        failed = f"^tf.init: the rendezvous at {method} failed"
+        with pytest.raises(RuntimeError, match=failed) as exc:
+            tf.init("gloo", rank=1, world_size=2, init_method=method, timeout=1)
     assert "\n" not in str(exc.value)  # torch's text ends in a C++ backtrace
     assert not tf.is_initialized()
+
+
+def test_a_reserved_port_is_kept_from_plain_binds_but_a_store_can_take_it():
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    from tensorferry.p2p._launch import reserved_port
+
+    with reserved_port() as port:
+        with socket.socket() as other, pytest.raises(OSError) as exc:
+            other.bind(("127.0.0.1", port))
+        assert exc.value.errno == errno.EADDRINUSE
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+        del store
 
 
 def test_init_with_a_store_rejects_bad_arguments():
@@ -220,18 +242,19 @@ def test_a_transfer_pending_at_shutdown_fails_with_a_clear_error_and_exit_waits_
 def test_init_and_shutdown_cycles_leave_no_descriptors_open():
     import multiprocessing
 
-    from tensorferry.p2p._launch import _free_port
+    from tensorferry.p2p._launch import reserved_port
 
-    ports = [_free_port() for _ in range(8)]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_init_and_shut_down_again_and_again, args=(r, ports, queue))
-        for r in (0, 1)
-    ]
-    for proc in procs:
-        proc.start()
-    counts = dict(queue.get(timeout=120) for _ in procs)
+    with contextlib.ExitStack() as reservations:
+        ports = [reservations.enter_context(reserved_port()) for _ in range(8)]
+        procs = [
+            ctx.Process(target=_init_and_shut_down_again_and_again, args=(r, ports, queue))
+            for r in (0, 1)
+        ]
+        for proc in procs:
+            proc.start()
+        counts = dict(queue.get(timeout=120) for _ in procs)
     for proc in procs:
         proc.join(30)
     for rank, open_fds in counts.items():

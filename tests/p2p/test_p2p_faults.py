@@ -97,34 +97,33 @@ def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
     import multiprocessing as mp
 
     import _cases
-    from _pool import free_port
 
-    from tensorferry.p2p._launch import _entry
+    from tensorferry.p2p._launch import _entry, reserved_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
     fn = _cases.exit_with_a_gloo_wait_stuck
-    procs = [
-        ctx.Process(target=_entry, args=(fn, rank, 2, port, "gloo", 60.0, (16.0,), queue))
-        for rank in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        rank, status, result = queue.get(timeout=60)
-        assert (rank, status, result) == (1, "ok", "left with a receive in flight"), result
-        left = time.monotonic()
-        procs[1].join(40)
-        exit_took = time.monotonic() - left
-        assert procs[1].exitcode == 0, procs[1].exitcode
-        assert 7.0 < exit_took < 30.0, exit_took  # the 10 s bound, on a busy machine
-        assert queue.get(timeout=30)[:2] == (0, "ok")
-        procs[0].join(20)
-        assert procs[0].exitcode == 0, procs[0].exitcode
-    finally:
+    with reserved_port() as port:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, rank, 2, port, "gloo", 60.0, (16.0,), queue))
+            for rank in range(2)
+        ]
         for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+            proc.start()
+        try:
+            rank, status, result = queue.get(timeout=60)
+            assert (rank, status, result) == (1, "ok", "left with a receive in flight"), result
+            left = time.monotonic()
+            procs[1].join(40)
+            exit_took = time.monotonic() - left
+            assert procs[1].exitcode == 0, procs[1].exitcode
+            assert 7.0 < exit_took < 30.0, exit_took  # the 10 s bound, on a busy machine
+            assert queue.get(timeout=30)[:2] == (0, "ok")
+            procs[0].join(20)
+            assert procs[0].exitcode == 0, procs[0].exitcode
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
     err = capfd.readouterr().err
     assert "before exiting, waiting up to 10 s for a gloo transfer with rank 0" in err, err
