@@ -58,10 +58,12 @@ def _message(
     return message, single
 
 
-def _caller_event(messages: Sequence[Message]) -> Any:
+def _caller_event(messages: Sequence[Message], device: torch.device) -> Any:
+    """An event after the work queued so far on the caller's current stream of ``device`` (its
+    CUDA tensors are there), or ``None`` for a call with CPU tensors only."""
     for m in messages:  # a loop, not any() of a generator: most calls have one message
         if m.op.tensors[0].is_cuda:
-            return record_on_current_stream()
+            return record_on_current_stream(device.index)
     return None
 
 
@@ -96,7 +98,7 @@ def _submit(
     else:
         transfer._deadline = deadline
         transfer._value = value
-    event = _caller_event(messages) if caller_event is True else caller_event
+    event = _caller_event(messages, ctx.device) if caller_event is True else caller_event
     unit = Unit(messages, transfer, deadline, caller_event=event, after=after)
     if after is not None:
         after.awaited = True

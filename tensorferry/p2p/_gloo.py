@@ -11,7 +11,8 @@ machine: 64 × 4 KiB took 0.9–4.1 ms as separate gloo sends, 0.4–1.4 ms pack
 go alone (packing would add a copy for no gain).
 
 Completion: a gloo send/recv ``Work`` only completes through ``wait()``, so a waiter thread per
-pair waits on each start's works in order and flags the pending handle.
+pair and direction waits on each start's works in order and flags the pending handle (see
+``_Waiter`` for why not one per pair).
 
 Exit: nothing cuts such a wait short (neither the group's ``abort()`` nor its destruction ends
 it; only its timeout does, or the peer closing the connection). A fault can leave one waiting
@@ -53,8 +54,8 @@ PACK_BELOW = 256 << 10
 _TAG = 0
 # Aborted pairs, kept referenced so that no daemon thread destroys a group at exit.
 _graveyard: list[_GlooPair] = []
-# Pairs whose waiter thread runs (see the module docstring, "Exit"); guarded by _waiters_lock.
-_waiters: set[_GlooPair] = set()
+# Waiters whose thread runs (see the module docstring, "Exit"); guarded by _waiters_lock.
+_waiters: set[_Waiter] = set()
 _waiters_lock = threading.Lock()
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
 # How long the waiter still waits for each work of a pair given up on (aborted, closed, or the
@@ -90,21 +91,25 @@ class _GlooPending(PendingOps):
         pass  # the pair's group is aborted by evict(); the waiter thread then errors out
 
 
-class _GlooPair:
-    """One pair's process group and its waiter thread."""
+class _Waiter:
+    """Waits on one direction's works of a pair, in the order they were started, and flags
+    each start's pending handle.
 
-    def __init__(self, pg: Any, other: int, peer: int, epoch: int, timeout: float) -> None:
-        self.pg = pg
-        self.other = other  # the peer's rank within the pair
-        self.peer = peer
-        self.epoch = epoch
-        self._timeout = datetime.timedelta(seconds=timeout)
+    One per direction: a gloo send completes only once the peer posted the matching receive,
+    and the peer's program may post it only after a receive of its own completed (two ranks
+    that each send twice ahead, then receive one message at a time). Behind one waiter for
+    both directions, that receive's completion would wait for the send, and each rank for the
+    other. Within a direction, messages match in the order they were posted, so waiting in
+    that order holds nothing up."""
+
+    def __init__(self, pair: _GlooPair, direction: str) -> None:
+        self.pair = pair
+        self.peer = pair.peer
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # When the wait the waiter is in ends at the latest (monotonic seconds; 0: none).
         self.waits_until = 0.0
-        self._given_up = False  # see _GIVEN_UP_WAIT
         self._thread = threading.Thread(
-            target=self._wait_loop, name=f"tensorferry-gloo-{peer}", daemon=True
+            target=self._wait_loop, name=f"tensorferry-gloo-{pair.peer}-{direction}", daemon=True
         )
         with _waiters_lock:
             _waiters.add(self)
@@ -129,7 +134,7 @@ class _GlooPair:
         """Waits for one start's works; returns the transfer's error, or ``None``."""
         try:
             for work in works:
-                timeout = _GIVEN_UP_WAIT if self._given_up else self._timeout
+                timeout = _GIVEN_UP_WAIT if self.pair.given_up else self.pair.timeout
                 self.waits_until = time.monotonic() + timeout.total_seconds()
                 work.wait(timeout)
             for packed, targets in to_unpack:
@@ -149,18 +154,40 @@ class _GlooPair:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def submit_stop(self) -> None:
-        """Gives up on the works not waited for yet (see ``_GIVEN_UP_WAIT``); the waiter ends
-        after them."""
-        self._given_up = True
+    def stop(self) -> None:
+        """Ends the waiter after the works already submitted."""
         self._jobs.put(None)
 
+    def is_current(self) -> bool:
+        return self._thread is threading.current_thread()
+
+
+class _GlooPair:
+    """One pair's process group and its two waiters (sends, receives)."""
+
+    def __init__(self, pg: Any, other: int, peer: int, epoch: int, timeout: float) -> None:
+        self.pg = pg
+        self.other = other  # the peer's rank within the pair
+        self.peer = peer
+        self.epoch = epoch
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.given_up = False  # see _GIVEN_UP_WAIT
+        self.waiters = {"send": _Waiter(self, "send"), "recv": _Waiter(self, "recv")}
+
+    def submit_stop(self) -> None:
+        """Gives up on the works not waited for yet (see ``_GIVEN_UP_WAIT``); the waiters end
+        after them."""
+        self.given_up = True
+        for waiter in self.waiters.values():
+            waiter.stop()
+
     def close(self) -> None:
-        # Stop the waiter first and drop the group on this thread: a group destroyed by a
+        # Stop the waiters first and drop the group on this thread: a group destroyed by a
         # daemon thread while the interpreter exits aborts the process.
         self.submit_stop()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
+        for waiter in self.waiters.values():
+            if not waiter.is_current():
+                waiter.join(timeout=2.0)
         self.pg = None
 
     def abort(self) -> None:
@@ -215,16 +242,20 @@ class GlooTransport(Transport):
         return cached_pair(key, epoch, create)
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
-        by_peer: dict[int, list[P2POp]] = {}
+        # One part per peer and direction: each direction of a pair has its own waiter.
+        by_part: dict[tuple[int, str], list[P2POp]] = {}
         for op in ops:
-            by_peer.setdefault(op.peer, []).append(op)
-        pending = _GlooPending(len(by_peer))
-        for peer, peer_ops in by_peer.items():
-            pair = communicator_cache().get(self._key(peer))
-            if pair is None:
+            by_part.setdefault((op.peer, op.kind), []).append(op)
+        pairs = {}
+        for peer, _ in by_part:
+            pairs[peer] = communicator_cache().get(self._key(peer))
+            if pairs[peer] is None:
                 raise TransportError(f"gloo: the pair with rank {peer} is not prepared")
+        pending = _GlooPending(len(by_part))
+        for (peer, kind), part_ops in by_part.items():
+            pair = pairs[peer]
             works, to_unpack = [], []
-            for op in peer_ops:
+            for op in part_ops:
                 packed_idx, alone_idx = wire_plan(op.tensors, pack_below=PACK_BELOW)
                 buffers: list[torch.Tensor] = []
                 if packed_idx:
@@ -244,11 +275,11 @@ class GlooTransport(Transport):
                     # alone would count as done even where a fault abandoned its send.
                     buffers.append(torch.zeros(1, dtype=torch.uint8))
                 for buf in buffers:
-                    if op.kind == "send":
+                    if kind == "send":
                         works.append(pair.pg.send([buf], pair.other, _TAG))
                     else:
                         works.append(pair.pg.recv([buf], pair.other, _TAG))
-            pair.submit(works, to_unpack, pending)
+            pair.waiters[kind].submit(works, to_unpack, pending)
         return pending
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
@@ -268,20 +299,20 @@ def _wait_for_waiters() -> None:
     """At exit, before the interpreter finalizes: lets the gloo waits still under way end (see
     the module docstring, "Exit"), for up to ``_EXIT_WAIT_S``."""
     with _waiters_lock:
-        pairs = list(_waiters)
-    for pair in pairs:
-        pair.submit_stop()
-    for pair in pairs:
-        left = min(max(0.0, pair.waits_until - time.monotonic()), _EXIT_WAIT_S)
-        if pair.still_waiting() and left > 1.0:
+        waiters = list(_waiters)
+    for waiter in waiters:
+        waiter.pair.submit_stop()
+    for waiter in waiters:
+        left = min(max(0.0, waiter.waits_until - time.monotonic()), _EXIT_WAIT_S)
+        if waiter.still_waiting() and left > 1.0:
             log.warning(
                 "tensorferry: before exiting, waiting up to %.0f s for a gloo transfer with rank "
                 "%d to end: its peer has not done its part (a fault abandoned it, or it was left "
                 "in flight at tf.shutdown())",
                 left,
-                pair.peer,
+                waiter.peer,
             )
-        pair.join(left + 0.1)
+        waiter.join(left + 0.1)
 
 
 def _connects_lazily() -> bool:

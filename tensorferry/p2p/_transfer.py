@@ -232,8 +232,9 @@ class Transfer:
 
     # ------------------------------------------------------------------ streams
     def wait_stream(self, stream: Any = None, *, timeout: float | None = None) -> None:
-        """Makes ``stream`` (default: the caller's current CUDA stream) wait on the device for
-        this transfer. Blocks the host only until the transfer is issued.
+        """Makes ``stream`` (default: the caller's current stream of this rank's CUDA device)
+        wait on the device for this transfer. Blocks the host only until the transfer is
+        issued.
 
         For CPU transfers (and transfers that already failed) this is :meth:`wait`.
 
@@ -247,8 +248,11 @@ class Transfer:
             return
         import torch
 
-        target = stream if stream is not None else torch.cuda.current_stream()
-        stream_wait(target, self._done_event)
+        if stream is None:
+            # Of the transfer's device, not the thread's current one: a thread the caller
+            # started is on device 0 until it says otherwise.
+            stream = torch.cuda.current_stream(self._driver.ctx.device)
+        stream_wait(stream, self._done_event)
 
     # ------------------------------------------------------------------ internals (p2p layer)
     def _mark_issued(

@@ -134,16 +134,17 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
     return None
 
 
-def record_on_current_stream() -> torch.cuda.Event:
-    """An event recorded on the current CUDA stream (see the module docstring)."""
-    # torch's own calls, not torch.cuda.current_device() (three Python calls): a CUDA tensor
-    # is on its way out, so CUDA is initialised already.
-    index = torch._C._cuda_getDevice()
+def record_on_current_stream(index: int) -> torch.cuda.Event:
+    """An event recorded on the calling thread's current stream of device ``index``.
+
+    The device is given, not the thread's current one: that is per thread, and a thread the
+    caller started is on device 0 until it says otherwise, whatever device its tensors are on.
+    """
     # The raw handle of the current stream: torch's Stream object costs microseconds.
     event = _record_pooled(index, torch._C._cuda_getCurrentRawStream(index))
     if event is None:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())  # also creates the CUDA event, for recycling
+        event.record(torch.cuda.current_stream(index))  # also creates the CUDA event (recycling)
     return event
 
 

@@ -1137,28 +1137,46 @@ def send_is_asynchronous(rank: int, world: int) -> dict:
     return {"call_s": call_s, "total_s": time.perf_counter() - t0, "pending": pending}
 
 
-def stream_ordering(rank: int, world: int) -> str:
+def stream_ordering(rank: int, world: int, sender: int = 0, in_thread: bool = False) -> str:
     """The sender's tensor is written by a slow kernel on the caller's stream right before
     tf.send (the transfer must wait for it); the receiver consumes on another stream after
-    wait_stream (no host wait) and through wait()."""
+    wait_stream (no host wait) and through wait().
+
+    ``in_thread``: each rank calls from a thread it starts, whose current device is device 0
+    whatever the rank's device (CUDA's current device is per thread): the ordering is with the
+    thread's current stream of the rank's device, and the receiver's ``wait_stream()`` with no
+    stream given makes that stream wait too."""
     if rank > 1:
         return "idle"
+    if in_thread:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as thread:
+            return thread.submit(_stream_ordering, rank, sender, True).result()
+    return _stream_ordering(rank, sender, False)
+
+
+def _stream_ordering(rank: int, sender: int, in_thread: bool) -> str:
     n = 1 << 22
-    if rank == 0:
+    if rank == sender:
         x = torch.zeros(n, device=D())
         big = torch.randn(2048, 2048, device=D())
         for _ in range(20):  # keep the current stream busy
             big = big @ big / 2048**0.5
         x.add_(7.0)  # queued behind the matmuls on the caller's stream
-        tf.send(x, 1).wait(T)
+        tf.send(x, 1 - rank).wait(T)
         return "sent"
     y = torch.empty(n, device=D())
-    h = tf.recv(y, 0)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        h.wait_stream()  # this stream now waits for the transfer on the device
+    h = tf.recv(y, 1 - rank)
+    if in_thread:  # the default: this thread's current stream of this rank's device
+        h.wait_stream()
         total = y.sum()
-    side.synchronize()
+    else:
+        side = torch.cuda.Stream(device=D())
+        with torch.cuda.stream(side):
+            h.wait_stream()  # this stream now waits for the transfer on the device
+            total = y.sum()
+        side.synchronize()
     assert total.item() == 7.0 * n, total.item()
     h.wait(T)
     assert torch.all(y == 7.0)
@@ -1784,3 +1802,81 @@ def idle_rank_answers_a_fault(rank: int, world: int) -> float | str | None:
             time.sleep(0.01)
     _reset_my_pairs(rank, world)
     return answered_after
+
+
+def sends_ahead_then_receives_one_by_one(
+    rank: int, world: int, static: bool, transport: str = "auto"
+) -> str:
+    """Ranks 0 and 1 each send four messages ahead, then receive the other's four one at a
+    time, each waited for before the next is posted (torch's ``isend``s, then ``recv``s). A
+    send completes only once the peer posted its receive, and the peer posts its second only
+    after its first completed: a receive's completion held up behind this rank's own unfinished
+    sends would leave both ranks waiting for each other (it did over gloo on an agreed static
+    channel, where sends go out at once)."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    tf._api._reset_pair(peer, timeout=T)  # a fresh channel: its static agreement is this case's
+    shape = (33, 5)
+    data = [payload(rank, peer, 900 + i, shape, torch.float32).to(D()) for i in range(4)]
+    sends = [tf.send(t, peer, static=static, transport=transport) for t in data]
+    for i in range(4):
+        got = poisoned(shape, torch.float32)
+        tf.recv(got, peer, static=static, transport=transport).wait(T)
+        if not same_bytes(got.cpu(), payload(peer, rank, 900 + i, shape, torch.float32)):
+            raise AssertionError(f"message {i} from rank {peer} arrived with wrong bytes")
+    for h in sends:
+        h.wait(T)
+    return "ok"
+
+
+def calls_from_many_threads(
+    rank: int, world: int, seed: int, per_thread: int, static: bool = False
+) -> dict:
+    """Every rank calls from several threads at once: for each peer, two threads send to it
+    and one thread receives all that peer's messages, one at a time, while other threads do
+    the same for the other peers. Messages of one direction share a shape (calls of one rank
+    to one peer are matched in the order they were made, whichever thread made them) and carry
+    their sender thread and number in their bytes: each must arrive once, whole."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    _reset_my_pairs(rank, world)  # fresh static agreements: this seed's shapes
+    rng = random.Random(seed)
+    shapes = {(s, d): (rng.randint(1, 300), 3) for s in range(world) for d in range(world)}
+    peers = [p for p in range(world) if p != rank]
+
+    def message(src: int, dst: int, sender: int, i: int) -> torch.Tensor:
+        t = payload(src, dst, sender * 10_000 + i, shapes[src, dst], torch.float32)
+        t[0, :2] = torch.tensor([sender, i], dtype=torch.float32)  # who sent it, which one
+        return t
+
+    def send_all(dst: int, sender: int) -> None:
+        pending = []
+        for i in range(per_thread):
+            data = message(rank, dst, sender, i).to(D())
+            pending.append(tf.send(data, dst, static=static, timeout=T))
+            if len(pending) > 4:
+                pending.pop(0).wait(T)
+        for h in pending:
+            h.wait(T)
+
+    def receive_all(src: int) -> list:
+        seen = []
+        for _ in range(2 * per_thread):
+            spec = tf.TensorSpec(shapes[src, rank], torch.float32)
+            got = tf.recv(spec, src, static=static, timeout=T).result(T).cpu()
+            sender, i = (int(v) for v in got[0, :2].tolist())
+            if sender not in (0, 1) or not same_bytes(got, message(src, rank, sender, i)):
+                raise AssertionError(f"a message from rank {src} arrived with wrong bytes")
+            seen.append((sender, i))
+        return seen
+
+    with ThreadPoolExecutor(3 * len(peers)) as threads:
+        sends = [threads.submit(send_all, p, k) for p in peers for k in (0, 1)]
+        receives = {p: threads.submit(receive_all, p) for p in peers}
+        for job in sends:
+            job.result()
+        arrived = {p: job.result() for p, job in receives.items()}
+    expected = sorted((k, i) for k in (0, 1) for i in range(per_thread))
+    return {p: sorted(seen) == expected for p, seen in arrived.items()}

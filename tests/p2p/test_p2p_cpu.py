@@ -645,6 +645,27 @@ def test_random_traffic_with_mistakes_ends_promptly_and_never_in_wrong_bytes(poo
             assert "wrong bytes" not in fate, (tag, fates)
 
 
+@pytest.mark.parametrize("transport", ["gloo", "gloo-spec"])
+@pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
+def test_sends_ahead_then_receives_waited_one_by_one_finish(pool, static, transport):
+    """Both ranks send ahead, then wait for each receive before posting the next: over gloo
+    on an agreed static channel (sends go at once) a receive's completion used to wait behind
+    the rank's own sends, which wait for the peer's next receive: both ranks timed out."""
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    assert pool.run("sends_ahead_then_receives_one_by_one", static, transport) == [
+        "ok", "ok", "idle"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
+def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool, static):
+    """Every rank sends and receives from six threads at once (two senders and one receiver
+    per peer): every message arrives once, with its bytes."""
+    for seed in (5, 6):
+        sides = pool.run("calls_from_many_threads", seed, 30, static, timeout=120)
+        assert sides == [{p: True for p in range(WORLD) if p != r} for r in range(WORLD)]
+
+
 def test_a_batch_with_several_peers_does_not_wait_for_one_that_waits_for_another():
     """As torch's batch_isend_irecv: over gloo each peer's part of a batch goes as soon as it
     can (see the case)."""

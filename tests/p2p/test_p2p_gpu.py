@@ -132,6 +132,25 @@ def test_stream_ordering(pool):
     assert pool.run("stream_ordering") == ["sent", "ok"]
 
 
+@pytest.mark.parametrize("sender", [0, 1])
+def test_stream_ordering_from_threads_whose_current_device_is_another(pool, sender):
+    """Calls from threads the caller started (current device 0 on both ranks): rank 1's
+    ordering is with its thread's current stream of cuda:1, not of cuda:0."""
+    expected = ["sent", "ok"] if sender == 0 else ["ok", "sent"]
+    assert pool.run("stream_ordering", sender, True) == expected
+
+
+def test_sends_ahead_then_receives_waited_one_by_one_finish(pool):
+    for static in (False, True):
+        assert pool.run("sends_ahead_then_receives_one_by_one", static) == ["ok", "ok"]
+
+
+def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool):
+    for static in (False, True):
+        sides = pool.run("calls_from_many_threads", 5, 20, static, timeout=120)
+        assert sides == [{1: True}, {0: True}]
+
+
 def test_send_returns_before_the_transfer(pool):
     result = pool.run("send_is_asynchronous")[0]
     assert result["pending"], result  # returned while its stream still had matmuls to run
