@@ -97,7 +97,7 @@ def worker(rank, world, cfg):
                 if rank == 0:
                     items = _check_tensors([x], device, "tensors")
                     text = descriptor_text(describe(items))
-                    caller = record_on_current_stream()
+                    caller = record_on_current_stream(device.index)
                     with on_stream(stream):
                         stream.wait_event(caller)
                         lib.group_start()

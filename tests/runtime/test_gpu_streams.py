@@ -133,7 +133,10 @@ def test_caller_events_follow_the_current_stream_and_are_reused(device):
         for _ in range(3):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(20_000_000)  # the event must wait for this
-                event = _events.record_on_current_stream()
+                # From a thread whose current device is another (device 0): the given device's
+                # current stream is the one recorded on.
+                with torch.cuda.device(0):
+                    event = _events.record_on_current_stream(device)
             assert event.device == torch.device("cuda", device)
             assert not event.query(), "recorded behind a running kernel: still pending"
             stream.synchronize()
