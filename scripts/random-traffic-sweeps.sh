@@ -2,9 +2,10 @@
 # Five random-traffic loops (scripts/random_traffic_probe.py) side by side on this host's CPUs
 # until LIMIT seconds pass, then a per-loop summary. Runs that end in a timeout keep their output
 # and traces in one archive, $OUT/timeouts.tgz (one file: the device machine caps file counts).
-# Usage: [TIERS=1] [LIMIT=300] [MODE=mixed|gloo] bash scripts/random-traffic-sweeps.sh
+# Usage: [TIERS=1] [LIMIT=300] [MODE=mixed|gloo|programs] bash scripts/random-traffic-sweeps.sh
 #   TIERS=1 first runs the one-GPU test tier; MODE=gloo runs plain gloo in five seed ranges,
-#   mixed runs gloo-spec lanes (one with broken messages) beside one plain gloo lane.
+#   mixed runs gloo-spec lanes (one with broken messages) beside one plain gloo lane, programs
+#   runs the probe's --programs case (three and four ranks, gloo and gloo-spec).
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
@@ -27,6 +28,12 @@ if [ "${MODE:-mixed}" = gloo ]; then  # plain gloo only, five seed ranges
   lane c --count 24 --seeds 1200:1300 &
   lane d --count 24 --seeds 1300:1400 &
   lane e --count 24 --seeds 1400:1500 &
+elif [ "${MODE:-mixed}" = programs ]; then  # each rank in an order of its own, waits between
+  lane a --programs --count 24 --seeds 1000:1100 &
+  lane b --programs --transport gloo-spec --count 24 --seeds 1000:1100 &
+  lane c --programs --count 32 --world 4 --seeds 2000:2100 &
+  lane d --programs --transport gloo-spec --count 32 --world 4 --seeds 2000:2100 &
+  lane e --programs --count 48 --seeds 3000:3100 &
 else
   lane a --transport gloo-spec --count 24 --seeds 1100:1200 &
   lane b --transport gloo-spec --count 24 --seeds 1150:1200 &

@@ -8,9 +8,12 @@ fail on both sides, promptly. Prints, per seed, the messages whose two sides end
 differently or by a timeout (each side's outcome: ``ok``, an error's class name).
 
 Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
-[--seeds A:B] [--changed P] [--broken P] [--wait S] [--world N] [--trace DIR]`` (``--broken``:
-as ``--changed`` for static messages, default 0; ``--wait``: seconds each wait of the case takes
-at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3; ``--trace``:
+[--seeds A:B] [--changed P] [--broken P] [--early P] [--wait S] [--world N] [--trace DIR]``
+(``--broken``: as ``--changed`` for static messages, default 0; ``--early``: the share of messages
+waited for at once, in calls of their own, default 0; ``--programs``: runs the ``random_programs``
+case instead, each rank calling in an order of its own and waiting between calls, without mistakes
+(``--changed``, ``--broken``, ``--early`` do not apply); ``--wait``: seconds each wait of the case
+takes at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3; ``--trace``:
 each rank keeps its p2p engine's last events (``TENSORFERRY_P2P_TRACE``, 20000 unless set) and
 writes them to ``DIR/seed<S>-rank<R>.txt`` when a message of seed ``S`` timed out).
 
@@ -41,6 +44,8 @@ def main() -> None:
     parser.add_argument("--wait", type=float, default=3.0)
     parser.add_argument("--world", type=int, default=3)
     parser.add_argument("--broken", type=float, default=0.0)
+    parser.add_argument("--early", type=float, default=0.0)
+    parser.add_argument("--programs", action="store_true")
     parser.add_argument("--trace", metavar="DIR")
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
@@ -55,16 +60,12 @@ def main() -> None:
     try:
         pool.run("register_speculating_gloo")
         for seed in range(first, last):
-            sides = pool.run(
-                "random_traffic",
-                seed,
-                args.count,
-                args.transport,
-                args.changed,
-                args.wait,
-                args.broken,
-                timeout=600,
-            )
+            if args.programs:
+                case = ("random_programs", seed, args.count, args.transport, args.wait)
+            else:
+                case = ("random_traffic", seed, args.count, args.transport, args.changed)
+                case += (args.wait, args.broken, args.early)
+            sides = pool.run(*case, timeout=600)
             fates: dict[int, list[str]] = {}
             for outcomes in sides:
                 for tag, outcome in outcomes.items():

@@ -12,6 +12,7 @@ import datetime
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -1316,6 +1317,7 @@ def random_traffic(
     changed: float = 0.0,
     wait: float = T,
     broken: float = 0.0,
+    early: float = 0.0,
 ) -> dict:
     """Every rank derives one script from ``seed``: ``count`` messages between random ordered
     pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
@@ -1329,6 +1331,10 @@ def random_traffic(
 
     ``wait``: each call's timeout and each wait's bound, in seconds. ``broken``: as
     ``changed``, for the static messages: each one so sent breaks its direction's promise.
+    ``early``: the share of messages that both sides carry in a call of their own and wait for
+    at once, before their next call (a program that needs a message before it goes on). Every
+    rank's waits are then for messages earlier in the script than anything it has yet to
+    call, so a correct layer never leaves them waiting for each other.
 
     With ``changed``, that share of the non-static messages leave with a tensor one row longer
     than their receiver expects: they fail on both sides, and so may others of the calls that
@@ -1340,13 +1346,12 @@ def random_traffic(
     ``sendrecv``)."""
     import random
 
-    from tensorferry.errors import TensorFerryError
-
     script = random.Random(seed)
     pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
     static = {pair: script.random() < 0.5 for pair in pairs}
     fixed = {pair: _random_layout(script) for pair in pairs}
     segments: list[list] = []
+    waited_at_once: set[int] = set()
     for tag in range(count):
         if not segments or script.random() < 1 / 8:
             segments.append([])
@@ -1356,6 +1361,8 @@ def random_traffic(
             mistake = script.random() < changed
         else:  # (no draw without ``broken``: the scripts of earlier seeds stay as they were)
             mistake = broken > 0 and script.random() < broken
+        if early > 0 and script.random() < early:  # (no draw without it, as for ``broken``)
+            waited_at_once.add(7000 + tag)
         segments[-1].append((src, dst, 7000 + tag, layout, mistake))
     own = random.Random(seed * 1009 + rank)  # this rank's grouping and waits
     try:
@@ -1385,12 +1392,15 @@ def random_traffic(
         i = 0
         while i < len(mine):
             first, pick = mine[i], own.random()
+            if first[5] in waited_at_once:
+                pick = 1.0  # a call of its own, waited for below
             if pick < 0.3:  # a batch of the next few messages of the same static-ness
                 group, size = [first], own.randint(2, 6)
                 while len(group) < size and i + len(group) < len(mine):
-                    if mine[i + len(group)][4] != first[4]:
+                    following = mine[i + len(group)]
+                    if following[4] != first[4] or following[5] in waited_at_once:
                         break
-                    group.append(mine[i + len(group)])
+                    group.append(following)
                 covers = []
                 with tf.batch(static=first[4], transport=transport, timeout=wait) as b:
                     for kind, peer, tensors, sent, _, tag in group:
@@ -1404,7 +1414,8 @@ def random_traffic(
                 continue
             if pick < 0.45 and i + 1 < len(mine):  # a sendrecv, if these are a send and a recv
                 second = mine[i + 1]
-                if {first[0], second[0]} == {"send", "recv"} and first[4] == second[4]:
+                alike = first[4] == second[4] and second[5] not in waited_at_once
+                if {first[0], second[0]} == {"send", "recv"} and alike:
                     out, into = (first, second) if first[0] == "send" else (second, first)
                     handle = tf.sendrecv(
                         out[2], out[1], into[2], into[1], static=first[4], transport=transport,
@@ -1416,28 +1427,146 @@ def random_traffic(
             kind, peer, tensors, sent, is_static, tag = first
             call = tf.send if kind == "send" else tf.recv
             handle = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
-            calls.append((handle, [(tag, handle if kind == "recv" else None, sent)]))
+            covers = [(tag, handle if kind == "recv" else None, sent)]
+            if tag in waited_at_once:
+                outcomes.update(_traffic_outcomes(handle, covers, wait))
+            else:
+                calls.append((handle, covers))
             i += 1
         own.shuffle(calls)
         for handle, covers in calls:
-            try:
-                handle.wait(wait)
-            except TensorFerryError as exc:
-                failed = type(exc).__name__
-                if len(covers) > 1:  # a call of several messages fails whole
-                    failed += f" (with {len(covers) - 1} more)"
-                outcomes.update((tag, failed) for tag, _, _ in covers)
-                continue
-            for tag, got, sent in covers:
-                if got is None:
-                    outcomes[tag] = "ok"
-                    continue
-                got = got.result(wait) if isinstance(got, tf.Transfer) else got
-                got = got if isinstance(got, list) else [got]
-                right = len(got) == len(sent) and all(map(same_bytes, got, sent))
-                outcomes[tag] = "ok" if right else "wrong bytes"
+            outcomes.update(_traffic_outcomes(handle, covers, wait))
     if any("Timeout" in outcome for outcome in outcomes.values()):
         _keep_trace(rank, f"seed{seed}")
+    return outcomes
+
+
+def random_programs(
+    rank: int, world: int, seed: int, count: int, transport: str = "auto", wait: float = T
+) -> dict:
+    """Every rank derives from ``seed`` the programs of all ranks: ``count`` messages between
+    random ordered pairs, each rank calling its side of them in an order of its own (any order
+    that keeps each direction's messages in their order, as two ranks' programs may), with
+    waits between its calls: for a message it called, at once or later. A direction is static
+    (one layout, ``static=True`` on both sides) or not (a new layout each message).
+
+    Waits are placed as a program's author may place them, not only where a single global
+    order would: a rank may send ahead, then wait for a receive before its next call. Where
+    the ranks' programs together could never finish (each waiting for a call the other makes
+    only after its own wait), the wait is moved to the program's end: the script is checked by
+    running all programs step by step, as a correct layer would, before any call is made.
+
+    Returns ``{tag: outcome}`` for this rank's side of each of its messages (as
+    ``random_traffic``)."""
+    import random
+
+    script = random.Random(seed)
+    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
+    static = {pair: script.random() < 0.5 for pair in pairs}
+    fixed = {pair: _random_layout(script) for pair in pairs}
+    messages = []  # (src, dst, tag, layout)
+    for tag in range(8000, 8000 + count):
+        src, dst = script.choice(pairs)
+        layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
+        messages.append((src, dst, tag, layout))
+    programs = [_random_program(script, r, world, messages) for r in range(world)]
+    _drop_waits_that_cannot_end(programs, messages)
+    own = random.Random(seed * 1013 + rank)  # this rank's buffers (poisoned or specs)
+    try:
+        _reset_my_pairs(rank, world)
+    except TimeoutError:
+        _keep_trace(rank, f"program{seed}-reset")
+        raise
+    by_tag = {m[2]: m for m in messages}
+    handles: dict[int, tuple] = {}
+    outcomes: dict[int, str] = {}
+    for step, tag in programs[rank]:
+        src, dst, _, layout = by_tag[tag]
+        if step == "wait":
+            handle, covers = handles.pop(tag)
+            outcomes.update(_traffic_outcomes(handle, covers, wait))
+            continue
+        sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in enumerate(layout)]
+        is_static = static[(src, dst)]
+        if rank == src:
+            h = tf.send(sent, dst, static=is_static, transport=transport, timeout=wait)
+            handles[tag] = (h, [(tag, None, None)])
+        else:
+            if own.random() < 0.5:
+                buffers: list = [poisoned(s, d) for s, d in layout]
+            else:
+                buffers = [tf.TensorSpec(s, d) for s, d in layout]
+            h = tf.recv(buffers, src, static=is_static, transport=transport, timeout=wait)
+            handles[tag] = (h, [(tag, h, sent)])
+    for tag in list(handles):  # the waits left to the end, in call order
+        handle, covers = handles.pop(tag)
+        outcomes.update(_traffic_outcomes(handle, covers, wait))
+    if any("Timeout" in outcome for outcome in outcomes.values()):
+        _keep_trace(rank, f"program{seed}")
+    return outcomes
+
+
+def _random_program(script: Any, rank: int, world: int, messages: list) -> list:
+    """``rank``'s calls (``("call", tag)``) in a random order that keeps each direction's
+    order, with a wait (``("wait", tag)``) after some of them, for a message called before."""
+    queues: dict[tuple[int, int], list[int]] = {}
+    for src, dst, tag, _ in messages:
+        if rank in (src, dst):
+            queues.setdefault((src, dst), []).append(tag)
+    program, called = [], []
+    while any(queues.values()):
+        direction = script.choice([d for d, q in queues.items() if q])
+        tag = queues[direction].pop(0)
+        program.append(("call", tag))
+        called.append(tag)
+        if script.random() < 0.4:  # wait now for one called message not waited for yet
+            program.append(("wait", called.pop(script.randrange(len(called)))))
+    return program
+
+
+def _drop_waits_that_cannot_end(programs: list, messages: list) -> None:
+    """Runs every rank's program step by step, as a correct layer would carry them (a message
+    finishes once both its sides are called: each direction's messages are called in one order on
+    both sides, so the ones before it were too); each wait that leaves every rank stuck is taken out
+    (its message is then waited for at the program's end). Edits ``programs`` in place."""
+    sides = {tag: 2 for _, _, tag, _ in messages}
+    at = [0] * len(programs)
+    while any(at[r] < len(p) for r, p in enumerate(programs)):
+        moved = False
+        for r, program in enumerate(programs):
+            while at[r] < len(program):
+                step, tag = program[at[r]]
+                if step == "call":
+                    sides[tag] -= 1
+                elif sides[tag] > 0:
+                    break
+                at[r] += 1
+                moved = True
+        if not moved:  # every unfinished rank waits: drop the first such wait found
+            stuck = next(r for r, p in enumerate(programs) if at[r] < len(p))
+            del programs[stuck][at[stuck]]
+
+
+def _traffic_outcomes(handle: tf.Transfer, covers: list, wait: float) -> dict[int, str]:
+    """Waits for one call of ``random_traffic``; the outcome of each message it carries."""
+    from tensorferry.errors import TensorFerryError
+
+    try:
+        handle.wait(wait)
+    except TensorFerryError as exc:
+        failed = type(exc).__name__
+        if len(covers) > 1:  # a call of several messages fails whole
+            failed += f" (with {len(covers) - 1} more)"
+        return {tag: failed for tag, _, _ in covers}
+    outcomes = {}
+    for tag, got, sent in covers:
+        if got is None:
+            outcomes[tag] = "ok"
+            continue
+        got = got.result(wait) if isinstance(got, tf.Transfer) else got
+        got = got if isinstance(got, list) else [got]
+        right = len(got) == len(sent) and all(map(same_bytes, got, sent))
+        outcomes[tag] = "ok" if right else "wrong bytes"
     return outcomes
 
 

@@ -145,6 +145,13 @@ def test_sends_ahead_then_receives_waited_one_by_one_finish(pool):
         assert pool.run("sends_ahead_then_receives_one_by_one", static) == ["ok", "ok"]
 
 
+@pytest.mark.parametrize("seed", [1000, 1002, 1011, 1020])
+def test_random_programs_with_waits_between_calls_finish_byte_for_byte(pool, seed):
+    sides = pool.run("random_programs", seed, 24, "auto", timeout=120)
+    assert sum(len(s) for s in sides) == 2 * 24  # every message has two sides
+    assert all(outcome == "ok" for s in sides for outcome in s.values()), sides
+
+
 def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool):
     for static in (False, True):
         sides = pool.run("calls_from_many_threads", 5, 20, static, timeout=120)
