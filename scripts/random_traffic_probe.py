@@ -11,11 +11,11 @@ Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--
 [--seeds A:B] [--changed P] [--broken P] [--early P] [--wait S] [--world N] [--trace DIR]``
 (``--broken``: as ``--changed`` for static messages, default 0; ``--early``: the share of messages
 waited for at once, in calls of their own, default 0; ``--programs``: runs the ``random_programs``
-case instead, each rank calling in an order of its own and waiting between calls, without mistakes
-(``--changed``, ``--broken``, ``--early`` do not apply); ``--wait``: seconds each wait of the case
-takes at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3; ``--trace``:
-each rank keeps its p2p engine's last events (``TENSORFERRY_P2P_TRACE``, 20000 unless set) and
-writes them to ``DIR/seed<S>-rank<R>.txt`` when a message of seed ``S`` timed out).
+case instead, each rank calling in an order of its own and waiting between calls (``--changed`` then
+applies to every message; ``--broken`` and ``--early`` do not apply); ``--wait``: seconds each wait
+of the case takes at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3;
+``--trace``: each rank keeps its p2p engine's last events (``TENSORFERRY_P2P_TRACE``, 20000 unless
+set) and writes them to ``DIR/seed<S>-rank<R>.txt`` when a message of seed ``S`` timed out).
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
@@ -62,6 +62,7 @@ def main() -> None:
         for seed in range(first, last):
             if args.programs:
                 case = ("random_programs", seed, args.count, args.transport, args.wait)
+                case += (args.changed,)
             else:
                 case = ("random_traffic", seed, args.count, args.transport, args.changed)
                 case += (args.wait, args.broken, args.early)

@@ -1442,7 +1442,13 @@ def random_traffic(
 
 
 def random_programs(
-    rank: int, world: int, seed: int, count: int, transport: str = "auto", wait: float = T
+    rank: int,
+    world: int,
+    seed: int,
+    count: int,
+    transport: str = "auto",
+    wait: float = T,
+    changed: float = 0.0,
 ) -> dict:
     """Every rank derives from ``seed`` the programs of all ranks: ``count`` messages between
     random ordered pairs, each rank calling its side of them in an order of its own (any order
@@ -1456,6 +1462,9 @@ def random_programs(
     only after its own wait), the wait is moved to the program's end: the script is checked by
     running all programs step by step, as a correct layer would, before any call is made.
 
+    ``changed``: the share of messages sent with a tensor one row longer than their receiver
+    expects (static or not): they fail on both sides, and so may others in flight on that pair.
+
     Returns ``{tag: outcome}`` for this rank's side of each of its messages (as
     ``random_traffic``)."""
     import random
@@ -1465,10 +1474,13 @@ def random_programs(
     static = {pair: script.random() < 0.5 for pair in pairs}
     fixed = {pair: _random_layout(script) for pair in pairs}
     messages = []  # (src, dst, tag, layout)
+    mistakes = set()
     for tag in range(8000, 8000 + count):
         src, dst = script.choice(pairs)
         layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
         messages.append((src, dst, tag, layout))
+        if changed > 0 and script.random() < changed:  # (no draw without: seeds stay as were)
+            mistakes.add(tag)
     programs = [_random_program(script, r, world, messages) for r in range(world)]
     _drop_waits_that_cannot_end(programs, messages)
     own = random.Random(seed * 1013 + rank)  # this rank's buffers (poisoned or specs)
@@ -1489,6 +1501,9 @@ def random_programs(
         sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in enumerate(layout)]
         is_static = static[(src, dst)]
         if rank == src:
+            if tag in mistakes:
+                sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in
+                        enumerate(_changed(layout))]  # fmt: skip
             h = tf.send(sent, dst, static=is_static, transport=transport, timeout=wait)
             handles[tag] = (h, [(tag, None, None)])
         else:
