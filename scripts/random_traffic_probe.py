@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--broken", type=float, default=0.0)
     parser.add_argument("--early", type=float, default=0.0)
     parser.add_argument("--programs", action="store_true")
+    parser.add_argument("--batches", type=float, default=0.0)
     parser.add_argument("--trace", metavar="DIR")
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
@@ -62,7 +63,7 @@ def main() -> None:
         for seed in range(first, last):
             if args.programs:
                 case = ("random_programs", seed, args.count, args.transport, args.wait)
-                case += (args.changed,)
+                case += (args.changed, args.batches)
             else:
                 case = ("random_traffic", seed, args.count, args.transport, args.changed)
                 case += (args.wait, args.broken, args.early)

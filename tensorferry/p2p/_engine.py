@@ -569,7 +569,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         for unit in list(self._units):
             if unit.state != "waiting":
                 continue
-            if self._goes_per_peer(unit):
+            if self._goes_in_parts(unit):
                 self._issue_parts(unit)
             elif self._issuable(unit):
                 self._issue(unit)

@@ -223,7 +223,7 @@ class PairFaults:
         units = [u for u in self._all_units() if peer.rank in u.peers]
         if numbered is None:
             return [], units, {}
-        doomed = [u for u in units if u.state != "waiting" or u.issued_peers]
+        doomed = [u for u in units if u.state != "waiting" or u.issued_parts]
         while True:
             skipped = {}
             for kind in _KINDS:

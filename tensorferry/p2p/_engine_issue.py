@@ -32,7 +32,7 @@ _RESTEP_S = 20e-6
 
 
 class Issuing:
-    """Issuing units (whole, or peer by peer) once they may go, and completing them."""
+    """Issuing units (whole, or in parts) once they may go, and completing them."""
 
     def _issuable(self, unit: Unit) -> bool:
         return self._after_allows(unit) and self._may_go(unit.messages)
@@ -73,44 +73,62 @@ class Issuing:
             self._retire(self._peers[message.op.peer].channels[message.op.kind], message.seq)
         self._start(unit)
 
-    def _goes_per_peer(self, unit: Unit) -> bool:
-        """Whether ``unit`` is issued peer by peer (see ``Transport.issues_per_peer``)."""
-        return (
-            len(unit.messages) > 1  # a lone message (the commonest unit) never is
-            and len(unit.peers) > 1
-            and all(self.ctx.transport(m.transport).issues_per_peer for m in unit.messages)
-        )
+    def _goes_in_parts(self, unit: Unit) -> bool:
+        """Whether ``unit`` is issued in parts, peer by peer or message by message (see
+        ``Transport.issues_per_peer`` and ``issues_per_message``)."""
+        if len(unit.messages) == 1:  # a lone message (the commonest unit) never is
+            return False
+        transports = [self.ctx.transport(m.transport) for m in unit.messages]
+        if not all(t.issues_per_peer for t in transports):
+            return False
+        return len(unit.peers) > 1 or all(t.issues_per_message for t in transports)
+
+    def _parts(self, unit: Unit) -> dict[tuple, list[Message]]:
+        """``unit``'s messages by the part they go in: one per message where every transport
+        of the unit issues so, else one per peer. A message's key holds its place in the unit,
+        not its number (which a fault may change): keys sort in each channel's order."""
+        per_message = all(self.ctx.transport(m.transport).issues_per_message for m in unit.messages)
+        parts: dict[tuple, list[Message]] = {}
+        for index, m in enumerate(unit.messages):
+            key = (m.op.peer, m.op.kind, index) if per_message else (m.op.peer,)
+            parts.setdefault(key, []).append(m)
+        return parts
 
     def _issue_parts(self, unit: Unit) -> None:
-        """Issues each peer's part of ``unit`` that may go (see ``Transport.issues_per_peer``),
-        and once every part went, hands the unit's completion to the completion pool."""
+        """Issues every part of ``unit`` that may go now, in one start (see
+        :meth:`_goes_in_parts`), and once every part went, hands the unit's completion to the
+        completion pool."""
         if not self._after_allows(unit):
             return
-        went = set(unit.issued_peers or ())
-        for rank in sorted(unit.peers - went):
-            part = [m for m in unit.messages if m.op.peer == rank]
+        went = set(unit.issued_parts or ())
+        parts = self._parts(unit)
+        ready: list[Message] = []
+        for key in sorted(parts.keys() - went):  # a channel's earlier messages first
+            part = parts[key]
             if not self._may_go(part):
                 continue
             for message in part:
-                self._retire(self._peers[rank].channels[message.op.kind], message.seq)
-            went.add(rank)
-            unit.issued_peers = frozenset(went)
+                self._retire(self._peers[message.op.peer].channels[message.op.kind], message.seq)
+            went.add(key)
+            ready.extend(part)
+        if ready:
+            unit.issued_parts = frozenset(went)
             if log.isEnabledFor(logging.DEBUG):
                 what = unit.transfer.description
-                log.debug("p2p: issuing the part with rank %d of %s", rank, what)
+                log.debug("p2p: issuing %d message(s) of %s", len(ready), what)
             try:
-                self.ctx.issue_on_host(unit, part)
+                self.ctx.issue_on_host(unit, ready)
             except BaseException as exc:
                 err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
                 self._fail_unit(unit, err, cascade=True, skip_peer=None)
                 return
-        if len(went) == len(unit.peers):
+        if len(went) == len(parts):
             self._units.remove(unit)
             self._start(unit, started=True)
 
     def _start(self, unit: Unit, *, started: bool = False) -> None:
         """Issues ``unit`` (its messages numbered, agreed and retired; with ``started``, issued
-        already, peer by peer) and hands its completion to the completion pool."""
+        already, in parts) and hands its completion to the completion pool."""
         if log.isEnabledFor(logging.DEBUG) and not started:
             log.debug("p2p: issuing %s", unit.transfer.description)
         unit.state = "issued"

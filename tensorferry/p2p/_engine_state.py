@@ -51,9 +51,10 @@ class Unit:
     """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
     awaited: bool = False
     """A later unit waits for this one to finish (its ``after``): finishing wakes the engine."""
-    issued_peers: frozenset[int] | None = None
-    """The peers whose messages went already, where they go one peer at a time (see
-    ``Transport.issues_per_peer``): the unit stays waiting until every peer's did."""
+    issued_parts: frozenset[tuple] | None = None
+    """The parts whose messages went already, where they go one part at a time: ``(peer,)``
+    or ``(peer, kind, index in the unit)`` (see ``Transport.issues_per_peer`` and
+    ``issues_per_message``). The unit stays waiting until every part did."""
     ready: Any = None
     """Once issued: true when its work finished (never blocks)."""
     settle: Any = None

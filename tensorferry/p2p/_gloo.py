@@ -209,6 +209,7 @@ class GlooTransport(Transport):
     device_type = "cpu"
     static_skips_headers = True  # an abandoned gloo receive fails, it never completes
     issues_per_peer = True  # each pair is its own process group
+    issues_per_message = True  # each direction of a pair has its own waiter
 
     def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
         return 50e-6 + nbytes / 2e9

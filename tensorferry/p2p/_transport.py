@@ -376,11 +376,21 @@ class Transport(abc.ABC):
 
     issues_per_peer: ClassVar[bool] = False
     """Whether a call's messages with one peer may be started apart from those with its other
-    peers, each as soon as they can go (``start`` called once per peer), as torch's
-    ``batch_isend_irecv`` posts every operation at once. True where operations with different
-    peers never wait for one another (gloo's pairs). Otherwise a call spanning several peers
-    starts as one group once every message in it can go (NCCL: groups queued on one stream run
-    one after another, so two of one ring step could each wait for the other's peer)."""
+    peers, each as soon as they can go (``start`` called with those that can go at the time),
+    as torch's ``batch_isend_irecv`` posts every operation at once. True where operations with
+    different peers never wait for one another (gloo's pairs). Otherwise a call spanning
+    several peers starts as one group once every message in it can go (NCCL: groups queued on
+    one stream run one after another, so two of one ring step could each wait for the other's
+    peer)."""
+
+    issues_per_message: ClassVar[bool] = False
+    """With :attr:`issues_per_peer`: whether each message of a call may be started on its own,
+    as soon as it can go, apart from the call's other messages with the same peer. True where
+    a pair's messages wait only for their own counterparts (gloo: one waiter per direction,
+    and each direction's messages match in order). Then a batch finishes wherever torch's
+    ``batch_isend_irecv`` would, such as a batch of a send and a receive with one peer that
+    receives first and only then sends back; messages that can go together still start in one
+    call."""
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

@@ -1449,12 +1449,13 @@ def random_programs(
     transport: str = "auto",
     wait: float = T,
     changed: float = 0.0,
+    batches: float = 0.0,
 ) -> dict:
     """Every rank derives from ``seed`` the programs of all ranks: ``count`` messages between
     random ordered pairs, each rank calling its side of them in an order of its own (any order
     that keeps each direction's messages in their order, as two ranks' programs may), with
-    waits between its calls: for a message it called, at once or later. A direction is static
-    (one layout, ``static=True`` on both sides) or not (a new layout each message).
+    waits between its calls: for a call it made, at once or later. A direction is static (one
+    layout, ``static=True`` on both sides) or not (a new layout each message).
 
     Waits are placed as a program's author may place them, not only where a single global
     order would: a rank may send ahead, then wait for a receive before its next call. Where
@@ -1464,6 +1465,10 @@ def random_programs(
 
     ``changed``: the share of messages sent with a tensor one row longer than their receiver
     expects (static or not): they fail on both sides, and so may others in flight on that pair.
+    ``batches``: the share of calls that are a ``tf.batch`` of two to four messages (with any
+    peers, both directions, all static or none), each of which goes as soon as it can, as with
+    torch's ``batch_isend_irecv``: what gloo promises, not NCCL (where a batch goes once every
+    message in it can).
 
     Returns ``{tag: outcome}`` for this rank's side of each of its messages (as
     ``random_traffic``)."""
@@ -1481,7 +1486,9 @@ def random_programs(
         messages.append((src, dst, tag, layout))
         if changed > 0 and script.random() < changed:  # (no draw without: seeds stay as were)
             mistakes.add(tag)
-    programs = [_random_program(script, r, world, messages) for r in range(world)]
+    programs = [
+        _random_program(script, r, messages, static, batches) for r in range(world)
+    ]  # fmt: skip
     _drop_waits_that_cannot_end(programs, messages)
     own = random.Random(seed * 1013 + rank)  # this rank's buffers (poisoned or specs)
     try:
@@ -1490,40 +1497,57 @@ def random_programs(
         _keep_trace(rank, f"program{seed}-reset")
         raise
     by_tag = {m[2]: m for m in messages}
-    handles: dict[int, tuple] = {}
-    outcomes: dict[int, str] = {}
-    for step, tag in programs[rank]:
+
+    def side(tag: int) -> tuple:
+        """(kind, peer, tensors or buffers, what arrives, static) of this rank's side."""
         src, dst, _, layout = by_tag[tag]
+        if rank == src:
+            shapes = _changed(layout) if tag in mistakes else layout
+            sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in
+                    enumerate(shapes)]  # fmt: skip
+            return "send", dst, sent, None, static[(src, dst)]
+        sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in enumerate(layout)]
+        if own.random() < 0.5:
+            buffers: list = [poisoned(s, d) for s, d in layout]
+        else:
+            buffers = [tf.TensorSpec(s, d) for s, d in layout]
+        return "recv", src, buffers, sent, static[(src, dst)]
+
+    handles: dict[tuple, tuple] = {}
+    outcomes: dict[int, str] = {}
+    for step, tags in programs[rank]:
         if step == "wait":
-            handle, covers = handles.pop(tag)
+            handle, covers = handles.pop(tags)
             outcomes.update(_traffic_outcomes(handle, covers, wait))
             continue
-        sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in enumerate(layout)]
-        is_static = static[(src, dst)]
-        if rank == src:
-            if tag in mistakes:
-                sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in
-                        enumerate(_changed(layout))]  # fmt: skip
-            h = tf.send(sent, dst, static=is_static, transport=transport, timeout=wait)
-            handles[tag] = (h, [(tag, None, None)])
-        else:
-            if own.random() < 0.5:
-                buffers: list = [poisoned(s, d) for s, d in layout]
-            else:
-                buffers = [tf.TensorSpec(s, d) for s, d in layout]
-            h = tf.recv(buffers, src, static=is_static, transport=transport, timeout=wait)
-            handles[tag] = (h, [(tag, h, sent)])
-    for tag in list(handles):  # the waits left to the end, in call order
-        handle, covers = handles.pop(tag)
+        sides = [(tag, *side(tag)) for tag in tags]
+        if len(sides) == 1:
+            tag, kind, peer, tensors, sent, is_static = sides[0]
+            call = tf.send if kind == "send" else tf.recv
+            h = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
+            handles[tags] = (h, [(tag, h if kind == "recv" else None, sent)])
+            continue
+        covers = []
+        with tf.batch(static=sides[0][5], transport=transport, timeout=wait) as b:
+            for tag, kind, peer, tensors, sent, _ in sides:
+                if kind == "send":
+                    b.send(tensors, peer)
+                    covers.append((tag, None, None))
+                else:
+                    covers.append((tag, b.recv(tensors, peer), sent))
+        handles[tags] = (b, covers)
+    for tags in list(handles):  # the waits left to the end, in call order
+        handle, covers = handles.pop(tags)
         outcomes.update(_traffic_outcomes(handle, covers, wait))
     if any("Timeout" in outcome for outcome in outcomes.values()):
         _keep_trace(rank, f"program{seed}")
     return outcomes
 
 
-def _random_program(script: Any, rank: int, world: int, messages: list) -> list:
-    """``rank``'s calls (``("call", tag)``) in a random order that keeps each direction's
-    order, with a wait (``("wait", tag)``) after some of them, for a message called before."""
+def _random_program(script: Any, rank: int, messages: list, static: dict, batches: float) -> list:
+    """``rank``'s calls (``("call", tags)``: one message, or a batch of several) in a random
+    order that keeps each direction's order, with a wait (``("wait", tags)``) after some of
+    them, for a call made before."""
     queues: dict[tuple[int, int], list[int]] = {}
     for src, dst, tag, _ in messages:
         if rank in (src, dst):
@@ -1531,29 +1555,36 @@ def _random_program(script: Any, rank: int, world: int, messages: list) -> list:
     program, called = [], []
     while any(queues.values()):
         direction = script.choice([d for d, q in queues.items() if q])
-        tag = queues[direction].pop(0)
-        program.append(("call", tag))
-        called.append(tag)
-        if script.random() < 0.4:  # wait now for one called message not waited for yet
+        tags = [queues[direction].pop(0)]
+        if batches > 0 and script.random() < batches:  # (no draw without, as for mistakes)
+            for _ in range(script.randint(1, 3)):
+                alike = [d for d, q in queues.items() if q and static[d] == static[direction]]
+                if alike:
+                    tags.append(queues[script.choice(alike)].pop(0))
+        program.append(("call", tuple(tags)))
+        called.append(tuple(tags))
+        if script.random() < 0.4:  # wait now for one call not waited for yet
             program.append(("wait", called.pop(script.randrange(len(called)))))
     return program
 
 
 def _drop_waits_that_cannot_end(programs: list, messages: list) -> None:
     """Runs every rank's program step by step, as a correct layer would carry them (a message
-    finishes once both its sides are called: each direction's messages are called in one order on
-    both sides, so the ones before it were too); each wait that leaves every rank stuck is taken out
-    (its message is then waited for at the program's end). Edits ``programs`` in place."""
+    finishes once both its sides are called: each direction's messages are called in one order
+    on both sides, so the ones before it were too; a call finishes once all its messages did);
+    each wait that leaves every rank stuck is taken out (its call is then waited for at the
+    program's end). Edits ``programs`` in place."""
     sides = {tag: 2 for _, _, tag, _ in messages}
     at = [0] * len(programs)
     while any(at[r] < len(p) for r, p in enumerate(programs)):
         moved = False
         for r, program in enumerate(programs):
             while at[r] < len(program):
-                step, tag = program[at[r]]
+                step, tags = program[at[r]]
                 if step == "call":
-                    sides[tag] -= 1
-                elif sides[tag] > 0:
+                    for tag in tags:
+                        sides[tag] -= 1
+                elif any(sides[tag] > 0 for tag in tags):
                     break
                 at[r] += 1
                 moved = True
@@ -2024,3 +2055,37 @@ def calls_from_many_threads(
         arrived = {p: job.result() for p, job in receives.items()}
     expected = sorted((k, i) for k in (0, 1) for i in range(per_thread))
     return {p: sorted(seen) == expected for p, seen in arrived.items()}
+
+
+def batch_meets_calls_made_one_after_another(
+    rank: int, world: int, static: bool, transport: str
+) -> str:
+    """Rank 0 batches a send to rank 1 with a receive from it, then two sends to it. Rank 1
+    makes its matching calls one at a time, each waited for before the next: it receives,
+    sends back what it got, doubled, then receives twice. With torch's ``batch_isend_irecv``
+    each operation goes at once and all of this finishes; so must it here (over gloo each
+    message of a batch goes as soon as it can)."""
+    if rank > 1:
+        return "idle"
+    tf._api._reset_pair(1 - rank, timeout=T)  # a fresh channel: its static agreement is ours
+    first = payload(0, 1, 1200, (6, 5), torch.float32).to(D())
+    more = [payload(0, 1, 1201 + i, (6, 5), torch.float32).to(D()) for i in range(2)]
+    options = {"static": static, "transport": transport, "timeout": T}
+    if rank == 0:
+        back = poisoned((6, 5), torch.float32)
+        with tf.batch(**options) as b:
+            b.send(first, 1)
+            b.recv(back, 1)
+        b.wait(T)
+        with tf.batch(**options) as b:
+            for t in more:
+                b.send(t, 1)
+        b.wait(T)
+        assert same_bytes(back.cpu(), (first * 2).cpu()), "the answer arrived with wrong bytes"
+        return "ok"
+    got = tf.recv(tf.TensorSpec((6, 5)), 0, **options).result(T)
+    assert same_bytes(got.cpu(), first.cpu()), "the first message arrived with wrong bytes"
+    tf.send(got * 2, 0, **options).wait(T)
+    for t in more:
+        assert same_bytes(tf.recv(tf.TensorSpec((6, 5)), 0, **options).result(T).cpu(), t.cpu())
+    return "ok"

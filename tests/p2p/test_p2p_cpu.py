@@ -669,6 +669,30 @@ def test_sends_ahead_then_receives_waited_one_by_one_finish(pool, static, transp
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("transport", ["gloo", "gloo-spec"])
+@pytest.mark.parametrize("seed", [1000, 1002, 1005])
+def test_random_programs_with_batches_finish_byte_for_byte(pool, seed, transport):
+    """As above, with three calls in ten a batch of two to four messages (any peers, both
+    directions): these seeds timed out while a batch's messages with one peer went together."""
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    sides = pool.run("random_programs", seed, 24, transport, 10.0, 0.0, 0.3, timeout=120)
+    assert sum(len(s) for s in sides) == 2 * 24  # every message has two sides
+    assert all(outcome == "ok" for s in sides for outcome in s.values()), sides
+
+
+@pytest.mark.parametrize("transport", ["gloo", "gloo-spec"])
+@pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
+def test_a_batch_meets_calls_its_peer_makes_one_after_another(pool, static, transport):
+    """Each message of a gloo batch goes as soon as it can (as torch's batch_isend_irecv):
+    a batch of a send and a receive finishes although its peer sends back only after
+    receiving, and a batch of two sends although its peer receives them one at a time. The
+    batch's messages with one peer used to go together, once all of them could: both ranks
+    timed out."""
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    results = pool.run("batch_meets_calls_made_one_after_another", static, transport)
+    assert results == ["ok", "ok", "idle"]
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
 def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool, static):
     """Every rank sends and receives from six threads at once (two senders and one receiver
