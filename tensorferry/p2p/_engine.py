@@ -569,10 +569,12 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         for unit in list(self._units):
             if unit.state != "waiting":
                 continue
-            if self._goes_in_parts(unit):
-                self._issue_parts(unit)
-            elif self._issuable(unit):
+            # Whole where every message may go (one check, one start, the usual case), else
+            # part by part where the transports allow (see Issuing._parts).
+            if self._issuable(unit):
                 self._issue(unit)
+            elif unit.state == "waiting" and self._goes_in_parts(unit):
+                self._issue_parts(unit)
 
     # ------------------------------------------------------------------ commands
     def reset_pair(self, rank: int) -> Future:

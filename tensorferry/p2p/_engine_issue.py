@@ -75,19 +75,24 @@ class Issuing:
 
     def _goes_in_parts(self, unit: Unit) -> bool:
         """Whether ``unit`` is issued in parts, peer by peer or message by message (see
-        ``Transport.issues_per_peer`` and ``issues_per_message``)."""
-        if len(unit.messages) == 1:  # a lone message (the commonest unit) never is
+        ``Transport.issues_per_peer`` and ``issues_per_message``); worked out once per unit."""
+        if unit.parts is None:
+            unit.parts = self._parts(unit)
+        return unit.parts is not False
+
+    def _parts(self, unit: Unit) -> dict[tuple, list[Message]] | bool:
+        """``unit``'s messages by the part they go in, or ``False`` when it goes whole: one
+        part per message where every transport of the unit issues so, else one per peer. A
+        message's key holds its place in the unit, not its number (which a fault may change):
+        keys sort in each channel's order."""
+        if len(unit.messages) == 1:  # a lone message (the commonest unit) goes whole
             return False
         transports = [self.ctx.transport(m.transport) for m in unit.messages]
         if not all(t.issues_per_peer for t in transports):
             return False
-        return len(unit.peers) > 1 or all(t.issues_per_message for t in transports)
-
-    def _parts(self, unit: Unit) -> dict[tuple, list[Message]]:
-        """``unit``'s messages by the part they go in: one per message where every transport
-        of the unit issues so, else one per peer. A message's key holds its place in the unit,
-        not its number (which a fault may change): keys sort in each channel's order."""
-        per_message = all(self.ctx.transport(m.transport).issues_per_message for m in unit.messages)
+        per_message = all(t.issues_per_message for t in transports)
+        if not per_message and len(unit.peers) == 1:
+            return False
         parts: dict[tuple, list[Message]] = {}
         for index, m in enumerate(unit.messages):
             key = (m.op.peer, m.op.kind, index) if per_message else (m.op.peer,)
@@ -101,7 +106,7 @@ class Issuing:
         if not self._after_allows(unit):
             return
         went = set(unit.issued_parts or ())
-        parts = self._parts(unit)
+        parts = unit.parts
         ready: list[Message] = []
         for key in sorted(parts.keys() - went):  # a channel's earlier messages first
             part = parts[key]

@@ -51,6 +51,9 @@ class Unit:
     """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
     awaited: bool = False
     """A later unit waits for this one to finish (its ``after``): finishing wakes the engine."""
+    parts: Any = None
+    """How it is issued, worked out once (on its first engine step): ``False`` (whole), or its
+    messages by part (see ``Issuing._parts``)."""
     issued_parts: frozenset[tuple] | None = None
     """The parts whose messages went already, where they go one part at a time: ``(peer,)``
     or ``(peer, kind, index in the unit)`` (see ``Transport.issues_per_peer`` and
