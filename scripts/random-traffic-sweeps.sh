@@ -6,7 +6,8 @@
 #   TIERS=1 first runs the one-GPU test tier; MODE=gloo runs plain gloo in five seed ranges,
 #   mixed runs gloo-spec lanes (one with broken messages) beside one plain gloo lane, programs
 #   runs the probe's --programs case (three and four ranks, gloo and gloo-spec; two lanes
-#   without mistakes, three with one message in ten sent with the wrong shape).
+#   without mistakes, three with one message in ten sent with the wrong shape; three calls in
+#   ten a batch, but in lane c).
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
@@ -30,11 +31,13 @@ if [ "${MODE:-mixed}" = gloo ]; then  # plain gloo only, five seed ranges
   lane d --count 24 --seeds 1300:1400 &
   lane e --count 24 --seeds 1400:1500 &
 elif [ "${MODE:-mixed}" = programs ]; then  # each rank in an order of its own, waits between
-  lane a --programs --changed 0 --count 24 --seeds 1000:1100 &
-  lane b --programs --changed 0 --transport gloo-spec --count 32 --world 4 --seeds 2000:2100 &
+  lane a --programs --changed 0 --batches 0.3 --count 24 --seeds 1000:1100 &
+  lane b --programs --changed 0 --batches 0.3 --transport gloo-spec --count 32 --world 4 \
+    --seeds 2000:2100 &
   lane c --programs --changed 0.1 --count 24 --seeds 1000:1100 &
-  lane d --programs --changed 0.1 --transport gloo-spec --count 24 --seeds 1000:1100 &
-  lane e --programs --changed 0.1 --count 32 --world 4 --seeds 2000:2100 &
+  lane d --programs --changed 0.1 --batches 0.3 --transport gloo-spec --count 24 \
+    --seeds 1000:1100 &
+  lane e --programs --changed 0.1 --batches 0.3 --count 32 --world 4 --seeds 2000:2100 &
 else
   lane a --transport gloo-spec --count 24 --seeds 1100:1200 &
   lane b --transport gloo-spec --count 24 --seeds 1150:1200 &
