@@ -1401,15 +1401,10 @@ def random_traffic(
                     if following[4] != first[4] or following[5] in waited_at_once:
                         break
                     group.append(following)
-                covers = []
-                with tf.batch(static=first[4], transport=transport, timeout=wait) as b:
-                    for kind, peer, tensors, sent, _, tag in group:
-                        if kind == "send":
-                            b.send(tensors, peer)
-                            covers.append((tag, None, None))
-                        else:
-                            covers.append((tag, b.recv(tensors, peer), sent))
-                calls.append((b, covers))
+                batch = [
+                    (tag, kind, peer, tensors, sent) for kind, peer, tensors, sent, _, tag in group
+                ]
+                calls.append(_traffic_batch(batch, first[4], transport, wait))
                 i += len(group)
                 continue
             if pick < 0.45 and i + 1 < len(mine):  # a sendrecv, if these are a send and a recv
@@ -1527,15 +1522,8 @@ def random_programs(
             h = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
             handles[tags] = (h, [(tag, h if kind == "recv" else None, sent)])
             continue
-        covers = []
-        with tf.batch(static=sides[0][5], transport=transport, timeout=wait) as b:
-            for tag, kind, peer, tensors, sent, _ in sides:
-                if kind == "send":
-                    b.send(tensors, peer)
-                    covers.append((tag, None, None))
-                else:
-                    covers.append((tag, b.recv(tensors, peer), sent))
-        handles[tags] = (b, covers)
+        batch = [(tag, kind, peer, tensors, sent) for tag, kind, peer, tensors, sent, _ in sides]
+        handles[tags] = _traffic_batch(batch, sides[0][5], transport, wait)
     for tags in list(handles):  # the waits left to the end, in call order
         handle, covers = handles.pop(tags)
         outcomes.update(_traffic_outcomes(handle, covers, wait))
@@ -1591,6 +1579,21 @@ def _drop_waits_that_cannot_end(programs: list, messages: list) -> None:
         if not moved:  # every unfinished rank waits: drop the first such wait found
             stuck = next(r for r, p in enumerate(programs) if at[r] < len(p))
             del programs[stuck][at[stuck]]
+
+
+def _traffic_batch(messages: list, static: bool, transport: str, wait: float) -> tuple:
+    """One ``tf.batch`` of ``messages`` (``(tag, kind, peer, tensors or buffers, what
+    arrives)`` each); returns it with what each message covers (as ``_traffic_outcomes``
+    takes them)."""
+    covers = []
+    with tf.batch(static=static, transport=transport, timeout=wait) as b:
+        for tag, kind, peer, tensors, sent in messages:
+            if kind == "send":
+                b.send(tensors, peer)
+                covers.append((tag, None, None))
+            else:
+                covers.append((tag, b.recv(tensors, peer), sent))
+    return b, covers
 
 
 def _traffic_outcomes(handle: tf.Transfer, covers: list, wait: float) -> dict[int, str]:
