@@ -2092,3 +2092,49 @@ def batch_meets_calls_made_one_after_another(
     for t in more:
         assert same_bytes(tf.recv(tf.TensorSpec((6, 5)), 0, **options).result(T).cpu(), t.cpu())
     return "ok"
+
+
+def send_behind_a_send_its_peer_receives_later(
+    rank: int, world: int, numel: int, transport: str = "auto"
+) -> str:
+    """Rank 0 sends a large message A to rank 1, then B to rank 2, on agreed static channels
+    (issued at once). Rank 2 receives B, then sends C to rank 1; rank 1 receives C before it
+    receives A. Every message can finish, as with torch's ``isend``s (one stream per pair):
+    unless B waits behind A, whose receiver waits for C, which waits for B. Sends to different
+    peers must not queue behind one another."""
+    if rank > 2:
+        return "idle"
+    options = {"static": True, "transport": transport, "timeout": T}
+    routes = {"A": (0, 1), "B": (0, 2), "C": (2, 1)}
+    data = {
+        name: payload(src, dst, 1300 + i, (numel,), torch.float32).to(D())
+        for i, (name, (src, dst)) in enumerate(routes.items())
+    }
+
+    def send(name: str) -> tf.Transfer:
+        return tf.send(data[name], routes[name][1], **options)
+
+    def receive(name: str) -> None:
+        got = tf.recv(tf.TensorSpec((numel,)), routes[name][0], **options).result(T)
+        if not same_bytes(got.cpu(), data[name].cpu()):
+            raise AssertionError(f"message {name} arrived with wrong bytes")
+
+    _reset_my_pairs(rank, 3)  # ranks 0-2: fresh channels, agreed below
+    for name in ("A", "B", "C"):  # each channel agreed first: later messages go at once
+        src, dst = routes[name]
+        if rank == src:
+            send(name).wait(T)
+        elif rank == dst:
+            receive(name)
+    if rank == 0:
+        first, second = send("A"), send("B")
+        first.wait(T)
+        second.wait(T)
+    elif rank == 1:
+        receive("C")
+        receive("A")
+    else:
+        receive("B")
+        send("C").wait(T)
+    _reset_my_pairs(rank, 3)  # leaves no static agreement to the cases after it
+    return "ok"
