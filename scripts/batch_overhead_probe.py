@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from send_overhead_probe import _option, free_port, init_with_null, profile_text, run_ranks
+from send_overhead_probe import _option, init_with_null, profile_text, run_ranks
 
 ROUNDS = 300
 
@@ -80,8 +80,7 @@ def _worker(rank, port, device, count, profile, queue):
 def main():
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
     count = int(_option("--count", 64))
-    port = free_port()
-    results = run_ranks(_worker, lambda rank: (port, device, count, "--profile" in sys.argv))
+    results = run_ranks(_worker, lambda rank: (device, count, "--profile" in sys.argv))
     print(f"host µs per tf.batch of {count} one-tensor messages with no wire, on {device}:")
     for rank, side in ((0, "sends"), (1, "receives")):
         for name in ("entries", "exit", "exit cpu", "round"):

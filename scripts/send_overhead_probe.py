@@ -48,13 +48,14 @@ machine, with how often the short way's read finds the peer's frames and the pol
 import cProfile
 import io
 import pstats
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
+
+from tensorferry.p2p._launch import reserved_port
 
 ROUNDS = 400
 BURST = 64
@@ -294,13 +295,21 @@ def profile_text(prof):
 
 
 def run_ranks(target, args_of_rank, kwargs=None):
-    """Runs ``target(rank, *args_of_rank(rank), queue, **kwargs)`` in two spawned processes;
-    each puts ``(rank, result)`` on the queue. Returns the results by rank; exits if a rank
-    dies or five minutes pass."""
+    """Runs ``target(rank, port, *args_of_rank(rank), queue, **kwargs)`` in two spawned
+    processes, ``port`` their rendezvous port (held for them until both are done); each puts
+    ``(rank, result)`` on the queue. Returns the results by rank; exits if a rank dies or five
+    minutes pass."""
+    with reserved_port() as port:
+        return _run_ranks(target, port, args_of_rank, kwargs)
+
+
+def _run_ranks(target, port, args_of_rank, kwargs):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=target, args=(rank, *args_of_rank(rank), queue), kwargs=kwargs or {})
+        ctx.Process(
+            target=target, args=(rank, port, *args_of_rank(rank), queue), kwargs=kwargs or {}
+        )
         for rank in range(2)
     ]
     for proc in procs:
@@ -320,12 +329,6 @@ def run_ranks(target, args_of_rank, kwargs=None):
     for proc in procs:
         proc.join(30)
     return results
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0.0, busy_us=0.0):
@@ -387,14 +390,13 @@ def _option(name, default):
 def main():
     nccl = "--nccl" in sys.argv
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
-    port = free_port()
     modes = ("--profile", "--phases", "--reads", "--opcodes")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(_option("--tensors", 1))
     ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
     results = run_ranks(
         _worker,
-        lambda rank: (port, f"cuda:{rank}" if nccl else device, mode),
+        lambda rank: (f"cuda:{rank}" if nccl else device, mode),
         {
             "transport": "nccl" if nccl else "null",
             "tensors": tensors,
