@@ -301,8 +301,8 @@ def _wait_for_waiters() -> None:
     the module docstring, "Exit"), for up to ``_EXIT_WAIT_S``."""
     with _waiters_lock:
         waiters = list(_waiters)
-    for waiter in waiters:
-        waiter.pair.submit_stop()
+    for pair in {waiter.pair for waiter in waiters}:  # each pair once (two waiters each)
+        pair.submit_stop()
     for waiter in waiters:
         left = min(max(0.0, waiter.waits_until - time.monotonic()), _EXIT_WAIT_S)
         if waiter.still_waiting() and left > 1.0:
