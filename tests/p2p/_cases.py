@@ -2094,47 +2094,80 @@ def batch_meets_calls_made_one_after_another(
     return "ok"
 
 
+class _StaticRoutes:
+    """Messages of ``numel`` floats among ranks 0-2 on ``routes`` ({name: (src, dst)}), each
+    channel static and agreed by one message first, so that later messages are issued at once
+    (over NCCL: before the peer's call). Made on every rank of 0-2 in step."""
+
+    def __init__(self, rank: int, numel: int, transport: str, routes: dict) -> None:
+        self.routes, self.numel = routes, numel
+        self.options = {"static": True, "transport": transport, "timeout": T}
+        self.data = {
+            name: payload(src, dst, 1300 + i, (numel,), torch.float32).to(D())
+            for i, (name, (src, dst)) in enumerate(routes.items())
+        }
+        _reset_my_pairs(rank, 3)  # fresh channels, agreed below
+        for name, (src, dst) in routes.items():
+            if rank == src:
+                self.send(name).wait(T)
+            elif rank == dst:
+                self.check(name, self.post(name))
+
+    def send(self, name: str) -> tf.Transfer:
+        return tf.send(self.data[name], self.routes[name][1], **self.options)
+
+    def post(self, name: str) -> tf.Transfer:
+        return tf.recv(tf.TensorSpec((self.numel,)), self.routes[name][0], **self.options)
+
+    def check(self, name: str, transfer: tf.Transfer) -> None:
+        if not same_bytes(transfer.result(T).cpu(), self.data[name].cpu()):
+            raise AssertionError(f"message {name} arrived with wrong bytes")
+
+
 def send_behind_a_send_its_peer_receives_later(
     rank: int, world: int, numel: int, transport: str = "auto"
 ) -> str:
-    """Rank 0 sends a large message A to rank 1, then B to rank 2, on agreed static channels
-    (issued at once). Rank 2 receives B, then sends C to rank 1; rank 1 receives C before it
-    receives A. Every message can finish, as with torch's ``isend``s (one stream per pair):
-    unless B waits behind A, whose receiver waits for C, which waits for B. Sends to different
-    peers must not queue behind one another."""
+    """Rank 0 sends a large message A to rank 1, then B to rank 2 (issued at once). Rank 2
+    receives B, then sends C to rank 1; rank 1 receives C before it receives A. Every message
+    can finish, as with torch's ``isend``s (one stream per pair): unless B waits behind A, whose
+    receiver waits for C, which waits for B. Sends to different peers must not queue behind
+    one another."""
     if rank > 2:
         return "idle"
-    options = {"static": True, "transport": transport, "timeout": T}
-    routes = {"A": (0, 1), "B": (0, 2), "C": (2, 1)}
-    data = {
-        name: payload(src, dst, 1300 + i, (numel,), torch.float32).to(D())
-        for i, (name, (src, dst)) in enumerate(routes.items())
-    }
-
-    def send(name: str) -> tf.Transfer:
-        return tf.send(data[name], routes[name][1], **options)
-
-    def receive(name: str) -> None:
-        got = tf.recv(tf.TensorSpec((numel,)), routes[name][0], **options).result(T)
-        if not same_bytes(got.cpu(), data[name].cpu()):
-            raise AssertionError(f"message {name} arrived with wrong bytes")
-
-    _reset_my_pairs(rank, 3)  # ranks 0-2: fresh channels, agreed below
-    for name in ("A", "B", "C"):  # each channel agreed first: later messages go at once
-        src, dst = routes[name]
-        if rank == src:
-            send(name).wait(T)
-        elif rank == dst:
-            receive(name)
+    calls = _StaticRoutes(rank, numel, transport, {"A": (0, 1), "B": (0, 2), "C": (2, 1)})
     if rank == 0:
-        first, second = send("A"), send("B")
+        first, second = calls.send("A"), calls.send("B")
         first.wait(T)
         second.wait(T)
     elif rank == 1:
-        receive("C")
-        receive("A")
+        calls.check("C", calls.post("C"))
+        calls.check("A", calls.post("A"))
     else:
-        receive("B")
-        send("C").wait(T)
+        calls.check("B", calls.post("B"))
+        calls.send("C").wait(T)
+    _reset_my_pairs(rank, 3)  # leaves no static agreement to the cases after it
+    return "ok"
+
+
+def receive_behind_a_receive_its_peer_sends_later(
+    rank: int, world: int, numel: int, transport: str = "auto"
+) -> str:
+    """Rank 1 posts two receives (issued at once): A from rank 0, then B from rank 2. Rank 2
+    sends B, then C to rank 0; rank 0 receives C before it sends A. Every message can finish,
+    as with torch's ``irecv``s: unless B's receive waits behind A's, whose sender waits for C,
+    which waits for B. Receives from different peers must not queue behind one another."""
+    if rank > 2:
+        return "idle"
+    calls = _StaticRoutes(rank, numel, transport, {"A": (0, 1), "B": (2, 1), "C": (2, 0)})
+    if rank == 1:
+        first, second = calls.post("A"), calls.post("B")
+        calls.check("B", second)
+        calls.check("A", first)
+    elif rank == 2:
+        calls.send("B").wait(T)
+        calls.send("C").wait(T)
+    else:
+        calls.check("C", calls.post("C"))
+        calls.send("A").wait(T)
     _reset_my_pairs(rank, 3)  # leaves no static agreement to the cases after it
     return "ok"

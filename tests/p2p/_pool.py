@@ -17,6 +17,11 @@ from typing import Any
 from tensorferry.p2p._launch import reserved_port
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# TF_TEST_ONE_GPU_RANKS=1: every rank on cuda:0 of a machine with one GPU, each posing to NCCL
+# as a host of its own (NCCL_HOSTID), so NCCL passes its one-rank-per-GPU check and connects the
+# ranks over its network transport. That runs the NCCL tier's correctness checks there; its
+# timings say nothing about NVLink.
+ONE_GPU_RANKS = os.environ.get("TF_TEST_ONE_GPU_RANKS") == "1"
 
 
 def _worker(
@@ -34,6 +39,8 @@ def _worker(
 
         import tensorferry.p2p as p2p
 
+        if ONE_GPU_RANKS:  # read by NCCL when it makes the rank's first communicator
+            os.environ["NCCL_HOSTID"] = f"tensorferry-test-rank-{rank}"
         if not optional:  # only the built-in transports: these tests are about the p2p layer
             p2p._context.OPTIONAL_TRANSPORT_MODULES.clear()
         p2p.init(

@@ -700,6 +700,13 @@ def test_a_send_does_not_wait_behind_a_send_to_another_peer(pool, transport):
     assert results == ["ok"] * 3
 
 
+@pytest.mark.parametrize("transport", ["gloo", "gloo-spec"])
+def test_a_receive_does_not_wait_behind_a_receive_from_another_peer(pool, transport):
+    assert pool.run("register_speculating_gloo") == [True] * WORLD
+    results = pool.run("receive_behind_a_receive_its_peer_sends_later", 1 << 16, transport)
+    assert results == ["ok"] * 3
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
 def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool, static):
     """Every rank sends and receives from six threads at once (two senders and one receiver

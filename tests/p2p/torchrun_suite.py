@@ -66,6 +66,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
         numel = 1 << 24 if torch.cuda.is_available() else 1 << 16
         first_three = {0: "ok", 1: "ok", 2: "ok"}
         cases.append(("send_behind_a_send_its_peer_receives_later", (numel,), first_three))
+        cases.append(("receive_behind_a_receive_its_peer_sends_later", (numel,), first_three))
     cases.append(("ring_sendrecv", (1,), everyone))
     return cases
 
