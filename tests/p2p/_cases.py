@@ -2001,7 +2001,7 @@ def sends_ahead_then_receives_one_by_one(
     for i in range(4):
         got = poisoned(shape, torch.float32)
         tf.recv(got, peer, static=static, transport=transport).wait(T)
-        if not same_bytes(got.cpu(), payload(peer, rank, 900 + i, shape, torch.float32)):
+        if not same_bytes(got, payload(peer, rank, 900 + i, shape, torch.float32)):
             raise AssertionError(f"message {i} from rank {peer} arrived with wrong bytes")
     for h in sends:
         h.wait(T)
@@ -2045,7 +2045,7 @@ def calls_from_many_threads(
             spec = tf.TensorSpec(shapes[src, rank], torch.float32)
             got = tf.recv(spec, src, static=static, timeout=T).result(T).cpu()
             sender, i = (int(v) for v in got[0, :2].tolist())
-            if sender not in (0, 1) or not same_bytes(got, message(src, rank, sender, i)):
+            if sender not in (0, 1) or not same_bytes(got, message(src, rank, sender, i).cpu()):
                 raise AssertionError(f"a message from rank {src} arrived with wrong bytes")
             seen.append((sender, i))
         return seen

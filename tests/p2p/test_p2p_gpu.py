@@ -18,7 +18,7 @@ from _pool import ONE_GPU_RANKS, WorkerPool
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
-    pytest.mark.multigpu,
+    pytest.mark.gpu if ONE_GPU_RANKS else pytest.mark.multigpu,
     pytest.mark.skipif(
         GPUS < 2 and not (ONE_GPU_RANKS and GPUS == 1),
         reason="needs 2 CUDA devices (or one, with TF_TEST_ONE_GPU_RANKS=1)",
@@ -158,10 +158,10 @@ def test_random_programs_with_waits_between_calls_finish_byte_for_byte(pool, see
     assert all(outcome == "ok" for s in sides for outcome in s.values()), sides
 
 
-def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool):
-    for static in (False, True):
-        sides = pool.run("calls_from_many_threads", 5, 20, static, timeout=120)
-        assert sides == [{1: True}, {0: True}]
+@pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
+def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool, static):
+    sides = pool.run("calls_from_many_threads", 5, 20, static, timeout=120)
+    assert sides == [{1: True}, {0: True}]
 
 
 def test_send_returns_before_the_transfer(pool):
