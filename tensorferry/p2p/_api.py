@@ -395,15 +395,10 @@ def prepare(
         ctx.transport(name)  # validates the name
     for peer in ranks:
         for name in names:
-            transport = ctx.transport(name)
-            if transport.device_type == "cuda":
-                what = f"{name}: the pair with rank {peer}"
-                ctx.engine.quiet_device_then(lambda t=transport, p=peer: t.prepare([p]), what)
+            ctx.transport(name).prepare([peer])
+            if ctx.streams is not None and ctx.transport(name).device_type == "cuda":
                 for kind in ("send", "recv"):  # leased now, not by the first message
-                    if ctx.streams is not None:
-                        ctx.streams.get(kind, peer)
-            else:
-                transport.prepare([peer])
+                    ctx.streams.get(kind, peer)
             ctx.engine.call(lambda p=peer, n=name: ctx.engine.mark_prepared(p, n)).result(
                 ctx.timeout_s
             )

@@ -21,16 +21,15 @@ stays in issue order whichever stream carried it.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import torch
 
 from tensorferry.runtime import stream_pool
-from tensorferry.runtime._events import is_done, record_on_stream, recycle, stream_wait
+from tensorferry.runtime._events import record_on_stream, recycle, stream_wait
 from tensorferry.runtime._streams import Stream, StreamKey
 
-__all__ = ["DirectionStreams", "wait_for_events"]
+__all__ = ["DirectionStreams"]
 
 
 class DirectionStreams:
@@ -73,12 +72,6 @@ class DirectionStreams:
         for other in others:
             stream_wait(other, done)
 
-    def snapshot(self) -> list[torch.cuda.Event]:
-        """An event after the work queued so far on each direction's stream."""
-        with self._lock:
-            streams = list(self._streams.values())
-        return [record_on_stream(stream) for stream in streams]
-
     def close(self) -> None:
         """Gives every leased stream back to the pool (which waits for it to go idle)."""
         with self._lock:
@@ -86,24 +79,3 @@ class DirectionStreams:
             self._streams.clear()
         if leases:
             stream_pool().release_many(leases)
-
-
-def wait_for_events(events: list[torch.cuda.Event], timeout_s: float) -> bool:
-    """Polls ``events`` (from :meth:`DirectionStreams.snapshot`) until every one is done (true)
-    or ``timeout_s`` passed (false), then recycles them. Polls, never synchronizes: a wait in
-    the driver could not be given up."""
-    deadline = time.monotonic() + timeout_s
-    delay = 1e-4
-    pending = list(events)
-    try:
-        while True:
-            pending = [event for event in pending if not is_done(event)]
-            if not pending:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay, 5e-3)
-    finally:
-        for event in events:
-            recycle(event)

@@ -158,9 +158,6 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
             self._selector.register(self._local_listener, selectors.EVENT_READ, "listen")
         self._stopping = False
         self._short_path = envs.p2p_short_path()  # see _issue_agreed
-        # Communicators being made on the device: no CUDA message is issued meanwhile (see
-        # Issuing.hold_device_issue).
-        self._device_holds = 0
         # Guards all the state below. The engine thread holds it while it handles what woke it;
         # callers hold it to queue and drive their own units (see submit and drive).
         self._lock = threading.RLock()
@@ -528,12 +525,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         def prepare() -> None:
             log.debug("p2p: preparing %s %s rank %d (epoch %d)", transport, kind, rank, epoch)
             try:
-                made = self.ctx.transport(transport)
-                if made.device_type == "cuda":
-                    what = f"{transport}: the {kind} direction with rank {rank}"
-                    self.quiet_device_then(lambda: made.prepare_direction(rank, kind), what)
-                else:
-                    made.prepare_direction(rank, kind)
+                self.ctx.transport(transport).prepare_direction(rank, kind)
                 error = None
             except BaseException as exc:
                 error = exc

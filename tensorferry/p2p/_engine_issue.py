@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tensorferry.errors import TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.p2p import _trace
-from tensorferry.p2p._direction_streams import wait_for_events
 from tensorferry.p2p._engine_state import ChannelState, Message, Unit
 from tensorferry.runtime._events import is_done
 from tensorferry.runtime._spin import spin_window_s
@@ -53,10 +51,7 @@ class Issuing:
 
     def _may_go(self, messages: list[Message]) -> bool:
         """Whether ``messages`` (a unit's, or its part with one peer) are agreed, their
-        transports prepared, and everything before them on their channels issued, and none is
-        on the GPU while a communicator is being made there (:meth:`hold_device_issue`)."""
-        if self._device_holds and any(m.op.tensors[0].is_cuda for m in messages):
-            return False
+        transports prepared, and everything before them on their channels issued."""
         first_seq: dict[tuple[int, str], int] = {}
         for message in messages:
             peer = self._peers[message.op.peer]
@@ -71,50 +66,6 @@ class Issuing:
             self._peers[peer].channels[kind].issue_next == seq
             for (peer, kind), seq in first_seq.items()
         )
-
-    def hold_device_issue(self) -> list:
-        """Engine-thread command: issues no CUDA message until :meth:`release_device_issue`,
-        and returns an event after the work already queued on each p2p stream.
-
-        Why: making an NCCL communicator allocates pinned host memory (``cudaHostAlloc``),
-        which waits for the kernels running on the device, and an NCCL kernel runs until its
-        peer's matching one does. Made while one of this rank's transfers waits for a peer
-        (a receive issued ahead of its sender's call), the set-up waited with it, and so did
-        every CUDA call of the process's other threads, the engine's among them: measured, a
-        random program of three ranks on one GPU stopped for good that way, where no timeout
-        could fire. So a communicator is made only once the transfers already issued have
-        finished (:meth:`quiet_device_then`), and none is issued meanwhile."""
-        self._device_holds += 1
-        streams = self.ctx.streams
-        return streams.snapshot() if streams is not None else []
-
-    def release_device_issue(self) -> None:
-        """Engine-thread command: ends one :meth:`hold_device_issue`."""
-        self._device_holds -= 1
-
-    def quiet_device_then(self, make: Callable[[], None], what: str) -> None:
-        """Runs ``make`` (which makes a communicator on this rank's GPU: ``what``) once the
-        work already issued on the p2p streams has finished, issuing no CUDA message from the
-        hold to the end of ``make`` (see :meth:`hold_device_issue`). On a helper or caller
-        thread, never the engine's.
-
-        Raises:
-            TransferTimeoutError: that work did not finish within the transfer timeout (it
-                may wait for this very pair): nothing was made.
-        """
-        timeout_s = self.ctx.timeout_s
-        events = self.call(self.hold_device_issue).result(timeout_s)
-        try:
-            if not wait_for_events(events, timeout_s):
-                raise TransferTimeoutError(
-                    f"{what} was not made: this rank's transfers already on its GPU did not "
-                    f"finish within {timeout_s:g} s, and a communicator made while they run "
-                    "could stall the device (NCCL's set-up waits for them). If they wait for "
-                    "this pair, make the pairs before such transfers, with tf.prepare()"
-                )
-            make()
-        finally:
-            self.call(self.release_device_issue)
 
     def _issue(self, unit: Unit) -> None:
         self._units.remove(unit)

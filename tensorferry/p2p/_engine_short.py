@@ -50,7 +50,7 @@ class ShortWay:
             self._stepping.on = stepping
         if not usable:
             return False
-        if peer.lost is not None or peer.link is None or peer.debts or self._device_holds:
+        if peer.lost is not None or peer.link is None or peer.debts:
             return False
         kind = message.op.kind
         channel: ChannelState = peer.channels[kind]
