@@ -7,7 +7,7 @@ message must fail on both sides, and every other message must either arrive byte
 fail on both sides, promptly. Prints, per seed, the messages whose two sides ended
 differently or by a timeout (each side's outcome: ``ok``, an error's class name).
 
-Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec] [--count N]
+Usage: ``python scripts/random_traffic_probe.py [--transport gloo|gloo-spec|auto] [--count N]
 [--seeds A:B] [--changed P] [--broken P] [--early P] [--wait S] [--world N] [--trace DIR]``
 (``--broken``: as ``--changed`` for static messages, default 0; ``--early``: the share of messages
 waited for at once, in calls of their own, default 0; ``--programs``: runs the ``random_programs``
@@ -16,6 +16,10 @@ applies to every message; ``--broken`` and ``--early`` do not apply); ``--wait``
 of the case takes at most, and each transfer's timeout, default 3; ``--world``: ranks, default 3;
 ``--trace``: each rank keeps its p2p engine's last events (``TENSORFERRY_P2P_TRACE``, 20000 unless
 set) and writes them to ``DIR/seed<S>-rank<R>.txt`` when a message of seed ``S`` timed out).
+``--backend auto --transport auto`` puts the ranks on their GPUs and the messages on NCCL (with
+``TF_TEST_ONE_GPU_RANKS=1``, all on one GPU: see ``tests/p2p/_pool.py``); keep ``--batches`` 0
+there, since the case's model of a batch is gloo's (each message goes as soon as it can).
+``--prepare`` (with ``--programs``): each seed makes every pair with ``tf.prepare`` first.
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
@@ -37,7 +41,8 @@ TESTS = Path(__file__).resolve().parent.parent / "tests" / "p2p"
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--transport", default="gloo", choices=("gloo", "gloo-spec"))
+    parser.add_argument("--transport", default="gloo", choices=("gloo", "gloo-spec", "auto"))
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "auto"))
     parser.add_argument("--count", type=int, default=6)
     parser.add_argument("--seeds", default="100:115")
     parser.add_argument("--changed", type=float, default=0.2)
@@ -47,6 +52,7 @@ def main() -> None:
     parser.add_argument("--early", type=float, default=0.0)
     parser.add_argument("--programs", action="store_true")
     parser.add_argument("--batches", type=float, default=0.0)
+    parser.add_argument("--prepare", action="store_true")
     parser.add_argument("--trace", metavar="DIR")
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
@@ -57,13 +63,13 @@ def main() -> None:
     from _pool import WorkerPool
 
     first, last = (int(n) for n in args.seeds.split(":"))
-    pool = WorkerPool(args.world, transfer_timeout=10.0, backend="gloo")
+    pool = WorkerPool(args.world, transfer_timeout=10.0, backend=args.backend)
     try:
         pool.run("register_speculating_gloo")
         for seed in range(first, last):
             if args.programs:
                 case = ("random_programs", seed, args.count, args.transport, args.wait)
-                case += (args.changed, args.batches)
+                case += (args.changed, args.batches, args.prepare)
             else:
                 case = ("random_traffic", seed, args.count, args.transport, args.changed)
                 case += (args.wait, args.broken, args.early)

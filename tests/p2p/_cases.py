@@ -1445,6 +1445,7 @@ def random_programs(
     wait: float = T,
     changed: float = 0.0,
     batches: float = 0.0,
+    prepare: bool = False,
 ) -> dict:
     """Every rank derives from ``seed`` the programs of all ranks: ``count`` messages between
     random ordered pairs, each rank calling its side of them in an order of its own (any order
@@ -1464,6 +1465,9 @@ def random_programs(
     peers, both directions, all static or none), each of which goes as soon as it can, as with
     torch's ``batch_isend_irecv``: what gloo promises, not NCCL (where a batch goes once every
     message in it can).
+
+    ``prepare``: every pair is made with ``tf.prepare`` before the first call, rather than by
+    its first message (over NCCL: while other pairs' transfers run, see docs/transfers.md).
 
     Returns ``{tag: outcome}`` for this rank's side of each of its messages (as
     ``random_traffic``)."""
@@ -1491,6 +1495,8 @@ def random_programs(
     except TimeoutError:
         _keep_trace(rank, f"program{seed}-reset")
         raise
+    if prepare:
+        tf.prepare([p for p in range(world) if p != rank])
     by_tag = {m[2]: m for m in messages}
 
     def side(tag: int) -> tuple:
