@@ -4,7 +4,7 @@
 #   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
 #   trace-nospeculate trace-noshort trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
-#   p2p-one-gpu p2p-ranks-one-gpu allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
+#   p2p-one-gpu p2p-ranks-one-gpu p2p-ranks-one-gpu-nospeculate p2p-ranks-nospeculate allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
 # p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off;
@@ -16,6 +16,8 @@
 # p2p-one-gpu and p2p-ranks-one-gpu (ONE_GPU_RANKS ranks, default 3) run the NCCL tier and the
 # N-rank suite with every rank on one GPU, each posing as its own host to NCCL (NCCL_HOSTID):
 # NCCL's network transport between them, so correctness only, on a machine with one GPU.
+# *-nospeculate: the same with TENSORFERRY_NCCL_SPECULATE=0, where the suite also runs its two
+# cases of messages issued ahead to several peers (see torchrun_suite.py).
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder
@@ -98,6 +100,11 @@ for s in $steps; do
     p2p-ranks-one-gpu) step p2p-ranks-one-gpu 240 env TF_TEST_DUMP_AFTER=200 python3 -m \
       torch.distributed.run --standalone --nproc-per-node "${ONE_GPU_RANKS:-3}" \
       scripts/one_gpu_ranks.py tests/p2p/torchrun_suite.py ;;
+    p2p-ranks-one-gpu-nospeculate) step "$s" 240 env TENSORFERRY_NCCL_SPECULATE=0 \
+      TF_TEST_DUMP_AFTER=200 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node "${ONE_GPU_RANKS:-3}" scripts/one_gpu_ranks.py tests/p2p/torchrun_suite.py ;;
+    p2p-ranks-nospeculate) step "$s" 240 env TENSORFERRY_NCCL_SPECULATE=0 python3 -m \
+      torch.distributed.run --standalone --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
     p2p-ranks) step p2p-ranks 240 python3 -m torch.distributed.run --standalone \
       --nproc-per-node "$GPUS" tests/p2p/torchrun_suite.py ;;
     allgather) step allgather 150 tensorferry bench allgather \

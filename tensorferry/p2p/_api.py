@@ -396,9 +396,6 @@ def prepare(
     for peer in ranks:
         for name in names:
             ctx.transport(name).prepare([peer])
-            if ctx.streams is not None and ctx.transport(name).device_type == "cuda":
-                for kind in ("send", "recv"):  # leased now, not by the first message
-                    ctx.streams.get(kind, peer)
             ctx.engine.call(lambda p=peer, n=name: ctx.engine.mark_prepared(p, n)).result(
                 ctx.timeout_s
             )

@@ -1,9 +1,9 @@
 """The process's p2p context: ``init``/``shutdown``, transports, streams, issuing.
 
 One process per device: the CUDA device is the local rank's when CUDA is present (else the
-CPU). The context holds a stream per direction of each pair (:mod:`._direction_streams`:
-exclusive streams from the runtime's pool, not ``torch.cuda.Stream()``'s shared round-robin
-ones), the world store, the transports made so far and the issuing :class:`~._engine.Engine`.
+CPU). The context holds a :class:`tensorferry.Client` for its ``send``/``recv`` streams (exclusive
+streams from the runtime's pool, not ``torch.cuda.Stream()``'s shared round-robin ones), the
+world store, the transports made so far and the issuing :class:`~._engine.Engine`.
 
 Thread-safety: ``init``/``shutdown`` hold a module lock; the context's transport table has its
 own lock; everything else is read-only after ``init``.
@@ -25,7 +25,6 @@ import torch
 from tensorferry import envs
 from tensorferry._seconds import checked_seconds
 from tensorferry.p2p import _link, _trace
-from tensorferry.p2p._direction_streams import DirectionStreams
 from tensorferry.p2p._spec import Descriptor, describe
 from tensorferry.p2p._transport import (
     Transport,
@@ -68,7 +67,7 @@ class P2PContext:
         timeout_s: float,
         master_addr: str | None,
     ) -> None:
-        from tensorferry.runtime import completion_pool
+        from tensorferry.runtime import Client, completion_pool
 
         self.rank = rank
         self.world_size = world_size
@@ -81,7 +80,9 @@ class P2PContext:
         self._rankings: dict[tuple, tuple[str, ...]] = {}  # see choose()
         self.host = _link.advertised_host(master_addr)
         self.completions = completion_pool()
-        self.streams = DirectionStreams(device) if device.type == "cuda" else None
+        self.client = Client(devices=[device]) if device.type == "cuda" else None
+        self.send_stream = self.client.stream(device, "send") if self.client else None
+        self.recv_stream = self.client.stream(device, "recv") if self.client else None
         self._transports: dict[str, Transport] = {}
         self._transports_lock = threading.Lock()
         from tensorferry.p2p._engine import Engine
@@ -199,7 +200,7 @@ class P2PContext:
         messages = unit.messages
         if len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
             op = messages[0].op
-            stream = self.streams.get(op.kind, op.peer)
+            stream = self.send_stream if op.kind == "send" else self.recv_stream
             return self._issue_on(stream, unit, {messages[0].transport: [op]})
         on_host: list[Any] = []
         cuda_groups: dict[str, list[Any]] = {}
@@ -212,15 +213,9 @@ class P2PContext:
             self.issue_on_host(unit, on_host)
         if not cuda_groups:
             return None
-        # dict, not set: the first direction's stream carries the unit on every call alike.
-        directions = {(op.kind, op.peer): None for ops in cuda_groups.values() for op in ops}
-        first, *rest = (self.streams.get(kind, peer) for kind, peer in directions)
-        if not rest:
-            return self._issue_on(first, unit, cuda_groups)
-        self.streams.order_span(first, rest)
-        done = self._issue_on(first, unit, cuda_groups)
-        self.streams.follow_span(done, rest)
-        return done
+        has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
+        stream = self.send_stream if has_send else self.recv_stream
+        return self._issue_on(stream, unit, cuda_groups)
 
     def issue_on_host(self, unit: Any, messages: list[Any]) -> None:
         """Starts ``messages`` of ``unit`` (all of them, or one peer's part) that travel on
@@ -271,11 +266,11 @@ class P2PContext:
                     transport.close()
                 except Exception:
                     log.exception("p2p: closing transport %s failed", transport.name)
-            if self.streams is not None:
+            if self.client is not None:
                 try:
-                    self.streams.close()
+                    self.client.close()
                 except Exception:
-                    log.exception("p2p: giving the p2p streams back failed")
+                    log.exception("p2p: closing the client failed")
             # The context sits in reference cycles (engine, transfers) that only the cyclic
             # collector frees: its store, with its connections (and, on the rank that serves
             # it, its server), stayed open until that ran, about ten descriptors per init and

@@ -61,7 +61,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
     cases.append(("bad_arguments", (), dict.fromkeys(range(world), _EVERY_BAD_CALL_REJECTED)))
     cases.append(("timeout_unmatched", (), {0: _TIMED_OUT_IN_TIME, 1: _LATE_SIDE_FAILED}))
     cases.append(("send_recv_all_dtypes", (60,), first_two))
-    if world >= 3:
+    if world >= 3 and not _ISSUES_AHEAD_ON_SHARED_STREAMS:
         # 64 MiB on GPUs: more than NCCL's buffers, so a send waits for its receiver there.
         numel = 1 << 24 if torch.cuda.is_available() else 1 << 16
         first_three = {0: "ok", 1: "ok", 2: "ok"}
@@ -83,6 +83,14 @@ class _Check:
     def __repr__(self) -> str:
         return self.text
 
+
+# On GPUs a rank's sends share one stream, and so do its receives; a static message issued
+# ahead of its peer's call then holds those behind it with other peers, and the two cases of
+# that time out over NCCL (docs/transfers.md, "Sends and receives issued ahead"). They run on
+# the CPU, and on GPUs with TENSORFERRY_NCCL_SPECULATE=0 (gpu-check.sh's p2p-ranks-nospeculate).
+_ISSUES_AHEAD_ON_SHARED_STREAMS = (
+    torch.cuda.is_available() and os.environ.get("TENSORFERRY_NCCL_SPECULATE", "1") != "0"
+)
 
 # Two more bad calls where a rank has another GPU to misuse (see _cases.bad_arguments).
 _BAD_CALLS = _cases.BAD_CALLS + (
