@@ -20,6 +20,8 @@ set) and writes them to ``DIR/seed<S>-rank<R>.txt`` when a message of seed ``S``
 ``TF_TEST_ONE_GPU_RANKS=1``, all on one GPU: see ``tests/p2p/_pool.py``); keep ``--batches`` 0
 there, since the case's model of a batch is gloo's (each message goes as soon as it can).
 ``--prepare`` (with ``--programs``): each seed makes every pair with ``tf.prepare`` first.
+``--seed-timeout S`` (default 600): a seed with no answer from every rank within S seconds is
+reported as stalled, and the next seed runs on a fresh world.
 
 Reading it: a message of a batch or ``sendrecv`` may end ``ok`` on one side and failed on the
 other when that call failed whole while the peer's own call for it succeeded (see
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--programs", action="store_true")
     parser.add_argument("--batches", type=float, default=0.0)
     parser.add_argument("--prepare", action="store_true")
+    parser.add_argument("--seed-timeout", type=float, default=600.0)
     parser.add_argument("--trace", metavar="DIR")
     args = parser.parse_args()
     os.environ["TF_TEST_CASE_WAIT_S"] = str(args.wait)  # read by the workers' cases
@@ -63,9 +66,14 @@ def main() -> None:
     from _pool import WorkerPool
 
     first, last = (int(n) for n in args.seeds.split(":"))
-    pool = WorkerPool(args.world, transfer_timeout=10.0, backend=args.backend)
+
+    def new_pool() -> WorkerPool:
+        made = WorkerPool(args.world, transfer_timeout=10.0, backend=args.backend)
+        made.run("register_speculating_gloo")
+        return made
+
+    pool = new_pool()
     try:
-        pool.run("register_speculating_gloo")
         for seed in range(first, last):
             if args.programs:
                 case = ("random_programs", seed, args.count, args.transport, args.wait)
@@ -73,7 +81,14 @@ def main() -> None:
             else:
                 case = ("random_traffic", seed, args.count, args.transport, args.changed)
                 case += (args.wait, args.broken, args.early)
-            sides = pool.run(*case, timeout=600)
+            try:
+                sides = pool.run(*case, timeout=args.seed_timeout)
+            except TimeoutError:  # a rank stuck for good (in a CUDA call, say): the pool is gone
+                print(
+                    f"seed {seed}: stalled (no answer within {args.seed_timeout:g} s)", flush=True
+                )
+                pool = new_pool()
+                continue
             fates: dict[int, list[str]] = {}
             for outcomes in sides:
                 for tag, outcome in outcomes.items():
