@@ -122,6 +122,12 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     tf.init(timeout=30)  # reuses the process group's store, rank and world size
     rank, world = tf.get_rank(), tf.get_world_size()
+    if rank == 0 and world >= 3 and _ISSUES_AHEAD_ON_SHARED_STREAMS:
+        print(
+            "p2p suite: the two cases of messages issued ahead to several peers are left out "
+            "(on GPUs they need TENSORFERRY_NCCL_SPECULATE=0: docs/transfers.md)",
+            flush=True,
+        )
     failures = []
     for name, args, expected in expectations(world):
         dist.barrier()
