@@ -559,6 +559,13 @@ def ordered_ring(rank: int, world: int, rounds: int) -> list:
     return list(_context.current().transport("gloo-rendezvous").prepared)
 
 
+def fails_after_leaving_a_send_in_flight(rank: int, world: int) -> None:
+    """Rank 0 leaves a send its peer never receives and raises (a case that failed midway)."""
+    if rank == 0:
+        tf.send(torch.ones(4, device=D()), 1, timeout=60)
+        raise RuntimeError("failed on purpose")
+
+
 def register_speculating_gloo(rank: int, world: int) -> bool:
     if "gloo-spec" not in tf.registered_transports():
         tf.register_transport("gloo-spec", SpeculatingGloo)

@@ -89,8 +89,22 @@ class WorkerPool:
         self.world = world
         self.broken: str | None = None
         self._conns, self._procs = [], []
+        self._settings = (transfer_timeout, start_timeout, optional_transports, backend)
+        self._begin()
+
+    def _begin(self) -> None:
         with reserved_port() as port:  # until every rank is in: pools may start side by side
-            self._start(port, transfer_timeout, start_timeout, optional_transports, backend)
+            self._start(port, *self._settings)
+
+    def _renew(self, why: str) -> None:
+        """A fresh world after a failed case: what it left in flight (a transfer, a static
+        agreement) would otherwise fail the cases after it, hiding which one failed first."""
+        self.close()
+        self._conns, self._procs = [], []
+        try:
+            self._begin()
+        except Exception as exc:
+            self.broken = f"{why}, and a fresh world could not start: {exc}"
 
     def _start(
         self, port: int, transfer_timeout: float, start_timeout: float, optional: bool, backend: str
@@ -145,6 +159,7 @@ class WorkerPool:
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
         if errors:
+            self._renew(f"case {name} failed")
             raise AssertionError(f"case {name} failed:\n" + "\n".join(errors))
         return [results[r] for r in ranks]
 

@@ -140,6 +140,23 @@ def test_a_rendezvous_that_fails_names_the_init_method_in_one_line():
     assert not tf.is_initialized()
 
 
+def test_the_test_pool_starts_a_fresh_world_after_a_failed_case():
+    """What a failed case leaves in flight must not fail the cases after it (it did on the GPU
+    tier, hiding which test failed first)."""
+    workers = WorkerPool(2, transfer_timeout=60.0, backend="gloo")
+    try:
+        before = [proc.pid for proc in workers._procs]
+        with pytest.raises(AssertionError, match="failed on purpose"):
+            workers.run("fails_after_leaving_a_send_in_flight")
+        assert workers.broken is None
+        assert all(pid not in before for pid in (proc.pid for proc in workers._procs))
+        started = time.monotonic()
+        assert workers.run("ring_sendrecv", 1) == ["ok", "ok"]
+        assert time.monotonic() - started < 10  # not behind the abandoned send's 60 s
+    finally:
+        workers.close()
+
+
 def test_a_reserved_port_is_kept_from_plain_binds_but_a_store_can_take_it():
     import datetime
     import errno
