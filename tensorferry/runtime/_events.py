@@ -10,7 +10,12 @@ for that thread's whole turn — on the GPU machine that made one record cost 40
 any more) and the CUDA runtime's ``cudaEventRecord``, ``cudaStreamWaitEvent`` and
 ``cudaEventQuery`` are called with the GIL held (``ctypes.PyDLL``): each a microsecond or less.
 
-Falls back to torch's calls when the runtime library cannot be loaded or a call fails.
+Falls back to torch's calls when the runtime library cannot be loaded or a call fails, and for
+the one call when the calling thread's current device is not the stream's: the runtime's record
+and wait work in the current device's context only (``cudaErrorInvalidResourceHandle``
+otherwise), and torch's calls switch the device around them. A failed call's error is cleared
+from the runtime's last error, which torch would otherwise raise from the thread's next kernel
+launch.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class _Runtime(NamedTuple):
     record: Any  # cudaEventRecord(event, stream)
     wait: Any  # cudaStreamWaitEvent(stream, event, flags)
     query: Any  # cudaEventQuery(event)
+    clear: Any  # cudaGetLastError(): reads and resets the thread's last error
 
 
 def _load_calls() -> _Runtime | None:
@@ -58,13 +64,16 @@ def _load_calls() -> _Runtime | None:
         return None
     try:
         lib = ctypes.PyDLL(_load_cudart()._name)  # same library, called with the GIL held
-        calls = _Runtime(lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaEventQuery)
+        calls = _Runtime(
+            lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaEventQuery, lib.cudaGetLastError
+        )
     except (OSError, RuntimeError, AttributeError) as exc:
         log.debug("events: no GIL-holding CUDA event calls (%s); using torch's", exc)
         return None
     calls.record.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
     calls.wait.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
     calls.query.argtypes = (ctypes.c_void_p,)
+    calls.clear.argtypes = ()
     for fn in calls:
         fn.restype = ctypes.c_int
     return calls
@@ -121,9 +130,10 @@ def _pooled(index: int) -> Any:
 
 def _record_pooled(index: int, raw_stream: Any) -> Any:
     """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
-    through the GIL-holding call, or ``None`` (no such call, or no free event)."""
+    through the GIL-holding call, or ``None`` (no such call, the calling thread on another
+    device, or no free event)."""
     calls = _runtime()
-    if calls is None:
+    if calls is None or not _on_current_device(index):
         return None
     event = _pooled(index)
     if event is None:
@@ -131,6 +141,7 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
     if calls.record(event.cuda_event, raw_stream) == 0:
         return event
     _disable("cudaEventRecord failed")
+    recycle(event)
     return None
 
 
@@ -143,8 +154,7 @@ def record_on_current_stream(index: int) -> torch.cuda.Event:
     # The raw handle of the current stream: torch's Stream object costs microseconds.
     event = _record_pooled(index, torch._C._cuda_getCurrentRawStream(index))
     if event is None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(index))  # also creates the CUDA event (recycling)
+        event = _torch_record(index, torch.cuda.current_stream(index))
     return event
 
 
@@ -152,8 +162,15 @@ def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """An event recorded on ``stream``."""
     event = _record_pooled(stream.device_index, stream.cuda_stream)
     if event is None:
-        event = torch.cuda.Event()
-        event.record(stream)
+        event = _torch_record(stream.device_index, stream)
+    return event
+
+
+def _torch_record(index: int, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A pooled (or new) event recorded on ``stream`` by torch's call, which switches to the
+    stream's device around it (and creates the CUDA event of a new one)."""
+    event = _pooled(index) or torch.cuda.Event()
+    event.record(stream)
     return event
 
 
@@ -161,20 +178,20 @@ def record_again(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
     """``event.record(stream)`` for an event its owner keeps and records use after use (the
     first record, through torch, creates the CUDA event)."""
     calls = _runtime()
-    if (
-        calls is not None
-        and event.cuda_event
-        and calls.record(event.cuda_event, stream.cuda_stream) == 0
-    ):
-        return
+    if calls is not None and event.cuda_event and _on_current_device(stream.device_index):
+        if calls.record(event.cuda_event, stream.cuda_stream) == 0:
+            return
+        _disable("cudaEventRecord failed")
     event.record(stream)
 
 
 def stream_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
     """Makes ``stream`` wait on the device for ``event`` (``stream.wait_event(event)``)."""
     calls = _runtime()
-    if calls is not None and calls.wait(stream.cuda_stream, event.cuda_event, 0) == 0:
-        return
+    if calls is not None and _on_current_device(stream.device_index):
+        if calls.wait(stream.cuda_stream, event.cuda_event, 0) == 0:
+            return
+        _disable("cudaStreamWaitEvent failed")
     stream.wait_event(event)
 
 
@@ -187,6 +204,7 @@ def is_done(event: torch.cuda.Event) -> bool:
             return True
         if code == _NOT_READY:
             return False
+        calls.clear()  # torch's query below raises the error itself
     return event.query()  # torch raises the CUDA error, if any
 
 
@@ -203,7 +221,16 @@ def recycle(event: Any) -> None:
         free.append(event)
 
 
+def _on_current_device(index: int) -> bool:
+    """Whether the calling thread's current CUDA device is ``index`` (a thread starts on device 0,
+    whatever device the caller's tensors are on)."""
+    return torch._C._cuda_getDevice() == index
+
+
 def _disable(why: str) -> None:
     global _calls
+    calls = _calls
+    if calls is not None:
+        calls.clear()  # or torch raises it from the thread's next launch
     log.warning("events: %s; using torch's event calls from now on", why)
     _calls = None

@@ -125,7 +125,7 @@ def test_default_process_pool_with_real_devices():
 def test_caller_events_follow_the_current_stream_and_are_reused(device):
     from tensorferry.runtime import _events
 
-    _events._runtime()  # its one-time check takes device time: not inside the timed part
+    checked = _events._runtime()  # its one-time check takes device time: not in the loop
     _events._free.pop(device, None)  # from an empty pool: the first event is made, then reused
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
@@ -143,8 +143,12 @@ def test_caller_events_follow_the_current_stream_and_are_reused(device):
             assert event.query()
             seen.add(id(event))
             _events.recycle(event)
-        if _events._runtime() is not None:
-            assert len(seen) == 1, "a recycled event is recorded again, not remade"
+            # No CUDA error left behind for the next launch to raise (a record through the
+            # runtime from the wrong device once left cudaErrorInvalidResourceHandle there).
+            with torch.cuda.device(0):
+                assert torch.ones(4, device=device).sum().item() == 4.0
+        assert len(seen) == 1, "a recycled event is recorded again, not remade"
+        assert _events._runtime() is checked, "the GIL-holding calls are still in use"
 
 
 def test_stream_waits_and_queries_through_the_event_calls():
