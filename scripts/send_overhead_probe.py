@@ -35,10 +35,11 @@ back in, for comparison.
 Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--tensors N] [--busy-us N]
 [--ready-us N] [--profile | --phases | --reads | --opcodes]``
 (``--tensors N``: each message a list of N tensors of 4 KiB, as ``bench batch``'s, instead of
-one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls of the lone rows under
-``cProfile``, its 25 costliest functions; ``--phases``: median µs per lone call spent in the
-main steps of a short-way send, timed by wrappers, which add a little each; ``--reads``: how
-often the short way's read of the peer's frames, on each rank, finds any, and how many;
+one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls (rank 0) and ``tf.recv`` calls
+(rank 1) of the lone rows under ``cProfile``, each rank's 25 costliest functions;
+``--phases``: median µs per lone call spent in the main steps of a short-way send, timed by
+wrappers, which add a little each; ``--reads``: how often the short way's read of the peer's
+frames, on each rank, finds any, and how many;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -114,7 +115,11 @@ def _measure(rank, x, short, prof, bursts=True):
             if prof is not None:
                 prof.disable()
         else:
+            if prof is not None and short and i >= 20:
+                prof.enable()
             handle = tf.recv(x, peer, static=True, transport=TRANSPORT)
+            if prof is not None:
+                prof.disable()
         t1 = time.perf_counter()
         c1 = time.thread_time()
         handle.wait()
@@ -341,7 +346,7 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0
         x = torch.ones(256, device=device)
         if tensors > 1:  # a list, as bench batch's: 4 KiB each
             x = [torch.ones(1024, device=device) for _ in range(tensors)]
-        prof = cProfile.Profile() if profile == "profile" and rank == 0 else None
+        prof = cProfile.Profile() if profile == "profile" else None
         if profile == "phases" and rank == 0:
             spent = _wrap_phases()
             _measure(rank, x, True, None, bursts=False)
@@ -435,6 +440,9 @@ def main():
         if "call" in name:
             print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
     print(results[0].get("profile", ""))
+    if "profile" in results[1]:
+        print("rank 1's short-way tf.recv calls of the lone rows:")
+        print(results[1]["profile"])
 
 
 if __name__ == "__main__":

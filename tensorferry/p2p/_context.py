@@ -229,6 +229,8 @@ class P2PContext:
     def _issue_on(self, stream: Any, unit: Any, cuda_groups: dict[str, list[Any]]) -> Any:
         """Starts the CUDA transports of ``unit`` on ``stream``, after the caller's event;
         returns the event recorded after them."""
+        if torch._C._cuda_getDevice() != self.device.index:
+            self._own_thread_to_device()
         if unit.caller_event is not None:
             stream_wait(stream, unit.caller_event)
             recycle(unit.caller_event)  # the wait is enqueued: free to record again
@@ -249,6 +251,19 @@ class P2PContext:
                 for transport, ops in transports:
                     unit.pending.append(transport.start(ops, stream=stream))
         return record_on_stream(stream)  # the Transfer recycles it (Transfer.__del__)
+
+    def _own_thread_to_device(self) -> None:
+        """Makes this rank's device current on a thread of the library's own that issues
+        transfers with another device current (the completion pool's poller, when it drives
+        the engine: a thread starts on device 0).
+
+        Issued from there, the stream switch goes to the device and back on every issue, and
+        the event calls take torch's way, which on the second GPU made a CUDA context on device
+        0 in rank 1's process (hundreds of MiB of another rank's GPU; most of a second with the
+        GIL held). A user's thread keeps its current device: that is the caller's to choose.
+        """
+        if threading.current_thread().name.startswith("tensorferry-"):
+            torch.cuda.set_device(self.device)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

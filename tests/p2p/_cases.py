@@ -559,6 +559,44 @@ def ordered_ring(rank: int, world: int, rounds: int) -> list:
     return list(_context.current().transport("gloo-rendezvous").prepared)
 
 
+def packed_ping_pong(rank: int, world: int, rounds: int) -> str:
+    """Ranks 0 and 1 swap a static message of 64 small tensors (packed), fresh data each round,
+    as fast as the bench's ping-pong: sends not waited for, each receive's stream ordering only
+    (``wait_stream``), so the library's own threads complete and issue some. Every round into
+    buffers of its own, checked byte for byte at the end."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    shape, dtype = (1024,), torch.float32
+    outs = [
+        [payload(rank, peer, 64 * r + i, shape, dtype) for i in range(64)] for r in range(rounds)
+    ]
+    intos = [[poisoned(shape, dtype) for _ in range(64)] for _ in range(rounds)]
+    handles = []
+    for r in range(rounds):
+        for sending in (rank == 0, rank != 0):
+            if sending:
+                handles.append(tf.send(outs[r], peer, static=True))
+            else:
+                handles.append(tf.recv(intos[r], peer, static=True))
+                handles[-1].wait_stream()
+    for h in handles:
+        h.wait(T)
+    for r, into in enumerate(intos):
+        for i, t in enumerate(into):
+            assert same_bytes(t, payload(peer, rank, 64 * r + i, shape, dtype)), (r, i)
+    return "ok"
+
+
+def contexts_on_other_devices(rank: int, world: int) -> list[int]:
+    """The other CUDA devices on which this rank's process has a context. Each process moves
+    tensors of its own device only; a context elsewhere (made when a thread of the library's
+    issued with another device current, say) costs hundreds of MiB of that device's memory."""
+    own = D().index
+    others = [i for i in range(torch.cuda.device_count()) if i != own]
+    return [i for i in others if torch._C._cuda_hasPrimaryContext(i)]
+
+
 def fails_after_leaving_a_send_in_flight(rank: int, world: int) -> None:
     """Rank 0 leaves a send its peer never receives and raises (a case that failed midway)."""
     if rank == 0:

@@ -96,8 +96,8 @@ class WorkerPool:
         with reserved_port() as port:  # until every rank is in: pools may start side by side
             self._start(port, *self._settings)
 
-    def _renew(self, why: str) -> None:
-        """A fresh world after a failed case: what it left in flight (a transfer, a static
+    def renew(self, why: str) -> None:
+        """A fresh world: after a failed case, what it left in flight (a transfer, a static
         agreement) would otherwise fail the cases after it, hiding which one failed first."""
         self.close()
         self._conns, self._procs = [], []
@@ -159,7 +159,7 @@ class WorkerPool:
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
         if errors:
-            self._renew(f"case {name} failed")
+            self.renew(f"case {name} failed")
             raise AssertionError(f"case {name} failed:\n" + "\n".join(errors))
         return [results[r] for r in ranks]
 

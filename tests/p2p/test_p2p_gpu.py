@@ -174,6 +174,16 @@ def test_send_returns_before_the_transfer(pool):
     print(f"tf.send host time, median: {median_us:.1f} us (target {SEND_HOST_TARGET_US} us)")
 
 
+@needs_two_gpus
+def test_no_rank_makes_a_context_on_another_device(pool):
+    """Packed messages back and forth, some issued by the library's own threads: neither rank's
+    process makes a CUDA context on the other rank's device. In a fresh world: earlier cases
+    made tensors on the other device on purpose (bad arguments)."""
+    pool.renew("a world without the earlier cases' contexts")
+    assert pool.run("packed_ping_pong", 30) == ["ok", "ok"]
+    assert pool.run("contexts_on_other_devices") == [[], []]
+
+
 def test_peer_killed_mid_transfer(pool):  # last: it kills rank 1
     pool._conns[0].send(("recv_from_doomed", (1,)))
     time.sleep(1.0)
