@@ -53,7 +53,7 @@ for s in $steps; do
   case $s in
     runtime) step runtime 60 python3 -m pytest -q -p no:cacheprovider tests/runtime ;;
     lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
-    p2p) step p2p 75 env TF_TEST_DUMP_AFTER=40 python3 -m pytest -q --tb=short -p no:cacheprovider \
+    p2p) step p2p 100 env TF_TEST_DUMP_AFTER=60 python3 -m pytest -q --tb=short -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;
     p2p-nospeculate) step p2p-nospeculate 75 env TENSORFERRY_NCCL_SPECULATE=0 TF_TEST_DUMP_AFTER=40 \
       python3 -m pytest -x -q --tb=short -p no:cacheprovider tests/p2p/test_p2p_gpu.py ;;
