@@ -184,10 +184,6 @@ def check_peer(peer: Any, *, rank: int, world_size: int, what: str) -> int:
     return peer
 
 
-class _Unusual(Exception):
-    """A tensor the one-pass check leaves to the detailed one."""
-
-
 # dtypes seen so far that a message may carry (quantized ones never get here): their names.
 _PLAIN_DTYPES: dict[torch.dtype, str] = {}
 # Tensor types the one-pass check takes (weights arrive as parameters).
@@ -226,33 +222,42 @@ def _inspect(
     outside autograd. Transports write received bytes in place and view tensors as bytes, which
     autograd refuses on a leaf that requires grad; moving data is not an operation to record.
     """
-    first = items[0]
-    if type(first) in _PLAIN_TYPES:
-        expected = first.device
-        names = _PLAIN_DTYPES
-        desc = []
-        grads = False
-        try:
-            for t in items:
-                # is_contiguous() raises for sparse layouts: they take the detailed path too.
-                if type(t) not in _PLAIN_TYPES or t.device != expected or not t.is_contiguous():
-                    raise _Unusual
-                dtype = t.dtype
-                name = names.get(dtype)
-                if name is None or t.is_neg() or (dtype in _COMPLEX and t.is_conj()):
-                    raise _Unusual
-                desc.append((name, t.shape))
-                grads = grads or t.requires_grad
-        except (_Unusual, RuntimeError):
-            pass
-        else:
-            if expected != device and expected.type != "cpu":
-                _check_tensor(first, 0, device, what)  # raises: not this rank's device
-            return _detached(items) if grads else tuple(items), _intern(tuple(desc))
+    if type(items[0]) in _PLAIN_TYPES:
+        plain = _inspect_plain(items, device, what)
+        if plain is not None:
+            return plain
     tensors = _check_tensors(items, device, what)
     for t in tensors:
         _PLAIN_DTYPES.setdefault(t.dtype, _dtype_name(t.dtype))
     return _detached(tensors), describe(tensors)
+
+
+def _inspect_plain(
+    items: Sequence[Any], device: torch.device, what: str
+) -> tuple[tuple[torch.Tensor, ...], Descriptor] | None:
+    """:func:`_inspect`'s one pass, for a message of plain contiguous tensors of one device:
+    ``None`` when any item is something else (a subclass, a lazy view, a ``TensorSpec``...),
+    for the detailed check to name it. Raises only when they are all on another rank's device."""
+    expected = items[0].device
+    names = _PLAIN_DTYPES
+    desc = []
+    grads = False
+    try:
+        for t in items:
+            # is_contiguous() raises for sparse layouts: they take the detailed path too.
+            if type(t) not in _PLAIN_TYPES or t.device != expected or not t.is_contiguous():
+                return None
+            dtype = t.dtype
+            name = names.get(dtype)
+            if name is None or t.is_neg() or (dtype in _COMPLEX and t.is_conj()):
+                return None
+            desc.append((name, t.shape))
+            grads = grads or t.requires_grad
+    except RuntimeError:
+        return None
+    if expected != device and expected.type != "cpu":
+        _check_tensor(items[0], 0, device, what)  # raises: not this rank's device
+    return _detached(items) if grads else tuple(items), _intern(tuple(desc))
 
 
 def _detached(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -359,6 +364,10 @@ def as_recv_list(
         )
     if not items:
         raise ValueError(f"{what} is an empty list: nothing to transfer")
+    if type(items[0]) in _PLAIN_TYPES:  # buffers given, the usual case: one pass checks all
+        plain = _inspect_plain(items, device, what)
+        if plain is not None:
+            return (*plain, single)
     if not any(isinstance(item, TensorSpec) for item in items):  # buffers given
         try:
             return (*_inspect(items, device, what), single)
