@@ -610,6 +610,17 @@ def register_speculating_gloo(rank: int, world: int) -> bool:
     return True
 
 
+def register_stream_ordered_gloo(rank: int, world: int) -> bool:
+    """``gloo-stream`` and ``gloo-stream-not-ahead``: gloo with NCCL's stream order (see
+    ``_stream_gloo.py``)."""
+    from _stream_gloo import StreamOrderedGloo, StreamOrderedGlooNotAhead
+
+    for transport in (StreamOrderedGloo, StreamOrderedGlooNotAhead):
+        if transport.name not in tf.registered_transports():
+            tf.register_transport(transport.name, transport)
+    return True
+
+
 def speculative_issue(rank: int, world: int, transport: str) -> str:
     """On an agreed static channel a receive is issued before the sender even called (no
     header from it yet), and completes, with the right bytes, only once it sent."""
