@@ -1,0 +1,112 @@
+"""The GIL-holding CUDA event calls' fallbacks, with the runtime's calls replaced (CPU tier).
+
+The real calls run in the GPU tier (``test_gpu_streams.py``); here a fake runtime fails on
+purpose, which real hardware does only when something is wrong: what a failure leaves behind
+(the runtime's last error, which torch would raise from the thread's next kernel) and which
+way each call then takes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorferry.runtime import _events
+
+_INVALID_RESOURCE_HANDLE = 400
+
+
+class _FakeEvent:
+    def __init__(self, index: int) -> None:
+        self.cuda_event = 0xE0 + index
+        self.device = type("Device", (), {"index": index})()
+        self.torch_records: list = []
+
+    def record(self, stream) -> None:  # torch's own call
+        self.torch_records.append(stream)
+
+
+class _FakeStream:
+    device_index = 0
+    cuda_stream = 0x5
+
+    def __init__(self) -> None:
+        self.torch_waits: list = []
+
+    def wait_event(self, event) -> None:  # torch's own call
+        self.torch_waits.append(event)
+
+
+class _FakeRuntime:
+    """The runtime's calls, failing with ``code`` (0: they succeed)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+        self.calls: list[str] = []
+
+    def record(self, event, stream) -> int:
+        self.calls.append("record")
+        return self.code
+
+    def wait(self, stream, event, flags) -> int:
+        self.calls.append("wait")
+        return self.code
+
+    def query(self, event) -> int:
+        self.calls.append("query")
+        return self.code
+
+    def clear(self) -> int:
+        self.calls.append("clear")
+        return self.code
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    """Installs a fake runtime (failing with code 0 until a test sets another), one pooled
+    event of device 0, and a calling thread on device 0 (``on_device`` changes that)."""
+    fake = _FakeRuntime(0)
+    state = {"device": 0}
+    monkeypatch.setattr(_events, "_calls", fake)
+    monkeypatch.setattr(_events, "_calls_checked", True)
+    monkeypatch.setattr(_events, "_free", {})
+    monkeypatch.setattr(_events, "_on_current_device", lambda index: index == state["device"])
+    _events.recycle(_FakeEvent(0))
+    fake.on_device = lambda index: state.__setitem__("device", index)
+    return fake
+
+
+def test_a_record_that_fails_clears_the_error_and_leaves_the_runtime_calls(runtime):
+    runtime.code = _INVALID_RESOURCE_HANDLE
+    pooled = _events._free[0][0]
+    assert _events._record_pooled(0, 0x5) is None  # the caller then records through torch
+    assert runtime.calls == ["record", "clear"]
+    assert _events._runtime() is None, "later calls take torch's way"
+    assert list(_events._free[0]) == [pooled], "the event is back in the pool"
+
+
+def test_a_thread_on_another_device_records_and_waits_through_torch(runtime):
+    runtime.on_device(1)
+    event = _events.record_on_stream(_FakeStream())
+    assert event.torch_records, "recorded by torch's call, which switches devices"
+    stream = _FakeStream()
+    _events.stream_wait(stream, event)
+    assert stream.torch_waits == [event], "waited for by torch's call"
+    assert runtime.calls == [], "the runtime's calls were not made from the wrong device"
+    assert _events._runtime() is runtime, "and stay in use for threads on the device"
+
+
+def test_on_the_device_records_go_through_the_runtime(runtime):
+    event = _events.record_on_stream(_FakeStream())
+    assert not event.torch_records
+    assert runtime.calls == ["record"]
+
+
+def test_a_query_that_fails_clears_the_error_before_torch_reports_it(runtime):
+    runtime.code = _INVALID_RESOURCE_HANDLE
+
+    class Queried(_FakeEvent):
+        def query(self) -> bool:  # torch's call: raises the CUDA error itself on a GPU
+            return False
+
+    assert _events.is_done(Queried(0)) is False
+    assert runtime.calls == ["query", "clear"]
