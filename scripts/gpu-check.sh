@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a 2-GPU machine: doctor, the GPU test tiers and the benchmarks, each step bounded.
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
-#   runtime lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
+#   runtime native lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
 #   trace-nospeculate trace-noshort trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   p2p-one-gpu p2p-ranks-one-gpu p2p-ranks-one-gpu-nospeculate p2p-ranks-nospeculate allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
@@ -46,12 +46,13 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo "=== $name rc=$rc ($((SECONDS - t0)) s)"
   grep -E "passed|failed|FAILED|Error|VERDICT|speed|x cheaper|ratio" "$LOGS/$name.log" | tail -n 12
 }
-steps=${*:-runtime lifecycle p2p p2p-socket toy batch graph graph-bench overlap demo sendrecv}
+steps=${*:-runtime native lifecycle p2p p2p-socket toy batch graph graph-bench overlap demo sendrecv}
 python3 -m tensorferry.cli.main doctor >"$LOGS/doctor.log" 2>&1
 head -n 20 "$LOGS/doctor.log"
 for s in $steps; do
   case $s in
     runtime) step runtime 60 python3 -m pytest -q -p no:cacheprovider tests/runtime ;;
+    native) step native 120 python3 -m pytest -q -p no:cacheprovider tests/test_native.py ;;
     lifecycle) step lifecycle 40 tensorferry bench lifecycle --cycles 1000 --out "$R" ;;
     p2p) step p2p 100 env TF_TEST_DUMP_AFTER=60 python3 -m pytest -q --tb=short -p no:cacheprovider \
       tests/p2p/test_p2p_gpu.py ;;

@@ -23,6 +23,7 @@ __all__ = [
     "p2p_local_links",
     "p2p_trace_events",
     "graph_early_receives",
+    "native_mode",
 ]
 
 
@@ -152,6 +153,18 @@ def p2p_short_path() -> bool:
     way, without a full step of the p2p engine (``TENSORFERRY_P2P_SHORT_PATH``: ``1``, the
     default, or ``0``). Read at ``tf.init``."""
     return _switch("TENSORFERRY_P2P_SHORT_PATH", True)
+
+
+def native_mode() -> str:
+    """Whether the compiled helpers are used (``TENSORFERRY_NATIVE``): ``auto`` (the default:
+    built on first use in the background, Python meanwhile), ``wait`` (built before ``tf.init``
+    returns) or ``0`` (never). See ``tensorferry/_native``."""
+    raw = os.environ.get("TENSORFERRY_NATIVE", "").strip().lower() or "auto"
+    if raw in ("0", "false", "no", "off"):
+        return "0"
+    if raw not in ("auto", "wait", "1"):
+        raise ValueError(f"TENSORFERRY_NATIVE={raw!r} must be auto, wait or 0")
+    return "auto" if raw == "1" else raw
 
 
 def p2p_local_links() -> bool:

@@ -14,7 +14,14 @@ import re
 import shutil
 import subprocess
 
-__all__ = ["add_arguments", "run", "transport_report", "link_matrix", "node_layout"]
+__all__ = [
+    "add_arguments",
+    "run",
+    "transport_report",
+    "link_matrix",
+    "node_layout",
+    "native_report",
+]
 
 _MULTICAST_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 
@@ -154,6 +161,19 @@ def side_channel_report() -> str:
     return "unix socket to ranks of this host, tcp to other hosts"
 
 
+def native_report(timeout_s: float = 300.0) -> str:
+    """Whether the compiled validation loop is used here (``tensorferry/_native``): loads it,
+    building it first if need be (once per torch and Python version)."""
+    from tensorferry import _native
+
+    try:
+        _native.start()
+    except ValueError as error:  # TENSORFERRY_NATIVE set to something unknown
+        return str(error)
+    _native.wait(timeout_s)
+    return _native.status()
+
+
 def _collect() -> dict:
     import torch
 
@@ -195,6 +215,7 @@ def _collect() -> dict:
     ]
     info["transports"] = transport_report()
     info["side_channel"] = side_channel_report()
+    info["native"] = native_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
 
@@ -226,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in info["transports"].items():
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
     print(f"p2p side channel (headers, fault notices)\n  {info['side_channel']}")
+    print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
     layout = info["layout"]
     if layout is not None:
         print(f"torchrun layout: {layout['world_size']} ranks on {len(layout['nodes'])} node(s)")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tensorferry import envs
+from tensorferry import _native, envs
 from tensorferry._seconds import checked_seconds
 from tensorferry.p2p import _link, _trace
 from tensorferry.p2p._spec import Descriptor, describe
@@ -397,6 +397,7 @@ def init(
     timeout_s = (
         checked_seconds(timeout, "timeout") if timeout is not None else envs.transfer_timeout_s()
     )
+    _native.start()  # the compiled validation loop, loaded or built in the background
     with _lock:
         if _context is not None:
             same = (

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tensorferry import _native
 from tensorferry.errors import MismatchError
 
 __all__ = [
@@ -188,6 +189,10 @@ def check_peer(peer: Any, *, rank: int, world_size: int, what: str) -> int:
 _PLAIN_DTYPES: dict[torch.dtype, str] = {}
 # Tensor types the one-pass check takes (weights arrive as parameters).
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_TYPE_TUPLE = tuple(_PLAIN_TYPES)
+# The descriptor the compiled check gave last: it gives it back, allocating nothing, when the
+# next message has the same layout (messages repeat theirs). A hint only: it compares in full.
+_last_walked: Descriptor | None = None
 # Only these can carry a conjugate bit: the one-pass check asks the others one flag, not two.
 _COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 
@@ -238,6 +243,19 @@ def _inspect_plain(
     """:func:`_inspect`'s one pass, for a message of plain contiguous tensors of one device:
     ``None`` when any item is something else (a subclass, a lazy view, a ``TensorSpec``...),
     for the detailed check to name it. Raises only when they are all on another rank's device."""
+    global _last_walked
+    native = _native.helper()
+    if native is not None:  # the same loop in C++ (tensorferry/_native)
+        walked = native.inspect_plain(items, _PLAIN_TYPE_TUPLE, _PLAIN_DTYPES, _last_walked)
+        if walked is None:
+            return None
+        grads, desc = walked
+        if desc is not _last_walked:
+            desc = _last_walked = _intern(desc)
+        expected = items[0].device
+        if expected != device and expected.type != "cpu":
+            _check_tensor(items[0], 0, device, what)  # raises: not this rank's device
+        return _detached(items) if grads else tuple(items), desc
     expected = items[0].device
     names = _PLAIN_DTYPES
     desc = []
@@ -287,6 +305,7 @@ def _check_tensors(items: Sequence[Any], device: torch.device, what: str) -> tup
             or t.device != expected
             or t.layout is not torch.strided
             or t.is_quantized
+            or t.is_nested
             or not t.is_contiguous()
             or t.is_neg()
             or t.is_conj()
@@ -312,8 +331,9 @@ def _check_tensor(t: Any, index: int, device: torch.device, what: str) -> torch.
             f"{what}[{index}] is on {t.device}; this rank moves tensors of {device} (or the "
             f"CPU){owner}"
         )
-    if t.layout is not torch.strided or t.is_quantized:  # before is_contiguous(): CSR has none
-        raise TypeError(f"{what}[{index}]: sparse and quantized tensors are not supported")
+    # Before is_contiguous(): CSR has none. A nested tensor has no one shape to describe.
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        raise TypeError(f"{what}[{index}]: sparse, quantized and nested tensors are not supported")
     if not t.is_contiguous():
         raise ValueError(
             f"{what}[{index}] is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
@@ -383,6 +403,13 @@ def as_recv_list(
     return _detached(out), describe(out), single
 
 
+def _listed_once(tensors: Sequence[torch.Tensor]) -> bool:
+    native = _native.helper()
+    if native is not None:
+        return native.listed_once(tensors)
+    return len({id(t) for t in tensors}) == len(tensors)
+
+
 def check_receives_apart(
     parts: Sequence[tuple[Any, str, Sequence[torch.Tensor]]],
     *,
@@ -404,8 +431,8 @@ def check_receives_apart(
     if "recv" not in kinds:
         return
     if "send" not in kinds:
-        count = sum(len(tensors) for _, _, tensors in parts)
-        if count < 2 or len({id(t) for _, _, tensors in parts for t in tensors}) == count:
+        tensors = [t for _, _, part in parts for t in part] if len(parts) > 1 else parts[0][2]
+        if len(tensors) < 2 or _listed_once(tensors):
             return
     spans = []
     for what, kind, tensors in parts:

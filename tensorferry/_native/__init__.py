@@ -1,0 +1,212 @@
+"""Compiled helpers, built on first use against the running torch; Python does without them.
+
+A message's validation reads about seven attributes of each of its tensors, and from Python
+each read costs a tenth of a microsecond or more: a call with 64 small tensors spent most of its
+host time there. ``tensor_walk.cpp`` does those reads in one C++ loop.
+
+It needs a C++ compiler and the headers of Python and torch, so it is built here rather than
+shipped: once per (source, torch, Python) in ``$TENSORFERRY_NATIVE_DIR`` (default
+``~/.cache/tensorferry/native``), on a background thread that :func:`start` begins (``tf.init``
+calls it), under a file lock so that the ranks of one host build it once. Until it is loaded,
+and wherever it cannot be built, callers take the Python path: :func:`helper` returns ``None``.
+The two paths give the same results (the CPU tier checks them against each other).
+
+``TENSORFERRY_NATIVE``: ``auto`` (default: load it, building it in the background if need
+be), ``wait`` (build it before :func:`start` returns: benchmarks, so that every timed call
+takes one path) or ``0`` (never).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from tensorferry import envs
+
+__all__ = ["helper", "start", "wait", "status"]
+
+_log = logging.getLogger("tensorferry")
+_SOURCE = Path(__file__).with_name("tensor_walk.cpp")
+_MODULE = "_tensorferry_native"
+# Seconds the compiler may take (about 12 s on a 2-core machine).
+_BUILD_TIMEOUT_S = 300.0
+
+_loaded: ModuleType | None = None  # read on every call: a plain module global, no lock
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_problem: str | None = None  # why it is not loaded, once that is known
+
+
+def helper() -> ModuleType | None:
+    """The compiled module, or ``None`` while it is not (yet) loaded."""
+    return _loaded
+
+
+def start() -> None:
+    """Loads the helper, building it on a background thread if need be (see the module doc).
+    Returns at once, but with ``TENSORFERRY_NATIVE=wait``, which waits for the build."""
+    global _thread
+    mode = envs.native_mode()
+    if mode == "0" or _loaded is not None:
+        return
+    with _lock:
+        if _thread is None and _problem is None:
+            _thread = threading.Thread(
+                target=_load_or_build, name="tensorferry-native-build", daemon=True
+            )
+            _thread.start()
+    if mode == "wait":
+        wait()
+
+
+def wait(timeout: float | None = None) -> ModuleType | None:
+    """Waits for a build that :func:`start` began; returns :func:`helper`'s answer."""
+    thread = _thread
+    if thread is not None:
+        thread.join(timeout)
+    return _loaded
+
+
+def status() -> str:
+    """One line for ``tensorferry doctor``: loaded, building, or why not."""
+    if envs.native_mode() == "0":
+        return "off (TENSORFERRY_NATIVE=0)"
+    if _loaded is not None:
+        return f"loaded from {_loaded.__file__}"
+    if _problem is not None:
+        return f"not available: {_problem}"
+    if _thread is not None and _thread.is_alive():
+        return "being built"
+    return "not started"
+
+
+def _load_or_build() -> None:
+    global _loaded, _problem
+    try:
+        path = _built_path()
+        if not path.exists():
+            _build(path)
+        _loaded = _import(path)
+        _log.debug("tensorferry: compiled helpers loaded from %s", path)
+    except Exception as error:  # any failure leaves the Python path, which is always right
+        _problem = str(error) or type(error).__name__
+        _log.info("tensorferry: compiled helpers not used: %s", _problem)
+
+
+def _built_path() -> Path:
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    for part in (torch.__version__, sys.version, sysconfig.get_platform(), _abi_flag()):
+        key.update(part.encode())
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return _cache_dir() / f"{_MODULE}-{key.hexdigest()[:16]}{suffix}"
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("TENSORFERRY_NATIVE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tensorferry" / "native"
+
+
+def _abi_flag() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+def _build(path: Path) -> None:
+    """Compiles into ``path``, once per host: under a file lock, into a temporary file renamed
+    into place, so that a process never imports a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    failed = path.with_suffix(".failed")
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it: wait for it
+        if path.exists():
+            return
+        if failed.exists():  # this host tried and failed: do not pay for it in every process
+            raise RuntimeError(f"an earlier build failed; see {failed} (delete it to retry)")
+        command = _compile_command(path.with_suffix(f".tmp{os.getpid()}"))
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            _record_failure(failed, command, str(error))
+            raise RuntimeError(f"the compiler did not run: {error}") from None
+        built = Path(command[command.index("-o") + 1])
+        if done.returncode != 0:
+            _record_failure(failed, command, done.stderr)
+            with contextlib.suppress(FileNotFoundError):
+                built.unlink()
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the compiler failed ({last}); see {failed}")
+        os.replace(built, path)
+
+
+def _compile_command(output: Path) -> list[str]:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    python_include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(python_include, "Python.h")):
+        raise RuntimeError(f"no Python headers in {python_include}")
+    torch_dir = Path(torch.__file__).parent
+    lib = torch_dir / "lib"
+    return [
+        compiler,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-w",  # torch's headers warn under C++17; the warnings are theirs
+        _abi_flag(),
+        f"-I{python_include}",
+        f"-I{torch_dir / 'include'}",
+        str(_SOURCE),
+        "-o",
+        str(output),
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-ltorch_python",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-lc10",
+    ]
+
+
+def _record_failure(failed: Path, command: list[str], output: str) -> None:
+    with contextlib.suppress(OSError):
+        failed.write_text(" ".join(command) + "\n\n" + output)
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _forget_in_child() -> None:
+    """A forked child has no build thread: it may start its own."""
+    global _thread, _lock
+    _lock = threading.Lock()
+    if _loaded is None:
+        _thread = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

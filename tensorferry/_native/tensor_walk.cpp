@@ -1,0 +1,212 @@
+// The per-tensor reads of a message's validation, done in one C++ loop.
+//
+// tensorferry checks every tensor of a message before anything moves (type, device, layout,
+// contiguity, lazy views) and describes it for the header (dtype and shape). From Python each
+// of those reads is an attribute lookup costing a tenth of a microsecond or more, about seven
+// per tensor: a message of 64 small tensors spent most of its host time there. This loop makes
+// the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
+// Python loop gives, or None for anything unusual, which that module then checks in detail.
+//
+// Built on first use against the running torch (tensorferry/_native/__init__.py); never
+// required: without it the Python loop runs.
+
+#include <Python.h>
+
+#include <algorithm>
+#include <vector>
+
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+bool is_listed(PyTypeObject* type, PyObject* types) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(types);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (reinterpret_cast<PyObject*>(type) == PyTuple_GET_ITEM(types, i)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A new tuple of Python ints, or nullptr with a Python error set.
+PyObject* shape_tuple(c10::IntArrayRef sizes) {
+  PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+  if (shape == nullptr) {
+    return nullptr;
+  }
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    PyObject* size = PyLong_FromLongLong(sizes[d]);
+    if (size == nullptr) {
+      Py_DECREF(shape);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(d), size);
+  }
+  return shape;
+}
+
+// Whether `pair`, a (name, shape) item of a descriptor met before, describes a tensor of
+// dtype `name` and sizes `sizes`: no object is made for it.
+bool same_item(PyObject* pair, PyObject* name, c10::IntArrayRef sizes) {
+  if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+    return false;
+  }
+  PyObject* known_name = PyTuple_GET_ITEM(pair, 0);
+  if (known_name != name &&
+      !(PyUnicode_Check(known_name) && PyUnicode_Compare(known_name, name) == 0)) {
+    return false;
+  }
+  PyObject* shape = PyTuple_GET_ITEM(pair, 1);
+  if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != static_cast<Py_ssize_t>(sizes.size())) {
+    return false;
+  }
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    PyObject* size = PyTuple_GET_ITEM(shape, static_cast<Py_ssize_t>(d));
+    int overflow = 0;
+    if (!PyLong_Check(size) || PyLong_AsLongLongAndOverflow(size, &overflow) != sizes[d] ||
+        overflow != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+enum class Walk { plain, unusual, error };
+
+// Fills `desc` (a new tuple of len(items)) with (dtype name, shape) pairs; sets *grads when
+// a tensor requires grad. `unusual` when any item is not a plain, dense, contiguous tensor of
+// the first item's device with a known dtype (the caller's detailed check then names it).
+// While the tensors match `hint` (a descriptor of n items, or nullptr), *hint_holds stays true
+// and no pair is made: messages repeat their layouts.
+Walk walk(PyObject** items, Py_ssize_t n, PyObject* types, PyObject* names, PyObject* hint,
+          PyObject* desc, bool* grads, bool* hint_holds) {
+  c10::Device expected(c10::kCPU);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    if (!is_listed(Py_TYPE(item), types)) {
+      return Walk::unusual;
+    }
+    const at::Tensor& t = THPVariable_Unpack(item);
+    if (t.layout() != c10::kStrided || t.is_nested() || t.is_quantized()) {
+      return Walk::unusual;
+    }
+    if (i == 0) {
+      expected = t.device();
+    } else if (t.device() != expected) {
+      return Walk::unusual;
+    }
+    if (!t.is_contiguous() || t.is_neg() || t.is_conj()) {
+      return Walk::unusual;
+    }
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+    PyObject* name = PyDict_GetItemWithError(names, dtype);  // borrowed
+    if (name == nullptr) {
+      return PyErr_Occurred() ? Walk::error : Walk::unusual;
+    }
+    const c10::IntArrayRef sizes = t.sizes();  // throws for symbolic shapes
+    *grads = *grads || t.requires_grad();
+    if (*hint_holds) {
+      if (same_item(PyTuple_GET_ITEM(hint, i), name, sizes)) {
+        continue;
+      }
+      *hint_holds = false;
+      for (Py_ssize_t j = 0; j < i; ++j) {  // the items so far, now needed as pairs of their own
+        PyObject* known = PyTuple_GET_ITEM(hint, j);
+        Py_INCREF(known);
+        PyTuple_SET_ITEM(desc, j, known);
+      }
+    }
+    PyObject* shape = shape_tuple(sizes);
+    if (shape == nullptr) {
+      return Walk::error;
+    }
+    PyObject* pair = PyTuple_Pack(2, name, shape);
+    Py_DECREF(shape);
+    if (pair == nullptr) {
+      return Walk::error;
+    }
+    PyTuple_SET_ITEM(desc, i, pair);
+  }
+  return Walk::plain;
+}
+
+// inspect_plain(items, plain_types, dtype_names, hint) -> None | (requires_grad, descriptor)
+//
+// items: a non-empty list or tuple; plain_types: a tuple of the tensor types taken (torch.Tensor
+// and torch.nn.Parameter: subclasses with behaviour of their own go the detailed way);
+// dtype_names: {torch.dtype: name} of the dtypes a message may carry; hint: a descriptor met
+// before (a tuple of (name, shape) pairs) or None. The descriptor returned is `hint` itself
+// when the tensors match it, else a new tuple of (name, shape) pairs, shapes as tuples.
+PyObject* inspect_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyTuple_Check(args[1]) || !PyDict_Check(args[2]) ||
+      !(args[3] == Py_None || PyTuple_Check(args[3]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "inspect_plain(items, plain_types: tuple, dtype_names: dict, hint: tuple | None)");
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Fast(args[0], "inspect_plain: items must be a list or a tuple");
+  if (seq == nullptr) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject* desc = PyTuple_New(n);
+  if (desc == nullptr) {
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  PyObject* hint = args[3] != Py_None && PyTuple_GET_SIZE(args[3]) == n ? args[3] : nullptr;
+  bool grads = false;
+  bool hint_holds = hint != nullptr;
+  Walk outcome = Walk::unusual;
+  try {
+    outcome = walk(PySequence_Fast_ITEMS(seq), n, args[1], args[2], hint, desc, &grads,
+                   &hint_holds);
+  } catch (const std::exception&) {  // a tensor torch cannot answer for: the detailed way
+    outcome = Walk::unusual;
+  }
+  Py_DECREF(seq);
+  if (outcome != Walk::plain) {
+    Py_DECREF(desc);  // frees the pairs made so far; unset slots are NULL, which is allowed
+    if (outcome == Walk::error) {
+      return nullptr;
+    }
+    Py_RETURN_NONE;
+  }
+  if (hint_holds) {
+    Py_DECREF(desc);  // never filled
+    return Py_BuildValue("(OO)", grads ? Py_True : Py_False, hint);
+  }
+  return Py_BuildValue("(ON)", grads ? Py_True : Py_False, desc);
+}
+
+// listed_once(items) -> bool: whether no object is listed twice in a list or tuple (a receive
+// buffer given twice would be written twice at once).
+PyObject* listed_once(PyObject* /*module*/, PyObject* items) {
+  PyObject* seq = PySequence_Fast(items, "listed_once: items must be a list or a tuple");
+  if (seq == nullptr) {
+    return nullptr;
+  }
+  PyObject** begin = PySequence_Fast_ITEMS(seq);
+  std::vector<PyObject*> objects(begin, begin + PySequence_Fast_GET_SIZE(seq));
+  Py_DECREF(seq);  // only the addresses are compared from here on
+  std::sort(objects.begin(), objects.end());
+  const bool once = std::adjacent_find(objects.begin(), objects.end()) == objects.end();
+  return PyBool_FromLong(once);
+}
+
+PyMethodDef methods[] = {
+    {"inspect_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inspect_plain)),
+     METH_FASTCALL, "Validates and describes a message's tensors in one pass (or None)."},
+    {"listed_once", listed_once, METH_O, "Whether no object is listed twice."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_tensorferry_native", "tensorferry's compiled helpers.", -1, methods,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__tensorferry_native(void) { return PyModule_Create(&module_def); }
