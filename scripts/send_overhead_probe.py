@@ -30,16 +30,20 @@ Each row is measured with the engine's short way for agreed static messages on a
 call``, the thread waited (for the GIL, most likely, held by another of the process's threads).
 
 ``--nccl`` (two GPUs) runs the same over the real NCCL transport, one GPU per rank: the wire
-back in, for comparison.
+back in, for comparison. ``--one-gpu`` runs it with both ranks on ``cuda:0``, each posing to
+NCCL as a host of its own (``NCCL_HOSTID``), so over NCCL's network transport: the host work of
+a real NCCL message (staging copies, NCCL's calls) on a machine with one GPU.
 
-Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl] [--tensors N] [--busy-us N]
-[--ready-us N] [--profile | --phases | --reads | --opcodes]``
+Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl | --one-gpu] [--tensors N]
+[--busy-us N] [--ready-us N] [--profile | --phases | --reads | --opcodes]``
 (``--tensors N``: each message a list of N tensors of 4 KiB, as ``bench batch``'s, instead of
 one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls (rank 0) and ``tf.recv`` calls
 (rank 1) of the lone rows under ``cProfile``, each rank's 25 costliest functions;
 ``--phases``: median µs per lone call spent in the main steps of a short-way send, timed by
 wrappers, which add a little each; ``--reads``: how often the short way's read of the peer's
 frames, on each rank, finds any, and how many;
+``--ab-native``: the short way's rows with the compiled validation loop (``tensorferry/_native``)
+and without it, alternately in one process, five rounds;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -170,6 +174,7 @@ _PHASES = (
     ("    completion handed to the pool", "pool", "call_when"),
     ("    marked issued", "transfer", "_mark_issued"),
     ("      transport's start", "transport", "start"),
+    ("        staging copy (packing)", "staging", "pack"),
     ("        ncclGroupEnd", "nccl_lib", "group_end"),
 )
 
@@ -177,7 +182,7 @@ _PHASES = (
 def _wrap_phases():
     """Wraps each step of ``_PHASES`` in a timer; returns ``{label: [seconds, ...]}``."""
     import tensorferry.p2p as tf
-    from tensorferry.p2p import _api, _link, _transfer
+    from tensorferry.p2p import _api, _link, _staging, _transfer
     from tensorferry.p2p._nccl_lib import library as nccl_library
 
     ctx = tf._context.current()
@@ -188,6 +193,7 @@ def _wrap_phases():
         "ctx": ctx,
         "pool": ctx.completions,
         "link": _link.Link,
+        "staging": _staging.Staging,
         "transport": ctx.transport(TRANSPORT),
         "nccl_lib": nccl_library() if TRANSPORT == "nccl" else None,
     }
@@ -336,10 +342,26 @@ def _run_ranks(target, port, args_of_rank, kwargs):
     return results
 
 
-def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0.0, busy_us=0.0):
+def _worker(
+    rank,
+    port,
+    device,
+    profile,
+    queue,
+    transport,
+    tensors=1,
+    ready_us=0.0,
+    busy_us=0.0,
+    one_gpu=False,
+):
     global TRANSPORT
     TRANSPORT = transport
     import tensorferry.p2p as tf
+
+    if one_gpu:  # each rank poses to NCCL as a host of its own (scripts/one_gpu_ranks.py)
+        import os
+
+        os.environ["NCCL_HOSTID"] = f"tensorferry-probe-rank-{rank}"
 
     init_with_null(rank, port, device, ready_us, busy_us)
     try:
@@ -373,6 +395,10 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0
             _measure(rank, x, True, None)
             queue.put((rank, {"reads": counts}))
             return
+        if profile == "ab-native":
+            rows = _ab_native(rank, x)
+            queue.put((rank, {"rows": rows}))
+            return
         rows = {}
         for _ in range(2):  # interleaved: this machine's host times drift
             for short in (True, False):
@@ -387,26 +413,50 @@ def _worker(rank, port, device, profile, queue, transport, tensors=1, ready_us=0
         tf.shutdown()
 
 
+def _ab_native(rank, x, rounds=5):
+    """The short way's rows with the compiled validation loop and without it, alternately in
+    one process (this host's times drift between processes), ``rounds`` times each."""
+    from tensorferry import _native
+
+    module = _native.wait()
+    if module is None:
+        sys.exit(f"the compiled helper is not loaded: {_native.status()}")
+    rows = {}
+    try:
+        for _ in range(rounds):
+            for use in (True, False):
+                _native._loaded = module if use else None
+                for name, value in _measure(rank, x, True, None).items():
+                    rows.setdefault(f"{name}, compiled check {'on' if use else 'off'}", []).append(
+                        value
+                    )
+    finally:
+        _native._loaded = module
+    return rows
+
+
 def _option(name, default):
     """The number given after ``name`` on the command line, or ``default``."""
     return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
 def main():
-    nccl = "--nccl" in sys.argv
+    one_gpu = "--one-gpu" in sys.argv
+    nccl = "--nccl" in sys.argv or one_gpu
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
-    modes = ("--profile", "--phases", "--reads", "--opcodes")
+    modes = ("--profile", "--phases", "--reads", "--opcodes", "--ab-native")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(_option("--tensors", 1))
     ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
     results = run_ranks(
         _worker,
-        lambda rank: (f"cuda:{rank}" if nccl else device, mode),
+        lambda rank: (f"cuda:{rank}" if nccl and not one_gpu else device, mode),
         {
             "transport": "nccl" if nccl else "null",
             "tensors": tensors,
             "ready_us": ready_us,
             "busy_us": busy_us,
+            "one_gpu": one_gpu,
         },
     )
     if "reads" in results[0]:
@@ -431,8 +481,11 @@ def main():
             print(f"  {label:34s} {value:8.1f}")
         return
     where = "over NCCL, one GPU per rank" if nccl else f"with no wire, on {device}"
+    if one_gpu:
+        where = "over NCCL's network transport, both ranks on cuda:0"
     what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
-    print(f"host µs per {what} {where} (rank 0 sends), two interleaved runs:")
+    runs = "interleaved runs" if mode == "ab-native" else "two interleaved runs"
+    print(f"host µs per {what} {where} (rank 0 sends), {runs}:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
     print("the receiving side (rank 1's tf.recv calls, the same rows):")
