@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 import torch
 
-from tensorferry import _native
+from tensorferry import _native, envs
 from tensorferry.p2p import _spec
 from tensorferry.p2p._spec import TensorSpec, descriptor_from_text, descriptor_text
 
@@ -23,6 +23,8 @@ def native():
     """The helper, built (or loaded from the cache) before the tests that need it."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine")
+    if envs.native_mode() == "0":
+        pytest.skip("TENSORFERRY_NATIVE=0: the Python path only")
     _native.start()
     module = _native.wait(timeout=600)
     assert module is not None, _native.status()
@@ -250,6 +252,13 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
         native.inspect_plain(5, _spec._PLAIN_TYPE_TUPLE, _spec._PLAIN_DTYPES, None)
     with pytest.raises(TypeError, match="list or a tuple"):
         native.listed_once(5)
+    with pytest.raises(TypeError, match="copy_pieces"):
+        native.copy_pieces(1, 2)
+    with pytest.raises(TypeError, match="dsts must be a list or a tuple"):
+        native.copy_pieces(1, 1, 1, 5, [])
+    # No CUDA driver in this process, or not this context: nothing launched, the caller copies.
+    t = torch.ones(4)
+    assert native.copy_pieces(1, 1, 1, [t], [t]) is False
 
 
 # ---------------------------------------------------------------- building and turning it off
@@ -279,6 +288,7 @@ def test_a_failed_build_leaves_the_python_path_and_is_not_retried(fresh_state, m
     _native.wait(timeout=60)
     assert "an earlier build failed" in _native.status()
     items = [torch.randn(3)]
+    _spec._inspect(items, CPU, "tensors")  # float32 known, as after any message
     assert _spec._inspect_plain(items, CPU, "tensors")[1] == (("float32", (3,)),)
 
 
@@ -298,3 +308,146 @@ def test_the_helper_can_be_turned_off(fresh_state, monkeypatch):
     monkeypatch.setenv("TENSORFERRY_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="TENSORFERRY_NATIVE='sometimes'"):
         _native.start()
+
+
+# ---------------------------------------------------------------- the piece copy (CUDA)
+@pytest.fixture
+def piece_kernel(native):
+    from tensorferry.p2p import _piece_copy
+
+    device = torch.cuda.current_device()
+    kernel = _piece_copy._make_kernel(device)
+    assert kernel is not None, "the piece copy kernel did not compile (see the log)"
+    return kernel
+
+
+def _pieces(device, count, seed):
+    """``count`` source pieces of 1 byte to 64 KiB, some at addresses not 16-byte aligned, and
+    poisoned targets of the same sizes (some views of one buffer at odd offsets)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [int(s) for s in torch.randint(1, 64 << 10, (count,), generator=gen)]
+    sizes[:4] = [1, 15, 16, 4096]
+    data = torch.randint(0, 256, (sum(sizes) + count,), dtype=torch.uint8, generator=gen)
+    data = data.to(device)
+    srcs, offset = [], 0
+    for i, size in enumerate(sizes):
+        offset += i % 2  # every other piece one byte further: not 16-byte aligned
+        srcs.append(data[offset : offset + size])
+        offset += size
+    targets = torch.full((sum(sizes) + 3 * count,), 0xAB, dtype=torch.uint8, device=device)
+    dsts, offset = [], 0
+    for i, size in enumerate(sizes):
+        if i % 3 == 0:
+            dsts.append(torch.full((size,), 0xCD, dtype=torch.uint8, device=device))
+        else:
+            offset += i % 5
+            dsts.append(targets[offset : offset + size])
+            offset += size
+    return srcs, dsts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [2, 128, 300])  # 300: three launches
+def test_pieces_copied_by_one_kernel_arrive_byte_for_byte(native, piece_kernel, count):
+    device = torch.device("cuda", torch.cuda.current_device())
+    srcs, dsts = _pieces(device, count, seed=count)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    versions = [t._version for t in dsts]
+    assert native.copy_pieces(*piece_kernel, stream.cuda_stream, dsts, srcs) is True
+    stream.synchronize()
+    for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+        assert torch.equal(dst, src), f"piece {i} of {src.numel()} bytes"
+    assert all(t._version > v for t, v in zip(dsts, versions, strict=True))
+
+
+@pytest.mark.gpu
+def test_the_piece_copy_writes_typed_and_inference_tensors(native, piece_kernel):
+    from tensorferry.p2p import _piece_copy
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    srcs = [torch.randn(1000, device=device), torch.randn(3, 5, device=device).bfloat16()]
+    with torch.inference_mode():  # written outside inference mode: refused to torch's copy_
+        dsts = [
+            torch.full((1000,), float("nan"), device=device),
+            torch.zeros(3, 5, device=device, dtype=torch.bfloat16),
+        ]
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    _piece_copy.copy(dsts, srcs, stream)
+    stream.synchronize()
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_the_piece_copy_launches_nothing_it_cannot_launch_right(native, piece_kernel):
+    device = torch.device("cuda", torch.cuda.current_device())
+    srcs, dsts = _pieces(device, 8, seed=3)
+    before = [t.clone() for t in dsts]
+    function, context = piece_kernel
+    stream = torch.cuda.current_stream(device).cuda_stream
+    grid = torch.full((6, 4), 7.0, device=device)
+    refusals = {
+        "another context": (function, context + 8, stream, dsts, srcs),
+        "no kernel": (0, context, stream, dsts, srcs),
+        "lengths differ": (function, context, stream, dsts, srcs[:-1]),
+        "sizes differ": (function, context, stream, [dsts[0]], [srcs[1]]),
+        "a CPU tensor": (function, context, stream, [dsts[0].cpu()], [srcs[0]]),
+        "not contiguous": (
+            function,
+            context,
+            stream,
+            [grid],
+            [torch.randn(4, 6, device=device).t()],
+        ),
+    }
+    for name, args in refusals.items():
+        assert native.copy_pieces(*args) is False, name
+    torch.cuda.synchronize()
+    for got, want in zip(dsts, before, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(grid, torch.full((6, 4), 7.0, device=device))
+
+
+# ---------------------------------------------------------------- whole messages, both paths
+def _many_tensors_round_trip(rank: int, world: int, python: bool) -> int:
+    """Rank 0 sends messages of many tensors (mixed dtypes, two layouts, then static ones)
+    and rank 1 checks every byte; the same path on both ranks."""
+    import tensorferry.p2p as tf
+
+    assert (_native.wait() is None) is python, _native.status()
+    gen = torch.Generator().manual_seed(21)
+    # Before a static channel is agreed, each message may have a layout of its own.
+    layouts = [
+        [(64,)] * 40 + [(3, 5), (0,), (7,)],
+        [(64,)] * 39 + [(2, 2), (3, 5), (0,), (7,)],
+    ]
+    checked = 0
+    for round_ in range(6):
+        shapes = layouts[min(round_, 1)]
+        static = round_ >= 2
+        want = [
+            (torch.randn(s, generator=gen) * 100).to(torch.int32 if i % 7 == 3 else torch.float32)
+            for i, s in enumerate(shapes)
+        ]
+        if rank == 0:
+            tf.send(want, 1, static=static).wait(timeout=30)
+        else:
+            got = [torch.full_like(t, -9) for t in want]  # poisoned
+            tf.recv(got, 0, static=static).wait(timeout=30)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("mode", ["0", "wait"])
+def test_messages_of_many_tensors_arrive_whole_on_either_path(mode, monkeypatch):
+    from tensorferry.p2p._launch import run_world
+
+    if mode == "wait" and shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    monkeypatch.setenv("TENSORFERRY_NATIVE", mode)
+    results = run_world(_many_tensors_round_trip, mode == "0", backend="gloo", timeout=60)
+    assert results == [0, 6 * 43]

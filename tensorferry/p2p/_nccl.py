@@ -295,9 +295,9 @@ class NcclTransport(Transport):
                     used.append(staging)
                     staging.claim(stream)
                     if op.kind == "send":
-                        staging.pack(op.tensors)  # on `stream`: after the caller's writes
+                        staging.pack(op.tensors, stream)  # after the caller's writes
                     else:
-                        to_unpack.append(functools.partial(staging.unpack, op.tensors))
+                        to_unpack.append(functools.partial(staging.unpack, op.tensors, stream))
                     wire.append((op.kind, staging.buffer))
                     wire.extend((op.kind, op.tensors[i]) for i in staging.alone)
                     continue

@@ -5,8 +5,8 @@ each time costs the issuing thread one tensor operation per tensor (``cat`` view
 unpacking narrows and reshapes the buffer once per tensor): ~100 µs to pack and ~170 µs to
 unpack 64 tensors on the GPU machine, more than the transfer. Pipelines send the same layout
 (the same dtypes and shapes) message after message, so for each layout and direction we keep one
-buffer and its typed views, made once. Packing is then one ``_foreach_copy_`` per dtype into the
-views, and unpacking one per dtype out of them: no per-tensor work on the host.
+buffer and its typed views, made once. Packing is then one copy kernel per dtype into the
+views, and unpacking one per dtype out of them (``_piece_copy``): no per-tensor work in Python.
 
 Reuse is safe because every use is ordered on a CUDA stream: a buffer used again on the stream
 of its last use follows that use; on another stream, that stream first waits for the event
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tensorferry.p2p._piece_copy import copy as piece_copy
 from tensorferry.p2p._spec import Descriptor
 from tensorferry.runtime._events import record_again, stream_wait
 
@@ -87,16 +88,15 @@ class Staging:
         record_again(self._event, stream)
         self._last_stream = stream.cuda_stream
 
-    def pack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copies the packed tensors of a message into the buffer (on the current stream)."""
+    def pack(self, tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        """Copies the packed tensors of a message into the buffer, on ``stream``."""
         for indices, views in self._groups:
-            torch._foreach_copy_(views, self._members(tensors, indices))
+            piece_copy(views, self._members(tensors, indices), stream)
 
-    @torch.inference_mode()  # as _packing.unpack: the tensors may be inference tensors
-    def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copies the buffer out into a message's packed tensors (on the current stream)."""
+    def unpack(self, tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        """Copies the buffer out into a message's packed tensors, on ``stream``."""
         for indices, views in self._groups:
-            torch._foreach_copy_(self._members(tensors, indices), views)
+            piece_copy(self._members(tensors, indices), views, stream)
 
     def _members(self, tensors: Sequence[torch.Tensor], indices: list[int] | None) -> Any:
         # None: the group is the whole message, in order (the usual case): no list to build.

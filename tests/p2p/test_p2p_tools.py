@@ -187,10 +187,10 @@ def test_staging_buffer_round_trips_every_byte_and_matches_fresh_packing():
     staging = Staging(plan, layout, torch.device("cpu"))
     for round_ in range(3):  # the buffer is reused: each round's bytes replace the last
         data = [t + round_ for t in tensors]
-        staging.pack(data)
+        staging.pack(data, None)
         assert torch.equal(staging.buffer, pack([data[i] for i in range(len(data)) if i != 5]))
         targets = [torch.full_like(t, 99) for t in data]  # poisoned
-        staging.unpack(targets)
+        staging.unpack(targets, None)
         for i, (got, want) in enumerate(zip(targets, data, strict=True)):
             if i == 5:  # travels alone: not the staging buffer's business
                 assert torch.equal(got, torch.full_like(want, 99))
@@ -206,10 +206,10 @@ def test_staging_buffer_of_a_message_packed_whole_round_trips_every_byte():
     tensors = tuple(torch.randn(64, generator=gen) for _ in range(6))  # one dtype, all small
     layout = describe(tensors)
     staging = Staging(LayoutPlan(layout, pack_below=4096), layout, torch.device("cpu"))
-    staging.pack(tensors)
+    staging.pack(tensors, None)
     assert torch.equal(staging.buffer.view(torch.float32), torch.cat(tensors))
     targets = tuple(torch.full_like(t, 99) for t in tensors)  # poisoned
-    staging.unpack(targets)
+    staging.unpack(targets, None)
     for got, want in zip(targets, tensors, strict=True):
         assert torch.equal(got, want)
 

@@ -1,0 +1,106 @@
+"""Copying a message's pieces in and out of its packed buffer with one kernel launch.
+
+``torch._foreach_copy_`` copies a list of tensors with one kernel, but its host work grows with
+the list: about 30 µs for 64 small tensors on the GPU machine, the largest single step of such
+a message's call once validation moved to C++. This kernel takes every piece's addresses and
+size in its one argument (up to 128 pieces a launch), and the compiled helper
+(``tensorferry/_native``) fills that argument and launches it: a few microseconds.
+
+The kernel is compiled with NVRTC (through torch) once per device, on first use. Wherever that
+or the helper is unavailable, or the calling thread's current device is another, the copy is
+``torch._foreach_copy_``'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorferry import _native
+
+__all__ = ["copy"]
+
+# One block copies (a share of) one piece; kPiecesPerLaunch and the struct layout are the
+# helper's (tensor_walk.cpp). 16-byte steps where the piece allows, else bytes.
+_SOURCE = r"""
+struct Piece { const unsigned char* src; unsigned char* dst; long long nbytes; };
+struct Pieces { long long count; Piece piece[128]; };
+
+extern "C" __global__ void tensorferry_copy_pieces(const Pieces pieces) {
+  const Piece p = pieces.piece[blockIdx.x];
+  const long long first = (long long)blockIdx.y * blockDim.x + threadIdx.x;
+  const long long stride = (long long)gridDim.y * blockDim.x;
+  const unsigned long long bits =
+      (unsigned long long)p.src | (unsigned long long)p.dst | (unsigned long long)p.nbytes;
+  if ((bits & 15) == 0) {
+    const uint4* src = (const uint4*)p.src;
+    uint4* dst = (uint4*)p.dst;
+    for (long long i = first; i < p.nbytes / 16; i += stride) dst[i] = src[i];
+  } else {
+    for (long long i = first; i < p.nbytes; i += stride) p.dst[i] = p.src[i];
+  }
+}
+"""
+
+_lock = threading.Lock()
+# device index -> (CUfunction, CUcontext) as ints, or None where it could not be made
+_kernels: dict[int, tuple[int, int] | None] = {}
+
+
+def copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any) -> None:
+    """Copies each of ``srcs`` into the ``dsts`` tensor of the same place (contiguous, equal
+    sizes: a staging buffer's views and a message's tensors), on ``stream`` (a CUDA stream of
+    their device; ``None`` for CPU tensors)."""
+    if stream is None:
+        with torch.inference_mode():  # targets may be inference tensors
+            torch._foreach_copy_(list(dsts), list(srcs))
+        return
+    native = _native.helper()
+    if native is not None:
+        kernel = _kernels.get(stream.device_index, False)
+        if kernel is False:
+            kernel = _make_kernel(stream.device_index)
+        if kernel is not None and native.copy_pieces(*kernel, stream.cuda_stream, dsts, srcs):
+            return
+    with torch.cuda.stream(stream), torch.inference_mode():
+        torch._foreach_copy_(list(dsts), list(srcs))
+
+
+def _make_kernel(device_index: int) -> tuple[int, int] | None:
+    with _lock:
+        if device_index in _kernels:
+            return _kernels[device_index]
+        kernel = None
+        try:
+            with torch.cuda.device(device_index):
+                compiled = torch.cuda._compile_kernel(_SOURCE, "tensorferry_copy_pieces")
+                kernel = (_address(compiled.func), _current_context())
+        except Exception as error:  # a private torch API, NVRTC missing: torch's copy then
+            import logging
+
+            logging.getLogger("tensorferry").info(
+                "tensorferry: the piece copy kernel is not used on cuda:%d: %s", device_index, error
+            )
+        _kernels[device_index] = kernel
+        return kernel
+
+
+def _address(handle: object) -> int:
+    value = handle.value if isinstance(handle, ctypes.c_void_p) else handle
+    if not isinstance(value, int) or value == 0:
+        raise RuntimeError(f"no kernel handle: {handle!r}")
+    return value
+
+
+def _current_context() -> int:
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    context = ctypes.c_void_p()
+    status = _get_gpu_runtime_library().cuCtxGetCurrent(ctypes.byref(context))
+    if status != 0 or not context.value:
+        raise RuntimeError(f"cuCtxGetCurrent failed ({status})")
+    return context.value
