@@ -88,6 +88,7 @@ class PairFaults:
         # Last: the caller learns of the failure only once the peers were told (its next call
         # must not meet the peer still in the old epoch).
         self._finish(unit, exc)
+        unit.forget_completion()
 
     def _cascade(
         self,
@@ -284,12 +285,15 @@ class PairFaults:
                 m.seq < finished_there[m.op.kind] for m in mine
             )
             while True:
+                # Read once: a caller that completes the unit meanwhile drops them.
+                ready, settle = unit.ready, unit.settle
                 try:
-                    finished = unit.ready is not None and unit.ready()
+                    finished = ready is not None and ready()
                 except Exception:  # a failed transport: the fault fails it below
                     break
                 if finished:
-                    unit.settle()
+                    if settle is not None:
+                        settle()
                     if unit.state == "issued":
                         # Its caller saw it finish first and took its completion (settle did
                         # nothing here), but has not marked it done yet: done it is, or the
@@ -306,10 +310,11 @@ class PairFaults:
         it failed and fails it, and its caller, should it see the work finish meanwhile, must
         not report success. Where another thread took the completion first (its caller saw the
         work finish in between), the unit is done, and counts so."""
-        if unit.claim is None or unit.claim():
+        claim, ready = unit.claim, unit.ready  # read once: completing the unit drops them
+        if claim is None or claim():
             return
         try:
-            finished = unit.ready is not None and unit.ready()
+            finished = ready is not None and ready()
         except Exception:  # a failed transport: the fault fails it
             return
         if finished and unit.state == "issued":

@@ -220,6 +220,7 @@ class Issuing:
             _trace.record("done", None, unit.trace_text())
         if not unit.transfer._finish_if_no_callbacks():
             self._finish(unit, None)  # user callbacks: on a completion-pool worker
+        unit.forget_completion()
         if unit.awaited:
             self._wake()  # a unit waits for this one (a ring's next step): issue it now
 

@@ -67,6 +67,12 @@ class Unit:
     """Once issued: takes its completion from the completion pool, so that nobody else
     completes it from then on (a fault about to fail it); returns whether it got it."""
 
+    def forget_completion(self) -> None:
+        """Drops ``ready``, ``settle`` and ``claim`` once the unit is done or failed: they
+        close over the unit itself, and kept, would leave it (and its transfer, messages and
+        completion) to the garbage collector. Readers take each into a local first."""
+        self.ready = self.settle = self.claim = None
+
     @property
     def peers(self) -> set[int]:
         return {m.op.peer for m in self.messages}

@@ -103,7 +103,7 @@ class _Waiter:
     that order holds nothing up."""
 
     def __init__(self, pair: _GlooPair, direction: str) -> None:
-        self.pair = pair
+        self.pair: _GlooPair | None = pair
         self.peer = pair.peer
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # When the wait the waiter is in ends at the latest (monotonic seconds; 0: none).
@@ -129,6 +129,7 @@ class _Waiter:
         finally:
             with _waiters_lock:
                 _waiters.discard(self)
+            self.pair = None  # the pair holds its waiters: no cycle for the collector
 
     def _wait_for(self, works: list[Any], to_unpack: list[Any]) -> BaseException | None:
         """Waits for one start's works; returns the transfer's error, or ``None``."""
@@ -302,7 +303,8 @@ def _wait_for_waiters() -> None:
     with _waiters_lock:
         waiters = list(_waiters)
     for pair in {waiter.pair for waiter in waiters}:  # each pair once (two waiters each)
-        pair.submit_stop()
+        if pair is not None:  # None: that waiter ended meanwhile
+            pair.submit_stop()
     for waiter in waiters:
         left = min(max(0.0, waiter.waits_until - time.monotonic()), _EXIT_WAIT_S)
         if waiter.still_waiting() and left > 1.0:

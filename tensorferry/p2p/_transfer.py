@@ -322,10 +322,13 @@ class Transfer:
     def _finish(self, exc: BaseException | None = None) -> None:
         """Completes the transfer (first call wins). Runs the callbacks on this thread."""
         self._issued.set()
-        if self._outcome.done():
-            return
-        with contextlib.suppress(InvalidStateError):  # completed by a racing finisher
-            self._outcome.set(exc)
+        if not self._outcome.done():
+            with contextlib.suppress(InvalidStateError):  # completed by a racing finisher
+                self._outcome.set(exc)
+        # Done: the engine's closures (they hold its unit, which holds this transfer) are not
+        # needed any more. Dropped, nothing of the message is left in a reference cycle for
+        # the garbage collector: it is freed at once, and no collection pauses a later call.
+        self._ready = self._settle = self._expedite = None
 
     def _finish_if_no_callbacks(self) -> bool:
         """Completes the transfer successfully here unless user callbacks are registered

@@ -2234,3 +2234,81 @@ def receive_behind_a_receive_its_peer_sends_later(
         calls.send("A").wait(T)
     _reset_my_pairs(rank, 3)  # leaves no static agreement to the cases after it
     return "ok"
+
+
+def nothing_left_for_the_collector(rank: int, world: int, rounds: int) -> dict[str, int]:
+    """Every kind of call, ``rounds`` times, with the garbage collector off: what tensorferry
+    objects are then left in reference cycles (``{type: count}``; empty when every message
+    was freed as it finished). Calls of every rank in one world: lone sends and receives
+    (a list and a single tensor), a ring of ``sendrecv``, a batch with every peer,
+    ``ring_all_gather``, a transfer with a done callback, and last a static channel (then
+    reset: its agreed layout would refuse the other calls' next round)."""
+    import gc
+
+    right, left = (rank + 1) % world, (rank - 1) % world
+
+    def pair_messages(tag: int, static: bool) -> None:
+        shapes = [(4, 4)] * 3 if static else [(3, 8)] * 5
+        for count, shape in ((len(shapes), shapes[0]), (1, (5,))):
+            if rank == 0:
+                out = [payload(0, 1, tag + i, shape, torch.float32) for i in range(count)]
+                tf.send(out if count > 1 else out[0], 1, static=static).wait(T)
+            else:
+                into = [poisoned(shape, torch.float32) for _ in range(count)]
+                tf.recv(into if count > 1 else into[0], 0, static=static).wait(T)
+                for i, got in enumerate(into):
+                    assert same_bytes(got, payload(0, 1, tag + i, shape, torch.float32))
+            if static:
+                break  # one layout per static channel
+
+    def calls(tag: int) -> None:
+        if rank < 2:
+            pair_messages(tag, static=False)
+        out = payload(rank, right, tag, (300,), torch.float32)
+        into = poisoned((300,), torch.float32)
+        tf.sendrecv(out, right, into, left).wait(T)
+        assert same_bytes(into, payload(left, rank, tag, (300,), torch.float32))
+        received = {}
+        with tf.batch() as b:
+            for peer in range(world):
+                if peer != rank:
+                    b.send(payload(rank, peer, tag + 1, (6,), torch.int64), peer)
+                    received[peer] = b.recv(poisoned((6,), torch.int64), peer)
+        b.wait(T)
+        for peer, got in received.items():
+            assert same_bytes(got, payload(peer, rank, tag + 1, (6,), torch.int64)), peer
+        gathered = poisoned((world * 10,), torch.float32)
+        tf.ring_all_gather(gathered, payload(rank, rank, tag, (10,), torch.float32)).wait(T)
+        for r in range(world):
+            want = payload(r, r, tag, (10,), torch.float32)
+            assert same_bytes(gathered[r * 10 : (r + 1) * 10], want), r
+        called = threading.Event()
+        handle = tf.sendrecv(out, right, into, left)
+        handle.add_done_callback(lambda _t: called.set())
+        handle.wait(T)
+        assert called.wait(T)
+        if rank < 2:
+            for step in range(3):
+                pair_messages(tag + 5 + step, static=True)
+            tf._api._reset_pair(1 - rank, timeout=T)
+
+    calls(1000)  # warm: pairs made
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for r in range(rounds):
+            calls(2000 + 10 * r)
+        time.sleep(0.3)  # completions still on the pool's threads
+        gc.collect()
+        left_over: dict[str, int] = {}
+        for obj in gc.garbage:
+            kind = type(obj)
+            if kind.__module__.startswith("tensorferry"):
+                name = f"{kind.__module__}.{kind.__qualname__}"
+                left_over[name] = left_over.get(name, 0) + 1
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    return left_over

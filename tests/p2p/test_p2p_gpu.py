@@ -41,6 +41,10 @@ def test_parameters_and_activations_travel_outside_autograd(pool):
     assert pool.run("parameters_travel", 80) == ["sent", "ok"]
 
 
+def test_finished_messages_leave_nothing_for_the_garbage_collector(pool):
+    assert pool.run("nothing_left_for_the_collector", 4) == [{}] * WORLD
+
+
 def test_buffers_made_in_inference_mode_receive_inside_and_outside_it(pool):
     assert pool.run("inference_tensors_travel", 90) == ["sent", "ok"]
 
