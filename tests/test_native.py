@@ -279,7 +279,7 @@ def test_a_failed_build_leaves_the_python_path_and_is_not_retried(fresh_state, m
     assert _native.wait(timeout=60) is None
     assert _native.helper() is None
     status = _native.status()
-    assert status.startswith("not available: the compiler failed"), status
+    assert status.startswith("not available: the build failed"), status
     assert list(fresh_state.glob("*.failed"))
     # Another process of this host (this one, started afresh) does not try again.
     monkeypatch.setattr(_native, "_thread", None)
@@ -298,6 +298,34 @@ def test_a_missing_compiler_is_named(fresh_state, monkeypatch):
     _native.wait(timeout=60)
     assert "the compiler did not run" in _native.status()
     assert not list(fresh_state.glob("*.so"))
+
+
+def test_a_build_outlives_a_program_that_exits_first(fresh_state):
+    """A short program (one that exits while the compiler runs) leaves the build to finish:
+    the next process loads it rather than compiling again."""
+    import subprocess
+    import textwrap
+    import time
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    program = textwrap.dedent(
+        """
+        import time
+        from tensorferry import _native
+        _native.start()  # builds in the background
+        time.sleep(3)  # the builder has started; the compiler takes longer than this
+        assert _native.helper() is None
+        """
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=120)
+    deadline = time.monotonic() + 200
+    while not list(fresh_state.glob("*.so")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert list(fresh_state.glob("*.so")), list(fresh_state.iterdir())
+    assert not list(fresh_state.glob("*.tmp*"))  # renamed into place, nothing left behind
+    _native.start()
+    assert _native.wait(timeout=60) is not None, _native.status()
 
 
 def test_the_helper_can_be_turned_off(fresh_state, monkeypatch):

@@ -6,9 +6,11 @@ host time there. ``tensor_walk.cpp`` does those reads in one C++ loop.
 
 It needs a C++ compiler and the headers of Python and torch, so it is built here rather than
 shipped: once per (source, torch, Python) in ``$TENSORFERRY_NATIVE_DIR`` (default
-``~/.cache/tensorferry/native``), on a background thread that :func:`start` begins (``tf.init``
-calls it), under a file lock so that the ranks of one host build it once. Until it is loaded,
-and wherever it cannot be built, callers take the Python path: :func:`helper` returns ``None``.
+``~/.cache/tensorferry/native``), by a process of its own (``_build.py``) that a background
+thread starts and waits for (:func:`start`, which ``tf.init`` calls), under a file lock so that
+the ranks of one host build it once; a program that exits first leaves it finishing. Until it
+is loaded, and wherever it cannot be built, callers take the Python path: :func:`helper`
+returns ``None``.
 The two paths give the same results (the CPU tier checks them against each other).
 
 ``TENSORFERRY_NATIVE``: ``auto`` (default: load it, building it in the background if need
@@ -18,10 +20,9 @@ takes one path) or ``0`` (never).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -35,14 +36,15 @@ from types import ModuleType
 import torch
 
 from tensorferry import envs
+from tensorferry._native._build import BUILD_TIMEOUT_S
 
 __all__ = ["helper", "start", "wait", "status"]
 
 _log = logging.getLogger("tensorferry")
 _SOURCE = Path(__file__).with_name("tensor_walk.cpp")
+_BUILDER = Path(__file__).with_name("_build.py")
 _MODULE = "_tensorferry_native"
-# Seconds the compiler may take (about 12 s on a 2-core machine).
-_BUILD_TIMEOUT_S = 300.0
+_BUILD_TIMEOUT_S = BUILD_TIMEOUT_S
 
 _loaded: ModuleType | None = None  # read on every call: a plain module global, no lock
 _lock = threading.Lock()
@@ -128,32 +130,29 @@ def _abi_flag() -> str:
 
 
 def _build(path: Path) -> None:
-    """Compiles into ``path``, once per host: under a file lock, into a temporary file renamed
-    into place, so that a process never imports a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Builds ``path`` in a process of its own (``_build.py``, in a session of its own: a
+    program that exits before the compiler does leaves it finishing, for the next process),
+    and waits for it. Raises with the compiler's last line when it failed."""
     failed = path.with_suffix(".failed")
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it: wait for it
-        if path.exists():
-            return
-        if failed.exists():  # this host tried and failed: do not pay for it in every process
-            raise RuntimeError(f"an earlier build failed; see {failed} (delete it to retry)")
-        command = _compile_command(path.with_suffix(f".tmp{os.getpid()}"))
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as error:
-            _record_failure(failed, command, str(error))
-            raise RuntimeError(f"the compiler did not run: {error}") from None
-        built = Path(command[command.index("-o") + 1])
-        if done.returncode != 0:
-            _record_failure(failed, command, done.stderr)
-            with contextlib.suppress(FileNotFoundError):
-                built.unlink()
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the compiler failed ({last}); see {failed}")
-        os.replace(built, path)
+    if failed.exists():  # this host tried and failed: do not pay for it in every process
+        raise RuntimeError(f"an earlier build failed; see {failed} (delete it to retry)")
+    command = _compile_command(path.with_suffix(f".tmp{os.getpid()}"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    builder = subprocess.Popen(
+        [sys.executable, str(_BUILDER), str(path), json.dumps(command)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    builder.wait(timeout=_BUILD_TIMEOUT_S + 60)
+    if path.exists():
+        return
+    if failed.exists():
+        lines = failed.read_text(errors="replace").strip().splitlines()
+        last = lines[-1] if len(lines) > 2 else "no output"
+        raise RuntimeError(f"the build failed: {last}; see {failed}")
+    raise RuntimeError(f"the build ended without {path.name} (exit code {builder.returncode})")
 
 
 def _compile_command(output: Path) -> list[str]:
@@ -185,11 +184,6 @@ def _compile_command(output: Path) -> list[str]:
         "-ltorch_cpu",
         "-lc10",
     ]
-
-
-def _record_failure(failed: Path, command: list[str], output: str) -> None:
-    with contextlib.suppress(OSError):
-        failed.write_text(" ".join(command) + "\n\n" + output)
 
 
 def _import(path: Path) -> ModuleType:
