@@ -255,10 +255,10 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     with pytest.raises(TypeError, match="copy_pieces"):
         native.copy_pieces(1, 2)
     with pytest.raises(TypeError, match="dsts must be a list or a tuple"):
-        native.copy_pieces(1, 1, 1, 5, [])
+        native.copy_pieces(1, 1, 0, 1, 5, [])
     # No CUDA driver in this process, or not this context: nothing launched, the caller copies.
     t = torch.ones(4)
-    assert native.copy_pieces(1, 1, 1, [t], [t]) is False
+    assert native.copy_pieces(1, 1, 0, 1, [t], [t]) is False
 
 
 # ---------------------------------------------------------------- building and turning it off
@@ -413,18 +413,20 @@ def test_the_piece_copy_launches_nothing_it_cannot_launch_right(native, piece_ke
     device = torch.device("cuda", torch.cuda.current_device())
     srcs, dsts = _pieces(device, 8, seed=3)
     before = [t.clone() for t in dsts]
-    function, context = piece_kernel
+    function, context, index = piece_kernel
     stream = torch.cuda.current_stream(device).cuda_stream
     grid = torch.full((6, 4), 7.0, device=device)
     refusals = {
-        "another context": (function, context + 8, stream, dsts, srcs),
-        "no kernel": (0, context, stream, dsts, srcs),
-        "lengths differ": (function, context, stream, dsts, srcs[:-1]),
-        "sizes differ": (function, context, stream, [dsts[0]], [srcs[1]]),
-        "a CPU tensor": (function, context, stream, [dsts[0].cpu()], [srcs[0]]),
+        "another context": (function, context + 8, index, stream, dsts, srcs),
+        "another device": (function, context, index + 1, stream, dsts, srcs),
+        "no kernel": (0, context, index, stream, dsts, srcs),
+        "lengths differ": (function, context, index, stream, dsts, srcs[:-1]),
+        "sizes differ": (function, context, index, stream, [dsts[0]], [srcs[1]]),
+        "a CPU tensor": (function, context, index, stream, [dsts[0].cpu()], [srcs[0]]),
         "not contiguous": (
             function,
             context,
+            index,
             stream,
             [grid],
             [torch.randn(4, 6, device=device).t()],

@@ -2,7 +2,8 @@
 
 A message's validation reads about seven attributes of each of its tensors, and from Python
 each read costs a tenth of a microsecond or more: a call with 64 small tensors spent most of its
-host time there. ``tensor_walk.cpp`` does those reads in one C++ loop.
+host time there. ``tensor_walk.cpp`` does those reads in one C++ loop, and launches the copies
+in and out of a message's packed buffer (``p2p/_piece_copy.py``).
 
 It needs a C++ compiler and the headers of Python and torch, so it is built here rather than
 shipped: once per (source, torch, Python) in ``$TENSORFERRY_NATIVE_DIR`` (default
@@ -10,8 +11,8 @@ shipped: once per (source, torch, Python) in ``$TENSORFERRY_NATIVE_DIR`` (defaul
 thread starts and waits for (:func:`start`, which ``tf.init`` calls), under a file lock so that
 the ranks of one host build it once; a program that exits first leaves it finishing. Until it
 is loaded, and wherever it cannot be built, callers take the Python path: :func:`helper`
-returns ``None``.
-The two paths give the same results (the CPU tier checks them against each other).
+returns ``None``. The two paths give the same results (the CPU tier checks them against each
+other).
 
 ``TENSORFERRY_NATIVE``: ``auto`` (default: load it, building it in the background if need
 be), ``wait`` (build it before :func:`start` returns: benchmarks, so that every timed call
@@ -44,7 +45,6 @@ _log = logging.getLogger("tensorferry")
 _SOURCE = Path(__file__).with_name("tensor_walk.cpp")
 _BUILDER = Path(__file__).with_name("_build.py")
 _MODULE = "_tensorferry_native"
-_BUILD_TIMEOUT_S = BUILD_TIMEOUT_S
 
 _loaded: ModuleType | None = None  # read on every call: a plain module global, no lock
 _lock = threading.Lock()
@@ -145,7 +145,7 @@ def _build(path: Path) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    builder.wait(timeout=_BUILD_TIMEOUT_S + 60)
+    builder.wait(timeout=BUILD_TIMEOUT_S + 60)
     if path.exists():
         return
     if failed.exists():

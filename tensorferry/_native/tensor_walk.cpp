@@ -1,14 +1,15 @@
-// The per-tensor reads of a message's validation, done in one C++ loop.
+// The per-tensor loops of a message's call, in C++.
 //
 // tensorferry checks every tensor of a message before anything moves (type, device, layout,
 // contiguity, lazy views) and describes it for the header (dtype and shape). From Python each
 // of those reads is an attribute lookup costing a tenth of a microsecond or more, about seven
-// per tensor: a message of 64 small tensors spent most of its host time there. This loop makes
-// the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
+// per tensor: a message of 64 small tensors spent most of its host time there. inspect_plain
+// makes the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
+// copy_pieces launches the copies in and out of a message's packed buffer (see there).
 //
 // Built on first use against the running torch (tensorferry/_native/__init__.py); never
-// required: without it the Python loop runs.
+// required: without it the Python loop and torch's copies run.
 
 #include <Python.h>
 
@@ -254,29 +255,35 @@ bool pointer_arg(PyObject* value, void** out) {
   return !(*out == nullptr && PyErr_Occurred());
 }
 
-// copy_pieces(function, context, stream, dsts, srcs) -> bool
+// copy_pieces(function, context, device, stream, dsts, srcs) -> bool
 //
-// Copies each srcs[i] into dsts[i] (CUDA tensors, contiguous, of equal byte sizes) on `stream`
-// with `function` (a CUfunction loaded in `context`). False, having launched nothing, when it
-// cannot: no CUDA driver in the process, another context current on this thread, or a pair it
-// does not take; the caller then copies them its own way. Raises after a failed launch.
+// Copies each srcs[i] into dsts[i] (tensors of CUDA device `device`, contiguous, of equal byte
+// sizes) on `stream` with `function` (a CUfunction loaded in `context`, that device's). False,
+// having launched nothing, when it cannot: no CUDA driver in the process, another context
+// current on this thread, or a pair it does not take; the caller then copies them its own way.
+// Raises after a failed launch.
 PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "copy_pieces(function, context, stream, dsts, srcs)");
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    "copy_pieces(function, context, device, stream, dsts, srcs)");
     return nullptr;
   }
   void* function = nullptr;
   void* context = nullptr;
   void* stream = nullptr;
   if (!pointer_arg(args[0], &function) || !pointer_arg(args[1], &context) ||
-      !pointer_arg(args[2], &stream)) {
+      !pointer_arg(args[3], &stream)) {
     return nullptr;
   }
-  PyObject* dst_seq = PySequence_Fast(args[3], "copy_pieces: dsts must be a list or a tuple");
+  const long device = PyLong_AsLong(args[2]);
+  if (device == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  PyObject* dst_seq = PySequence_Fast(args[4], "copy_pieces: dsts must be a list or a tuple");
   if (dst_seq == nullptr) {
     return nullptr;
   }
-  PyObject* src_seq = PySequence_Fast(args[4], "copy_pieces: srcs must be a list or a tuple");
+  PyObject* src_seq = PySequence_Fast(args[5], "copy_pieces: srcs must be a list or a tuple");
   if (src_seq == nullptr) {
     Py_DECREF(dst_seq);
     return nullptr;
@@ -303,7 +310,8 @@ PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
       const at::Tensor& src = THPVariable_Unpack(srcs[i]);
       usable = dst.is_cuda() && src.is_cuda() && dst.layout() == c10::kStrided &&
                src.layout() == c10::kStrided && dst.is_contiguous() && src.is_contiguous() &&
-               dst.nbytes() == src.nbytes() && dst.get_device() == src.get_device();
+               dst.nbytes() == src.nbytes() && dst.get_device() == device &&
+               src.get_device() == device;
       if (usable && dst.nbytes() > 0) {
         pieces.push_back({src.const_data_ptr(), dst.data_ptr(), static_cast<int64_t>(dst.nbytes())});
         written.push_back(&dst);

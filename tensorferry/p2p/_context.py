@@ -24,7 +24,7 @@ import torch
 
 from tensorferry import _native, envs
 from tensorferry._seconds import checked_seconds
-from tensorferry.p2p import _link, _trace
+from tensorferry.p2p import _link, _piece_copy, _trace
 from tensorferry.p2p._spec import Descriptor, describe
 from tensorferry.p2p._transport import (
     Transport,
@@ -442,6 +442,8 @@ def init(
             master_addr=master_addr,
         )
         context.bind_device()
+        if device.type == "cuda":
+            _piece_copy.prepare(device.index)  # the packed messages' copy kernel, compiled ahead
         context.start()
         _context = context
         log.info("p2p: rank %d of %d on %s (%s)", rank, world_size, device, backend)

@@ -22,7 +22,7 @@ import torch
 
 from tensorferry import _native
 
-__all__ = ["copy"]
+__all__ = ["copy", "prepare"]
 
 # One block copies (a share of) one piece; kPiecesPerLaunch and the struct layout are the
 # helper's (tensor_walk.cpp). 16-byte steps where the piece allows, else bytes.
@@ -47,8 +47,8 @@ extern "C" __global__ void tensorferry_copy_pieces(const Pieces pieces) {
 """
 
 _lock = threading.Lock()
-# device index -> (CUfunction, CUcontext) as ints, or None where it could not be made
-_kernels: dict[int, tuple[int, int] | None] = {}
+# device index -> (CUfunction, CUcontext, device index), or None where it could not be made
+_kernels: dict[int, tuple[int, int, int] | None] = {}
 
 
 def copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any) -> None:
@@ -70,7 +70,18 @@ def copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any
         torch._foreach_copy_(list(dsts), list(srcs))
 
 
-def _make_kernel(device_index: int) -> tuple[int, int] | None:
+def prepare(device_index: int) -> None:
+    """Compiles the kernel for ``device_index`` on a background thread (NVRTC takes a moment),
+    once the compiled helper is loaded, so that the first packed message does not wait."""
+
+    def compile_when_loaded() -> None:
+        if _native.wait() is not None:
+            _make_kernel(device_index)
+
+    threading.Thread(target=compile_when_loaded, name="tensorferry-piece-copy", daemon=True).start()
+
+
+def _make_kernel(device_index: int) -> tuple[int, int, int] | None:
     with _lock:
         if device_index in _kernels:
             return _kernels[device_index]
@@ -78,7 +89,7 @@ def _make_kernel(device_index: int) -> tuple[int, int] | None:
         try:
             with torch.cuda.device(device_index):
                 compiled = torch.cuda._compile_kernel(_SOURCE, "tensorferry_copy_pieces")
-                kernel = (_address(compiled.func), _current_context())
+                kernel = (_address(compiled.func), _current_context(), device_index)
         except Exception as error:  # a private torch API, NVRTC missing: torch's copy then
             import logging
 
