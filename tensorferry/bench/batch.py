@@ -112,7 +112,12 @@ def run(args: argparse.Namespace) -> int:
                 "one_way_gb_per_s": round(gbps, 2),
             }
         )
-    notes = [" ".join(__doc__.split())]
+    from tensorferry.cli.doctor import native_report
+
+    notes = [
+        " ".join(__doc__.split()),
+        f"compiled helpers (tensorferry/_native): {native_report()}",
+    ]
     report(args.out, "batch", rows, title=__doc__.splitlines()[0], notes=notes)
     return 0
 
