@@ -6,14 +6,16 @@ a message's call once validation moved to C++. This kernel takes every piece's a
 size in its one argument (up to 128 pieces a launch), and the compiled helper
 (``tensorferry/_native``) fills that argument and launches it: a few microseconds.
 
-The kernel is compiled with NVRTC (through torch) once per device, on first use. Wherever that
-or the helper is unavailable, or the calling thread's current device is another, the copy is
+The kernel is compiled with NVRTC (through torch) once per device: ahead, on a thread that
+``tf.init`` starts (:func:`prepare`), or else at the first packed message. Wherever that or the
+helper is unavailable, or the calling thread's current device is another, the copy is
 ``torch._foreach_copy_``'s.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +25,8 @@ import torch
 from tensorferry import _native
 
 __all__ = ["copy", "prepare"]
+
+_log = logging.getLogger("tensorferry")
 
 # One block copies (a share of) one piece; kPiecesPerLaunch and the struct layout are the
 # helper's (tensor_walk.cpp). 16-byte steps where the piece allows, else bytes.
@@ -91,9 +95,7 @@ def _make_kernel(device_index: int) -> tuple[int, int, int] | None:
                 compiled = torch.cuda._compile_kernel(_SOURCE, "tensorferry_copy_pieces")
                 kernel = (_address(compiled.func), _current_context(), device_index)
         except Exception as error:  # a private torch API, NVRTC missing: torch's copy then
-            import logging
-
-            logging.getLogger("tensorferry").info(
+            _log.info(
                 "tensorferry: the piece copy kernel is not used on cuda:%d: %s", device_index, error
             )
         _kernels[device_index] = kernel
