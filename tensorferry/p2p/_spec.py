@@ -190,8 +190,9 @@ _PLAIN_DTYPES: dict[torch.dtype, str] = {}
 # Tensor types the one-pass check takes (weights arrive as parameters).
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPE_TUPLE = tuple(_PLAIN_TYPES)
-# The descriptor the compiled check gave last: it gives it back, allocating nothing, when the
-# next message has the same layout (messages repeat theirs). A hint only: it compares in full.
+# The descriptor the one pass gave last: the compiled check gives it back, allocating nothing,
+# when the next message has the same layout (messages repeat theirs). A hint only: it compares
+# in full.
 _last_walked: Descriptor | None = None
 # Only these can carry a conjugate bit: the one-pass check asks the others one flag, not two.
 _COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
@@ -247,15 +248,22 @@ def _inspect_plain(
     native = _native.helper()
     if native is not None:  # the same loop in C++ (tensorferry/_native)
         walked = native.inspect_plain(items, _PLAIN_TYPE_TUPLE, _PLAIN_DTYPES, _last_walked)
-        if walked is None:
-            return None
-        grads, desc = walked
-        if desc is not _last_walked:
-            desc = _last_walked = _intern(desc)
-        expected = items[0].device
-        if expected != device and expected.type != "cpu":
-            _check_tensor(items[0], 0, device, what)  # raises: not this rank's device
-        return _detached(items) if grads else tuple(items), desc
+    else:
+        walked = _walk(items)
+    if walked is None:
+        return None
+    grads, desc = walked
+    if desc is not _last_walked:
+        desc = _last_walked = _intern(desc)
+    expected = items[0].device
+    if expected != device and expected.type != "cpu":
+        _check_tensor(items[0], 0, device, what)  # raises: not this rank's device
+    return _detached(items) if grads else tuple(items), desc
+
+
+def _walk(items: Sequence[Any]) -> tuple[bool, Descriptor] | None:
+    """The one pass in Python: ``(any requires grad, descriptor)``, or ``None`` for anything
+    unusual (as ``inspect_plain`` of ``tensorferry/_native``)."""
     expected = items[0].device
     names = _PLAIN_DTYPES
     desc = []
@@ -273,9 +281,7 @@ def _inspect_plain(
             grads = grads or t.requires_grad
     except RuntimeError:
         return None
-    if expected != device and expected.type != "cpu":
-        _check_tensor(items[0], 0, device, what)  # raises: not this rank's device
-    return _detached(items) if grads else tuple(items), _intern(tuple(desc))
+    return grads, tuple(desc)
 
 
 def _detached(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
