@@ -108,10 +108,17 @@ def _load_or_build() -> None:
         _log.info("tensorferry: compiled helpers not used: %s", _problem)
 
 
+# How it is compiled and linked (besides the compiler, the paths and the ABI flag): part of
+# the build's key, so that a change here builds afresh.
+_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")  # -w: torch's headers warn under C++17
+_LIBRARIES = ("-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10")
+
+
 def _built_path() -> Path:
     key = hashlib.sha256()
     key.update(_SOURCE.read_bytes())
-    for part in (torch.__version__, sys.version, sysconfig.get_platform(), _abi_flag()):
+    parts = (torch.__version__, sys.version, sysconfig.get_platform(), _abi_flag(), *_FLAGS)
+    for part in (*parts, *_LIBRARIES):
         key.update(part.encode())
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     return _cache_dir() / f"{_MODULE}-{key.hexdigest()[:16]}{suffix}"
@@ -166,11 +173,7 @@ def _compile_command(output: Path) -> list[str]:
     lib = torch_dir / "lib"
     return [
         compiler,
-        "-O2",
-        "-shared",
-        "-fPIC",
-        "-std=c++17",
-        "-w",  # torch's headers warn under C++17; the warnings are theirs
+        *_FLAGS,
         _abi_flag(),
         f"-I{python_include}",
         f"-I{torch_dir / 'include'}",
@@ -179,10 +182,7 @@ def _compile_command(output: Path) -> list[str]:
         str(output),
         f"-L{lib}",
         f"-Wl,-rpath,{lib}",
-        "-ltorch_python",
-        "-ltorch",
-        "-ltorch_cpu",
-        "-lc10",
+        *_LIBRARIES,
     ]
 
 
