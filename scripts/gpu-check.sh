@@ -16,8 +16,9 @@
 # p2p-one-gpu and p2p-ranks-one-gpu (ONE_GPU_RANKS ranks, default 3) run the NCCL tier and the
 # N-rank suite with every rank on one GPU, each posing as its own host to NCCL (NCCL_HOSTID):
 # NCCL's network transport between them, so correctness only, on a machine with one GPU.
-# *-nospeculate: the same with TENSORFERRY_NCCL_SPECULATE=0, where the suite also runs its two
-# cases of messages issued ahead to several peers (see torchrun_suite.py).
+# *-nospeculate: the same with TENSORFERRY_NCCL_SPECULATE=0 (with three ranks or more that is
+# the default, and the suite runs its two cases of messages issued ahead to several peers: see
+# torchrun_suite.py).
 # p2p-ranks*, allgather and symm-pairs use every GPU of the machine (one rank each): the N-rank runs;
 # p2p-ranks-nvlink/-ce run the same suite with `auto` picking that transport for GPU tensors.
 # Logs and results are packed into $OUT/gpu-logs.tgz (or ./out; a second run in the same folder

@@ -134,11 +134,22 @@ def _switch(name: str, default: bool) -> bool:
     return raw == "1"
 
 
-def nccl_speculate() -> bool:
+def nccl_speculate(world_size: int) -> bool:
     """Whether the NCCL transport issues the messages of an agreed static channel before the
-    peer's header (``TENSORFERRY_NCCL_SPECULATE``: ``1``, the default, or ``0``). Read when the
-    transport is made (``tf.init``)."""
-    return _switch("TENSORFERRY_NCCL_SPECULATE", True)
+    peer's header, in a world of ``world_size`` ranks (``TENSORFERRY_NCCL_SPECULATE``: ``1``
+    always, ``0`` never; unset or empty: only where the world has two ranks). Read when the
+    transport is made (``tf.init``).
+
+    Why not with more ranks by default: a process's NCCL sends share one stream, and so do its
+    receives. A message issued ahead to one peer holds that stream until the peer calls, and
+    messages with other peers queue behind it; a program in which that peer's call waits for
+    one of those can then wait until the transfer timeout (``docs/transfers.md``, "Sends and
+    receives issued ahead, with several peers"). With two ranks every message on a stream is
+    with the one peer, in the order that peer takes them, so none can wait behind another's."""
+    raw = os.environ.get("TENSORFERRY_NCCL_SPECULATE", "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"TENSORFERRY_NCCL_SPECULATE={raw!r} must be 0 or 1 (or unset)")
+    return raw == "1" if raw else world_size <= 2
 
 
 def p2p_trace_events() -> int:

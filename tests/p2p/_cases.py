@@ -611,14 +611,21 @@ def register_speculating_gloo(rank: int, world: int) -> bool:
 
 
 def register_stream_ordered_gloo(rank: int, world: int) -> bool:
-    """``gloo-stream`` and ``gloo-stream-not-ahead``: gloo with NCCL's stream order (see
+    """``gloo-stream`` and ``gloo-stream-ahead``: gloo with NCCL's stream order (see
     ``_stream_gloo.py``)."""
-    from _stream_gloo import StreamOrderedGloo, StreamOrderedGlooNotAhead
+    from _stream_gloo import StreamOrderedGloo, StreamOrderedGlooAhead
 
-    for transport in (StreamOrderedGloo, StreamOrderedGlooNotAhead):
+    for transport in (StreamOrderedGloo, StreamOrderedGlooAhead):
         if transport.name not in tf.registered_transports():
             tf.register_transport(transport.name, transport)
     return True
+
+
+def speculates(rank: int, world: int, transport: str) -> bool:
+    """Whether ``transport`` issues agreed static messages ahead of the peer's header here."""
+    from tensorferry.p2p import _context
+
+    return bool(_context.current().transport(transport).static_speculates)
 
 
 def speculative_issue(rank: int, world: int, transport: str) -> str:

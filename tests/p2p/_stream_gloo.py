@@ -24,10 +24,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tensorferry import envs
 from tensorferry.p2p._gloo import GlooTransport
-from tensorferry.p2p._transport import P2POp, PendingOps
+from tensorferry.p2p._transport import P2POp, PendingOps, TransportContext
 
-__all__ = ["StreamOrderedGloo", "StreamOrderedGlooNotAhead"]
+__all__ = ["StreamOrderedGloo", "StreamOrderedGlooAhead"]
 
 _POLL_S = 1e-3
 
@@ -99,7 +100,14 @@ class StreamOrderedGloo(GlooTransport):
 
     name = "gloo-stream"
     static_skips_headers = False
-    static_speculates = True
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self.static_speculates = self._speculates(ctx.world_size)
+
+    @staticmethod
+    def _speculates(world_size: int) -> bool:
+        return envs.nccl_speculate(world_size)  # as NcclTransport decides
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
         # The stream P2PContext.issue would pick for a CUDA unit: one with a send goes on the
@@ -110,8 +118,12 @@ class StreamOrderedGloo(GlooTransport):
         return unit
 
 
-class StreamOrderedGlooNotAhead(StreamOrderedGloo):
-    """``gloo-stream`` issuing no message ahead of the peer's header."""
+class StreamOrderedGlooAhead(StreamOrderedGloo):
+    """``gloo-stream`` issuing agreed static messages ahead of the peer's header whatever the
+    world's size."""
 
-    name = "gloo-stream-not-ahead"
-    static_speculates = False
+    name = "gloo-stream-ahead"
+
+    @staticmethod
+    def _speculates(world_size: int) -> bool:
+        return True

@@ -415,20 +415,27 @@ def test_a_header_written_at_once_never_overtakes_frames_queued_before_it(queued
     peer_end.close()
 
 
-def test_nccl_speculation_is_on_unless_turned_off(monkeypatch):
+def test_nccl_speculates_in_a_world_of_two_unless_told_otherwise(monkeypatch):
+    from types import SimpleNamespace
+
     from tensorferry import envs
     from tensorferry.p2p._nccl import NcclTransport
 
+    def speculates(world_size: int) -> bool:
+        return NcclTransport(ctx=SimpleNamespace(world_size=world_size)).static_speculates
+
     monkeypatch.delenv("TENSORFERRY_NCCL_SPECULATE", raising=False)
-    assert envs.nccl_speculate()
-    assert NcclTransport(ctx=None).static_speculates
+    assert [envs.nccl_speculate(n) for n in (1, 2, 3, 8)] == [True, True, False, False]
+    assert speculates(2) and not speculates(3)
+    monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "")
+    assert speculates(2) and not speculates(4)
     monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "0")
-    assert not NcclTransport(ctx=None).static_speculates
+    assert not speculates(2) and not speculates(3)
     monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "1")
-    assert NcclTransport(ctx=None).static_speculates
+    assert speculates(2) and speculates(3)
     monkeypatch.setenv("TENSORFERRY_NCCL_SPECULATE", "yes")
     with pytest.raises(ValueError, match="TENSORFERRY_NCCL_SPECULATE"):
-        NcclTransport(ctx=None)
+        speculates(2)
 
 
 def test_peer_ranks_take_any_integer_but_bools_and_floats():
