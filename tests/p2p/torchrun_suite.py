@@ -133,7 +133,8 @@ def main() -> int:
             flush=True,
         )
     failures = []
-    for name, args, expected in expectations(world):
+    cases = expectations(world)
+    for name, args, expected in cases:
         dist.barrier()
         try:
             result = getattr(_cases, name)(rank, world, *args)
@@ -145,7 +146,7 @@ def main() -> int:
     dist.barrier()
     host = os.environ.get("GROUP_RANK", "?")
     verdict = "ok" if not failures else "FAILED"
-    print(f"rank {rank}/{world} node {host}: p2p suite {verdict}", flush=True)
+    print(f"rank {rank}/{world} node {host}: p2p suite {verdict} ({len(cases)} cases)", flush=True)
     for failure in failures:
         print(failure, file=sys.stderr, flush=True)
     tf.shutdown()
