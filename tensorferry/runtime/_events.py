@@ -89,12 +89,33 @@ def _runtime() -> _Runtime | None:
     return _calls
 
 
+# Device clock cycles the check's kernel spins (tens of milliseconds): its event must still be
+# pending when the host looks. A host that was descheduled that long meanwhile (processes
+# starting together, sharing one GPU and a busy machine) finds it finished: the check then runs
+# once more with a spin twenty times as long, rather than give up the calls for the process.
+_CHECK_SPINS = (20_000_000, 400_000_000)
+_FINISHED_TOO_SOON = "an event recorded behind a spinning kernel, or a stream made to wait for it"
+
+
 def _checked(calls: _Runtime | None) -> _Runtime | None:
-    """``calls`` if they demonstrably work on torch's events and streams, else ``None``: an
-    event recorded behind a long kernel must be pending, a stream made to wait for it must
-    wait, and it must fire."""
+    """``calls`` if they demonstrably work on torch's events and streams, else ``None`` (see
+    :func:`_misbehaviour`)."""
     if calls is None:
         return None
+    for cycles in _CHECK_SPINS:
+        problem = _misbehaviour(calls, cycles)
+        if problem is None:
+            return calls
+        if not problem.startswith(_FINISHED_TOO_SOON):
+            break  # a failed call or an event that never fired: no second look needed
+    log.warning("events: CUDA event calls through ctypes misbehaved (%s); using torch", problem)
+    return None
+
+
+def _misbehaviour(calls: _Runtime, cycles: int) -> str | None:
+    """What ``calls`` did wrong on torch's events and streams, or ``None``: an event recorded
+    behind a kernel spinning ``cycles`` device cycles must be pending, a stream made to wait
+    for it must wait, and both must fire once the kernel ended."""
     stream, waiter = torch.cuda.Stream(), torch.cuda.Stream()  # private: nobody else waits
     event, after = torch.cuda.Event(), torch.cuda.Event()
     event.record(stream)  # creates the CUDA events
@@ -102,20 +123,23 @@ def _checked(calls: _Runtime | None) -> _Runtime | None:
     stream.synchronize()
     waiter.synchronize()
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(20_000_000)  # tens of milliseconds of spinning on the device
+        torch.cuda._sleep(cycles)
     codes = [calls.record(event.cuda_event, stream.cuda_stream)]
     codes.append(calls.wait(waiter.cuda_stream, event.cuda_event, 0))
     codes.append(calls.record(after.cuda_event, waiter.cuda_stream))
     pending = calls.query(event.cuda_event) == _NOT_READY and not after.query()
     stream.synchronize()
     waiter.synchronize()
-    fired = calls.query(event.cuda_event) == 0 and event.query() and after.query()
-    if any(codes) or not pending or not fired:
-        log.warning("events: CUDA event calls through ctypes misbehaved (%s); using torch", codes)
-        return None
+    if any(codes):
+        calls.clear()
+        return f"record, wait and record returned {codes}"
+    if not (calls.query(event.cuda_event) == 0 and event.query() and after.query()):
+        return "an event did not fire after its stream's work ended"
+    if not pending:
+        return f"{_FINISHED_TOO_SOON} was already done ({cycles} cycles)"
     recycle(event)
     recycle(after)
-    return calls
+    return None
 
 
 def _pooled(index: int) -> Any:

@@ -110,3 +110,41 @@ def test_a_query_that_fails_clears_the_error_before_torch_reports_it(runtime):
 
     assert _events.is_done(Queried(0)) is False
     assert runtime.calls == ["query", "clear"]
+
+
+def _verdicts(monkeypatch, *verdicts):
+    """Makes the check's runs answer ``verdicts`` in turn; returns the spins they were asked."""
+    asked: list[int] = []
+    answers = iter(verdicts)
+
+    def misbehaviour(calls, cycles):
+        asked.append(cycles)
+        return next(answers)
+
+    monkeypatch.setattr(_events, "_misbehaviour", misbehaviour)
+    return asked
+
+
+def test_the_check_looks_again_longer_when_its_kernel_finished_before_it_looked(monkeypatch):
+    too_soon = f"{_events._FINISHED_TOO_SOON} was already done (20000000 cycles)"
+    asked = _verdicts(monkeypatch, too_soon, None)
+    calls = _FakeRuntime(0)
+    assert _events._checked(calls) is calls
+    assert asked == list(_events._CHECK_SPINS) and asked[1] > asked[0]
+
+
+def test_the_check_gives_up_the_calls_when_the_longer_look_finds_the_same(monkeypatch, caplog):
+    too_soon = f"{_events._FINISHED_TOO_SOON} was already done"
+    asked = _verdicts(monkeypatch, too_soon, too_soon)
+    with caplog.at_level("WARNING", logger=_events.log.name):
+        assert _events._checked(_FakeRuntime(0)) is None
+    assert len(asked) == 2
+    assert "was already done" in caplog.text and "using torch" in caplog.text
+
+
+def test_the_check_gives_up_at_once_on_a_failed_call(monkeypatch, caplog):
+    asked = _verdicts(monkeypatch, "record, wait and record returned [400, 0, 0]")
+    with caplog.at_level("WARNING", logger=_events.log.name):
+        assert _events._checked(_FakeRuntime(0)) is None
+    assert len(asked) == 1, "a failed call is not timing: no second look"
+    assert "[400, 0, 0]" in caplog.text

@@ -169,3 +169,15 @@ def test_stream_waits_and_queries_through_the_event_calls():
         assert done.query() and after.query()
         _events.recycle(done)
         _events.recycle(after)
+
+
+def test_the_event_calls_check_tells_working_calls_from_a_record_that_does_nothing():
+    from tensorferry.runtime import _events
+
+    calls = _events._load_calls()
+    assert calls is not None, "the CUDA runtime's event calls load on a GPU machine"
+    assert _events._misbehaviour(calls, _events._CHECK_SPINS[0]) is None
+    broken = calls._replace(record=lambda event, stream: 0)  # says it recorded, records nothing
+    problem = _events._misbehaviour(broken, _events._CHECK_SPINS[0])
+    assert problem is not None and problem.startswith(_events._FINISHED_TOO_SOON)
+    assert _events._checked(broken) is None, "the longer second look finds the same"
