@@ -108,6 +108,7 @@ def _checked(calls: _Runtime | None) -> _Runtime | None:
             return calls
         if not problem.startswith(_FINISHED_TOO_SOON):
             break  # a failed call or an event that never fired: no second look needed
+        log.info("events: checking the CUDA event calls: %s; looking again", problem)
     log.warning("events: CUDA event calls through ctypes misbehaved (%s); using torch", problem)
     return None
 
