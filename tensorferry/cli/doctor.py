@@ -161,6 +161,23 @@ def side_channel_report() -> str:
     return "unix socket to ranks of this host, tcp to other hosts"
 
 
+def speculation_report() -> str:
+    """Where agreed static NCCL messages are issued ahead of the peer's header (see
+    ``envs.nccl_speculate``), and whether in this torchrun world."""
+    from tensorferry import envs
+
+    try:
+        two, more = envs.nccl_speculate(2), envs.nccl_speculate(3)
+    except ValueError as error:
+        return f"unusable setting: {error}"
+    where = "in any world" if more else "in a world of two ranks" if two else "never"
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit():
+        return where
+    here = "yes" if envs.nccl_speculate(int(world)) else "no"
+    return f"{where}; in this world of {world}: {here}"
+
+
 def native_report(timeout_s: float = 300.0) -> str:
     """Whether the compiled validation loop is used here (``tensorferry/_native``): loads it,
     building it first if need be (once per torch and Python version)."""
@@ -216,6 +233,7 @@ def _collect() -> dict:
     info["transports"] = transport_report()
     info["side_channel"] = side_channel_report()
     info["native"] = native_report()
+    info["speculation"] = speculation_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
 
@@ -248,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
     print(f"p2p side channel (headers, fault notices)\n  {info['side_channel']}")
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
+    print(
+        "static NCCL messages issued ahead of the peer's header (TENSORFERRY_NCCL_SPECULATE)\n"
+        f"  {info['speculation']}"
+    )
     layout = info["layout"]
     if layout is not None:
         print(f"torchrun layout: {layout['world_size']} ranks on {len(layout['nodes'])} node(s)")
