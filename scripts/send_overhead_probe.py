@@ -42,6 +42,8 @@ one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls (rank 0) and ``tf.r
 ``--phases``: median µs per lone call spent in the main steps of a short-way send, timed by
 wrappers, which add a little each; ``--reads``: how often the short way's read of the peer's
 frames, on each rank, finds any, and how many;
+``--answered``: calls without ``static`` whose peer called first (its header came before the
+call: the short way's *answered* case), short way on and off; each rank's median call time;
 ``--ab-native``: the short way's rows with the compiled validation loop (``tensorferry/_native``)
 and without it, alternately in one process, five rounds;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
@@ -159,12 +161,57 @@ def _measure(rank, x, short, prof, bursts=True):
     }
 
 
+ANSWERED = 16
+
+
+def _measure_answered(rank, x, short, rounds=40):
+    """Messages without ``static`` whose peer called first. Each round one rank makes
+    ``ANSWERED`` calls at once (rank 1 receives in even rounds, rank 0 sends in odd ones); the
+    other waits until all their headers came, then makes its own calls, each timed: the calls
+    the engine's short way takes when its peer's header is there (``answered``)."""
+    import tensorferry.p2p as tf
+
+    engine = tf._context.current().engine
+    engine._short_path = short
+    peer = 1 - rank
+    kind = "send" if rank == 0 else "recv"
+    timed = []
+
+    def call():
+        if rank == 0:
+            return tf.send(x, peer, transport=TRANSPORT)
+        return tf.recv(x, peer, transport=TRANSPORT)
+
+    call().wait()  # the pair's side channel and transport are made by a first message
+    for i in range(rounds):
+        first = 1 if i % 2 == 0 else 0
+        if rank == first:
+            handles = [call() for _ in range(ANSWERED)]
+        else:
+            deadline = time.monotonic() + 60
+            # The engine's own state: how many of the peer's headers for our channel came.
+            while len(engine._peer(peer).channels[kind].peer_headers) < ANSWERED:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the peer's headers never came")
+                engine.drive()
+            handles = []
+            for _ in range(ANSWERED):
+                t0 = time.perf_counter()
+                handles.append(call())
+                if i >= 4:
+                    timed.append(time.perf_counter() - t0)
+        for handle in handles:
+            handle.wait()
+    name = "answered send call" if rank == 0 else "answered recv call"
+    return {name: statistics.median(timed) * 1e6}
+
+
 # What --phases times: (label, owner, attribute); the owner is resolved on the running layer.
 _PHASES = (
     ("validate (_api._message)", "api", "_message"),
     ("caller's event (_api._caller_event)", "api", "_caller_event"),
     ("Transfer()", "transfer", "__init__"),
-    ("engine: short way, all", "engine", "_issue_agreed"),
+    ("engine: short way, all", "engine", "_issue_short"),
     ("  peer's frames read", "engine", "_read_link"),
     ("  header written", "engine", "_send_header"),
     ("  links flushed", "engine", "_flush_links"),
@@ -257,13 +304,13 @@ def _count_reads():
 
     engine = tf._context.current().engine
     counts = {"short-way calls": 0, "reads that found frames": 0, "frames found": 0}
-    issue_agreed, read_link = engine._issue_agreed, engine._read_link
+    issue_short, read_link = engine._issue_short, engine._read_link
     inside = []
 
     def counted_issue(unit):
         inside.append(True)
         try:
-            return issue_agreed(unit)
+            return issue_short(unit)
         finally:
             inside.pop()
 
@@ -276,7 +323,7 @@ def _count_reads():
                 counts["frames found"] += found
         return found
 
-    engine._issue_agreed, engine._read_link = counted_issue, counted_read
+    engine._issue_short, engine._read_link = counted_issue, counted_read
     return counts
 
 
@@ -395,6 +442,15 @@ def _worker(
             _measure(rank, x, True, None)
             queue.put((rank, {"reads": counts}))
             return
+        if profile == "answered":
+            rows = {}
+            for _ in range(2):  # interleaved: this machine's host times drift
+                for short in (True, False):
+                    for name, value in _measure_answered(rank, x, short).items():
+                        rows.setdefault(f"{name}, short way {'on' if short else 'off'}", [])
+                        rows[f"{name}, short way {'on' if short else 'off'}"].append(value)
+            queue.put((rank, {"rows": rows}))
+            return
         if profile == "ab-native":
             rows = _ab_native(rank, x)
             queue.put((rank, {"rows": rows}))
@@ -444,7 +500,7 @@ def main():
     one_gpu = "--one-gpu" in sys.argv
     nccl = "--nccl" in sys.argv or one_gpu
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
-    modes = ("--profile", "--phases", "--reads", "--opcodes", "--ab-native")
+    modes = ("--profile", "--phases", "--reads", "--opcodes", "--ab-native", "--answered")
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(_option("--tensors", 1))
     ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
@@ -479,6 +535,13 @@ def main():
         print(f"median µs per call in each step of a short-way send{over} on {device} (rank 0):")
         for label, value in results[0]["phases"].items():
             print(f"  {label:34s} {value:8.1f}")
+        return
+    if mode == "answered":
+        where = "over NCCL" if nccl else f"with no wire, on {device}"
+        print(f"host µs per call whose peer called first, {where}, two interleaved runs:")
+        for rank in sorted(results):
+            for name, values in sorted(results[rank]["rows"].items()):
+                print(f"  {name:40s} " + "  ".join(f"{v:8.1f}" for v in values))
         return
     where = "over NCCL, one GPU per rank" if nccl else f"with no wire, on {device}"
     if one_gpu:

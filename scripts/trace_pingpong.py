@@ -51,7 +51,7 @@ def patch():
         (_engine.Engine, "_accept", "accept"),
         (_engine.Engine, "_send_header", "hdr_out"),
         (_engine.Engine, "_issue", "issue"),
-        (_engine.Engine, "_issue_agreed", "short_way"),  # true when it issued the message
+        (_engine.Engine, "_issue_short", "short_way"),  # true when it issued the message
         (_engine.Engine, "_read_link", "read_link"),
         (_engine.Engine, "_flush_links", "flush"),
         (_transfer.Transfer, "wait_stream", "wait_stream"),
@@ -66,16 +66,16 @@ def patch():
         setattr(owner, name, timed(getattr(owner, name), label))
     for name in ("send", "recv"):  # the public names callers use
         setattr(tfp, name, timed(getattr(_api, name), name))
-    orig_short = _engine.Engine._issue_agreed
+    orig_short = _engine.Engine._issue_short
 
-    def issue_agreed(self, unit):
+    def issue_short(self, unit):
         took = orig_short(self, unit)
         if not took:  # a zero-length span per message the short way left to the full step
             mark("short_way_declined>")
             mark("short_way_declined<")
         return took
 
-    _engine.Engine._issue_agreed = issue_agreed
+    _engine.Engine._issue_short = issue_short
     orig_frame = _engine.Engine._on_frame
 
     def on_frame(self, link, frame):

@@ -102,7 +102,7 @@ def _unreachable(error: BaseException) -> bool:
 
 def _count_down(debts: dict, kind: str) -> None:
     """One of ``debts[kind]`` paid; a debt paid off leaves the dict (an empty one lets the
-    short way go: see ShortWay._issue_agreed)."""
+    short way go: see ShortWay._issue_short)."""
     count, err = debts[kind]
     if count > 1:
         debts[kind] = (count - 1, err)
@@ -157,7 +157,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         if self._local_listener is not None:
             self._selector.register(self._local_listener, selectors.EVENT_READ, "listen")
         self._stopping = False
-        self._short_path = envs.p2p_short_path()  # see _issue_agreed
+        self._short_path = envs.p2p_short_path()  # see _issue_short
         # Guards all the state below. The engine thread holds it while it handles what woke it;
         # callers hold it to queue and drive their own units (see submit and drive).
         self._lock = threading.RLock()
@@ -220,7 +220,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         with self._lock:
             if self._stopping:
                 raise TensorFerryError("tf.shutdown() was called: no new transfers")
-            if self._short_path and self._issue_agreed(unit):
+            if self._short_path and self._issue_short(unit):
                 return
             # What already arrived first (a fault notice moves the pair to its next epoch
             # before this unit is numbered), then the unit.

@@ -112,13 +112,16 @@ class HeaderAgreement:
                 self._fail_unit(unit, exc, cascade=True, skip_peer=None)
             self._retire(channel, message.seq)
             return
+        self._note_agreement(channel, message, frame)
+
+    def _note_agreement(self, channel: ChannelState, message: Message, frame: dict) -> None:
+        """After ``message`` agreed with the peer's header ``frame``: where both promised a
+        static channel, on a transport that takes advantage of one, that is now its agreed
+        layout."""
+        if not (message.static and frame["st"] and channel.static_desc is None):
+            return
         transport = self.ctx.transport(message.transport)
-        if (
-            message.static
-            and frame["st"]
-            and channel.static_desc is None
-            and (transport.static_skips_headers or transport.static_speculates)
-        ):
+        if transport.static_skips_headers or transport.static_speculates:
             channel.static_desc = message.desc
             channel.static_transport = message.transport
 

@@ -269,7 +269,7 @@ class PairFaults:
 
         Polled as in an engine step, whichever thread handles the fault: a poll that drove the
         engine would handle other frames, faults among them, in the middle of this pair's move
-        to its next epoch (see ``ShortWay._issue_agreed``)."""
+        to its next epoch (see ``ShortWay._issue_short``)."""
         stepping = getattr(self._stepping, "on", False)
         self._stepping.on = True
         try:

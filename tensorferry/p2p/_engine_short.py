@@ -1,4 +1,4 @@
-"""The p2p engine's short way for agreed static messages (see :meth:`ShortWay._issue_agreed`).
+"""The p2p engine's short way for lone messages (see :meth:`ShortWay._issue_short`).
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
 and helpers (``_peers``, ``_units``, ``_read_link``, ``_confirm``, ``_compare_header``,
@@ -10,32 +10,40 @@ from __future__ import annotations
 
 from tensorferry.errors import MismatchError
 from tensorferry.p2p import _trace
-from tensorferry.p2p._engine_state import ChannelState, PeerState, Unit
+from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["ShortWay"]
 
 
 class ShortWay:
-    """Issuing a lone message of an agreed static channel without a full engine step."""
+    """Issuing a lone message without a full engine step, where nothing about it is unusual."""
 
-    def _issue_agreed(self, unit: Unit) -> bool:
-        """The short way for the common case of a static channel: a lone message that keeps its
-        channel's agreement, with nothing of the channel still waiting, is numbered, announced
-        and issued at once, without a full engine step (reading every link, scanning every
-        channel and unit). Returns false when anything is unusual, having changed nothing but
-        handled the frames it read; the full step then handles it (a broken promise, a fault,
-        a peer still being set up).
+    def _issue_short(self, unit: Unit) -> bool:
+        """The short way for the common cases of a lone message, with nothing of its channel
+        still waiting: it is numbered, announced and issued at once, without a full engine
+        step (reading every link, scanning every channel and unit). Two cases:
+
+        - *agreed*: the message keeps its static channel's agreement, on a transport that
+          issues such messages without waiting for the peer's header (or skips headers);
+        - *answered*: the peer's header for it came already (the peer called first), and the
+          channel has no agreement: the header is compared here, and may set one.
+
+        Returns false when anything is unusual, having changed nothing but handled the frames
+        it read; the full step then handles it (a broken promise, a mismatch, a fault, a peer
+        still being set up, a header not yet there).
 
         Like that step it first reads what the peer sent (on the caller's thread: otherwise
         the engine thread wakes for it and takes turns at the GIL with the caller); a fault
-        among it is handled before the checks. Other peers' frames wait for the next step."""
+        among it is handled before the checks. Other peers' frames wait for the next step. A
+        message that is not static reads nothing here unless a header of the peer's was read
+        already: the full step, which it then takes, would read the link again."""
         if len(unit.messages) != 1 or unit.after is not None or self._stopping:
             return False
         message = unit.messages[0]
-        if not message.static:
-            return False
         peer = self._peers.get(message.op.peer)
         if peer is None or peer.link is None:
+            return False
+        if not message.static and not peer.channels[message.op.kind].peer_headers:
             return False
         # What the frames set off (a fault, the peer's answer to one) runs as in a step: a
         # transfer polled meanwhile (a fault settles those that finished) must not start a
@@ -56,41 +64,76 @@ class ShortWay:
         channel: ChannelState = peer.channels[kind]
         seq = channel.next_seq
         if (
-            channel.static_desc is None
-            or channel.waiting
+            channel.waiting
             or channel.held
             or channel.issue_next != seq
-            or message.transport != channel.static_transport
-            or message.desc != channel.static_desc
             or peer.numbered_debts.get(kind, (0, None))[0]
             or peer.prepared.get((message.transport, kind)) != "done"
+        ):
+            return False
+        frame = channel.peer_headers.get(seq)
+        if channel.static_desc is not None:
+            goes = self._agreed(peer, channel, message, frame)
+        else:
+            goes = self._answered(peer, channel, message, frame)
+        if not goes:
+            return False
+        if frame is not None:
+            del channel.peer_headers[seq]
+        message.seq, message.epoch = seq, peer.epoch
+        message.resolved = True
+        channel.next_seq = channel.issue_next = seq + 1
+        if message.header:
+            if not message.confirmed:  # issued ahead: the peer's header confirms it later
+                channel.unconfirmed[seq] = message
+            self._send_header(peer, message, now=True)
+        if _trace.ON:
+            _trace.record("short way", peer.rank, kind, seq, "epoch", peer.epoch)
+        self._start(unit)
+        return True
+
+    def _agreed(
+        self, peer: PeerState, channel: ChannelState, message: Message, frame: dict | None
+    ) -> bool:
+        """The agreed case: whether ``message`` may go, its header's fate set on it. Changes
+        nothing else."""
+        if (
+            not message.static
+            or message.transport != channel.static_transport
+            or message.desc != channel.static_desc
         ):
             return False
         transport = self.ctx.transport(message.transport)
         speculates = transport.static_speculates
         if not (speculates or transport.static_skips_headers):
             return False
-        frame = channel.peer_headers.get(seq)
         if frame is not None:
             try:
                 self._compare_header(peer, message, frame)
             except MismatchError:
                 return False  # the full step reports it (and faults the pair)
-            del channel.peer_headers[seq]
-        message.seq, message.epoch = seq, peer.epoch
-        message.resolved = True
-        channel.next_seq = channel.issue_next = seq + 1
         if speculates:  # the peer checks every message against its own (see _confirm)
             message.header = True
-            if frame is None:
-                message.confirmed = False
-                channel.unconfirmed[seq] = message
-            self._send_header(peer, message, now=True)
+            message.confirmed = frame is not None
         else:
             message.header = False
-        if _trace.ON:
-            _trace.record("short way", peer.rank, kind, seq, "epoch", peer.epoch)
-        self._start(unit)
+        return True
+
+    def _answered(
+        self, peer: PeerState, channel: ChannelState, message: Message, frame: dict | None
+    ) -> bool:
+        """The answered case: whether ``message`` may go, having agreed with the peer's header
+        ``frame`` (which may set the channel's static agreement). Not while a fault with the
+        peer waits for its answer or a reset is under way: those number messages their own
+        way. Changes nothing where it may not go."""
+        if frame is None or peer.frozen is not None or peer.reset_waiter is not None:
+            return False
+        try:
+            self._compare_header(peer, message, frame)
+        except MismatchError:
+            return False  # the full step reports it on both sides
+        self._note_agreement(channel, message, frame)
+        message.header = True
         return True
 
     def _on_frames_read(self, peer: PeerState) -> bool:

@@ -400,27 +400,101 @@ def static_channel(rank: int, world: int, steps: int, transport: str = "auto") -
 
 def short_way_count(rank: int, world: int, steps: int, transport: str, short: bool) -> int:
     """How many of ``steps`` lone static messages took the engine's short way (see
-    ``Engine._issue_agreed``) on this rank, with it switched ``short``; every one arrives."""
+    ``Engine._issue_short``) on this rank, with it switched ``short``; every one arrives."""
     from tensorferry.p2p import _context
 
     if rank > 1:
         return -1
     engine = _context.current().engine
     taken = []
-    plain = engine._issue_agreed
+    plain = engine._issue_short
 
     def counted(unit):
         went = plain(unit)
         taken.append(went)
         return went
 
-    engine._issue_agreed, engine._short_path = counted, short
+    engine._issue_short, engine._short_path = counted, short
     try:
         static_channel(rank, world, steps, transport)
     finally:
-        del engine._issue_agreed
+        del engine._issue_short
         engine._short_path = True
     return sum(taken)
+
+
+def _wait_for_peer_headers(engine, peer: int, kind: str, count: int) -> None:
+    """Drives ``engine`` until ``count`` of ``peer``'s headers for our ``kind`` channel came."""
+    deadline = time.monotonic() + T
+    while len(engine._peers[peer].channels[kind].peer_headers) < count:
+        assert time.monotonic() < deadline, f"{count} headers from rank {peer} never came"
+        engine.drive()
+        time.sleep(1e-3)
+
+
+def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo") -> list:
+    """Lone messages whose peer called first (its header came before the call) take the
+    engine's short way, static or not, and arrive whole. Four phases: ``steps`` receives posted
+    by rank 1 at once, then rank 0's sends; ``steps`` sends posted by rank 0, then rank 1's
+    receives; both again with ``static=True`` (the first answered message sets the agreement,
+    the later ones keep it). Then one message whose peer's header disagrees: it goes the full
+    way, and both sides raise. Returns how many of this rank's calls took the short way in each
+    phase, then the mismatch's field and that count."""
+    from tensorferry.p2p import _api, _context
+
+    if rank > 1:
+        return []
+    engine = _context.current().engine
+    plain = engine._issue_short
+    taken: list[bool] = []
+
+    def counted(unit):
+        went = plain(unit)
+        taken.append(went)
+        return went
+
+    def data(step: int) -> torch.Tensor:
+        return payload(0, 1, 700 + step, (6, 5), torch.float32)
+
+    def call(step: int, spec: Any = None, static: bool = False) -> Any:
+        if rank == 0:
+            return tf.send(data(step), 1, static=static, transport=transport)
+        return tf.recv(spec or tf.TensorSpec((6, 5)), 0, static=static, transport=transport)
+
+    def warm() -> None:  # the pair's transport is prepared by a message of the full way
+        got = call(0).result(T)
+        assert rank == 0 or same_bytes(got, data(0))
+
+    kind = "send" if rank == 0 else "recv"
+    engine._issue_short = counted
+    counts: list = []
+    try:
+        for first, static in ((1, False), (0, False), (1, True), (0, True)):
+            warm()
+            taken.clear()
+            if rank != first:  # a static channel's later messages carry no header
+                _wait_for_peer_headers(engine, 1 - rank, kind, 1 if static else steps)
+            handles = [call(i, static=static) for i in range(1, steps + 1)]
+            for i, handle in enumerate(handles, 1):
+                got = handle.result(T)
+                assert rank == 0 or same_bytes(got, data(i)), (first, static, i)
+            counts.append(sum(taken))
+            if static:
+                _api._reset_pair(1 - rank, timeout=T)  # no agreement left behind
+        warm()
+        taken.clear()
+        if rank == 0:
+            _wait_for_peer_headers(engine, 1, kind, 1)
+        handle = call(0, tf.TensorSpec((6, 4)))
+        try:
+            handle.result(T)
+            counts.append("no error")
+        except MismatchError as exc:
+            counts.append(exc.field)
+        counts.append(sum(taken))
+    finally:
+        del engine._issue_short
+    return counts
 
 
 def static_broken(rank: int, world: int, transport: str = "auto", breaker: int = 0) -> str | None:
@@ -1839,7 +1913,7 @@ def short_way_reads_in_a_step(rank: int, world: int) -> dict | str:
     if rank > 1:
         return "idle"
     engine = _context.current().engine
-    plain_issue, plain_read = engine._issue_agreed, engine._read_link
+    plain_issue, plain_read = engine._issue_short, engine._read_link
     inside: list[bool] = []
     stepping: list[bool] = []
 
@@ -1855,7 +1929,7 @@ def short_way_reads_in_a_step(rank: int, world: int) -> dict | str:
             stepping.append(getattr(engine._stepping, "on", False))
         return plain_read(link)
 
-    engine._issue_agreed, engine._read_link = issue, read
+    engine._issue_short, engine._read_link = issue, read
     try:
         for i in range(8):
             sent = payload(0, 1, 50 + i, (8,), torch.float32)
@@ -1865,7 +1939,7 @@ def short_way_reads_in_a_step(rank: int, world: int) -> dict | str:
                 got = tf.recv(poisoned((8,), torch.float32), 0, static=True, timeout=T)
                 assert same_bytes(got.result(T), sent), i
     finally:
-        del engine._issue_agreed, engine._read_link
+        del engine._issue_short, engine._read_link
     _api._reset_pair(1 - rank, timeout=T)  # no static agreement left for later cases
     return {"reads": len(stepping), "outside a step": stepping.count(False)}
 

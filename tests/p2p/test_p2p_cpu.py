@@ -471,6 +471,20 @@ def test_lone_static_messages_take_the_short_way_once_agreed(pool):
     assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]  # no agreement left behind
 
 
+def test_lone_messages_whose_peer_called_first_take_the_short_way(pool):
+    """The side that calls second finds the peer's header and issues at once, static or not;
+    the first side's calls wait for headers, so they go the full way, but for those of a
+    static channel made after the agreement came (the agreed short way). A header that
+    disagrees sends the call the full way, which raises on both sides."""
+    steps = 6
+    sender, receiver = pool.run("answered_short_way", steps)[:2]
+    assert sender[:3] == [steps, 0, steps] and 0 <= sender[3] < steps, sender
+    assert receiver[:2] == [0, steps] and 0 <= receiver[2] < steps, receiver
+    assert receiver[3] == steps, receiver
+    assert sender[4:] == receiver[4:] == ["shape", 0], (sender, receiver)
+    assert pool.run("send_recv_all_dtypes", 40)[:2] == ["ok", "ok"]  # the pair still works
+
+
 @pytest.mark.parametrize("kind", ["count", "dtype", "shape"])
 def test_mismatch_raises_on_both_sides_and_pair_keeps_working(pool, kind):
     assert pool.run("mismatch", kind)[:2] == [kind, kind]
