@@ -57,15 +57,16 @@ else
 fi
 wait
 for lane in $lanes; do
-  full=0; cut=0; tmo=0; wrong=0; stalled=0; uneven=""
+  full=0; cut=0; seeds=0; tmo=0; wrong=0; stalled=0; uneven=""
   for f in "$out"/$lane-*.txt; do
     if grep -q "^rc=0" "$f"; then full=$((full + 1)); else cut=$((cut + 1)); fi
+    seeds=$((seeds + $(grep -c "^seed" "$f")))
     tmo=$((tmo + $(grep "^seed" "$f" | grep -c "Timeout")))
     wrong=$((wrong + $(grep -c "wrong bytes" "$f")))
     stalled=$((stalled + $(grep -c "^seed .*: stalled" "$f")))
     uneven="$uneven $(grep "^seed" "$f" | grep -vc "every message ended alike")"
   done
-  echo "lane $lane: full runs $full, cut $cut, seeds with a timeout $tmo, stalled $stalled, wrong bytes $wrong, uneven per run:$uneven"
+  echo "lane $lane: full runs $full, cut $cut, seeds $seeds, seeds with a timeout $tmo, stalled $stalled, wrong bytes $wrong, uneven per run:$uneven"
 done | tee "$out/summary.txt"
 keep=()
 for f in "$out"/*.txt; do
