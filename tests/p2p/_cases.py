@@ -406,21 +406,32 @@ def short_way_count(rank: int, world: int, steps: int, transport: str, short: bo
     if rank > 1:
         return -1
     engine = _context.current().engine
-    taken = []
+    engine._short_path = short
+    try:
+        with _short_way_counted(engine) as taken:
+            static_channel(rank, world, steps, transport)
+    finally:
+        engine._short_path = True
+    return sum(taken)
+
+
+@contextlib.contextmanager
+def _short_way_counted(engine):
+    """Within it, each call of ``engine``'s short way appends whether it issued the message to
+    the list it yields."""
     plain = engine._issue_short
+    taken: list[bool] = []
 
     def counted(unit):
         went = plain(unit)
         taken.append(went)
         return went
 
-    engine._issue_short, engine._short_path = counted, short
+    engine._issue_short = counted
     try:
-        static_channel(rank, world, steps, transport)
+        yield taken
     finally:
         del engine._issue_short
-        engine._short_path = True
-    return sum(taken)
 
 
 def _wait_for_peer_headers(engine, peer: int, kind: str, count: int) -> None:
@@ -445,13 +456,6 @@ def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo
     if rank > 1:
         return []
     engine = _context.current().engine
-    plain = engine._issue_short
-    taken: list[bool] = []
-
-    def counted(unit):
-        went = plain(unit)
-        taken.append(went)
-        return went
 
     def data(step: int) -> torch.Tensor:
         return payload(0, 1, 700 + step, (6, 5), torch.float32)
@@ -461,14 +465,13 @@ def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo
             return tf.send(data(step), 1, static=static, transport=transport)
         return tf.recv(spec or tf.TensorSpec((6, 5)), 0, static=static, transport=transport)
 
-    def warm() -> None:  # the pair's transport is prepared by a message of the full way
+    def warm() -> None:  # a first message prepares the pair's transport (after a reset too)
         got = call(0).result(T)
         assert rank == 0 or same_bytes(got, data(0))
 
     kind = "send" if rank == 0 else "recv"
-    engine._issue_short = counted
     counts: list = []
-    try:
+    with _short_way_counted(engine) as taken:
         for first, static in ((1, False), (0, False), (1, True), (0, True)):
             warm()
             taken.clear()
@@ -492,8 +495,6 @@ def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo
         except MismatchError as exc:
             counts.append(exc.field)
         counts.append(sum(taken))
-    finally:
-        del engine._issue_short
     return counts
 
 
