@@ -201,6 +201,12 @@ class P2PContext:
         if len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
             op = messages[0].op
             stream = self.send_stream if op.kind == "send" else self.recv_stream
+            if len(op.tensors) == 1:
+                self._after_caller(stream, unit)
+                pending = self.transport(messages[0].transport).start_lone(op, stream)
+                if pending is not None:
+                    unit.pending.append(pending)
+                    return record_on_stream(stream)  # the Transfer recycles it
             return self._issue_on(stream, unit, {messages[0].transport: [op]})
         on_host: list[Any] = []
         cuda_groups: dict[str, list[Any]] = {}
@@ -229,12 +235,7 @@ class P2PContext:
     def _issue_on(self, stream: Any, unit: Any, cuda_groups: dict[str, list[Any]]) -> Any:
         """Starts the CUDA transports of ``unit`` on ``stream``, after the caller's event;
         returns the event recorded after them."""
-        if torch._C._cuda_getDevice() != self.device.index:
-            self._own_thread_to_device()
-        if unit.caller_event is not None:
-            stream_wait(stream, unit.caller_event)
-            recycle(unit.caller_event)  # the wait is enqueued: free to record again
-            unit.caller_event = None
+        self._after_caller(stream, unit)
         # Loops, not a comprehension and all() of a generator: each of those is a call, and
         # nearly every unit has one transport.
         transports = []
@@ -251,6 +252,16 @@ class P2PContext:
                 for transport, ops in transports:
                     unit.pending.append(transport.start(ops, stream=stream))
         return record_on_stream(stream)  # the Transfer recycles it (Transfer.__del__)
+
+    def _after_caller(self, stream: Any, unit: Any) -> None:
+        """Makes ``stream`` wait for the caller's work (``unit``'s caller event), on the rank's
+        device; once per unit."""
+        if torch._C._cuda_getDevice() != self.device.index:
+            self._own_thread_to_device()
+        if unit.caller_event is not None:
+            stream_wait(stream, unit.caller_event)
+            recycle(unit.caller_event)  # the wait is enqueued: free to record again
+            unit.caller_event = None
 
     def _own_thread_to_device(self) -> None:
         """Makes this rank's device current on a thread of the library's own that issues

@@ -100,6 +100,15 @@ class _NativePair:
             move = lib.send if kind == "send" else lib.recv
             move(buf.data_ptr(), buf.numel() * buf.element_size(), other, comm, handle)
 
+    def start_lone(self, kind: str, tensor: torch.Tensor, handle: int) -> _NcclPending:
+        """One tensor to or from the peer on the stream ``handle``, outside any group (see
+        ``NcclLibrary.move_alone``); an empty tensor moves nothing, on either side."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes:
+            return _NcclPending([], [])
+        self.lib.move_alone(kind, tensor.data_ptr(), nbytes, self.other, self.comm, handle)
+        return _NcclPending([(self, None)], [])
+
     def ready(self, _work: None) -> bool:
         if self._aborted:
             raise TransportError("nccl: the communicator was aborted")
@@ -280,6 +289,14 @@ class NcclTransport(Transport):
             if lone:
                 return self._start_one(pair, ops[0], stream)
             return self._start_grouped(ops, stream)
+
+    def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
+        # On our own communicator: the one NCCL call, with no group around it. A
+        # ProcessGroupNCCL pair, or none (start raises then), takes the general way.
+        pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
+        if type(pair) is not _NativePair:
+            return None
+        return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}

@@ -68,6 +68,10 @@ class NcclLibrary:
         self._recv = _declare(quick.ncclRecv, transfer_args, res)
         self._group_start = _declare(quick.ncclGroupStart, [], res)
         self._group_end = _declare(waits.ncclGroupEnd, [], res)
+        # Outside a group NCCL launches the operation at once, as ncclGroupEnd does, and may
+        # wait as it does (a connection still being made): these let go of the GIL.
+        self._send_alone = _declare(waits.ncclSend, transfer_args, res)
+        self._recv_alone = _declare(waits.ncclRecv, transfer_args, res)
 
     # ------------------------------------------------------------------ set-up
     def version(self) -> int:
@@ -115,6 +119,18 @@ class NcclLibrary:
     def recv(self, address: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
         code = self._recv(address, nbytes, _UINT8, peer, comm, stream)
         self._check(code, "ncclRecv")
+
+    def move_alone(
+        self, kind: str, address: int, nbytes: int, peer: int, comm: int, stream: int
+    ) -> None:
+        """One ``ncclSend`` (``kind`` ``"send"``) or ``ncclRecv`` outside any group: what a group
+        of that one operation does, without the two group calls."""
+        if kind == "send":
+            code = self._send_alone(address, nbytes, _UINT8, peer, comm, stream)
+        else:
+            code = self._recv_alone(address, nbytes, _UINT8, peer, comm, stream)
+        if code != _SUCCESS:
+            self._check(code, "ncclSend" if kind == "send" else "ncclRecv")
 
     def async_error(self, comm: int) -> str | None:
         """What went wrong on ``comm`` in the background (a peer gone, a network error), or

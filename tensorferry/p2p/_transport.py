@@ -458,6 +458,13 @@ class Transport(abc.ABC):
             A handle whose :meth:`PendingOps.ready` turns true when all ops finished.
         """
 
+    def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
+        """:meth:`start` of one message of one CUDA tensor, the commonest call, by a way of
+        the transport's own with less around it; ``None``, having done nothing, where it has
+        none for ``op`` (the layer then calls :meth:`start`). The stream already waits for the
+        caller's work, and is not made current. Default: none."""
+        return None
+
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027
         """Drops this transport's resources for the pair with ``peer`` (``abort`` after a
         fault: the resources may hold hung work). The next use makes fresh ones under the

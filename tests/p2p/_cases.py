@@ -498,6 +498,55 @@ def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo
     return counts
 
 
+def nccl_calls_per_message(rank: int, world: int) -> dict | str:
+    """Which NCCL calls rank 0's sends and rank 1's receives make over our own communicators:
+    a lone tensor one call outside any group, an empty one none, a list one group. Every byte
+    is checked. Returns the calls counted per message."""
+    from tensorferry import envs
+    from tensorferry.p2p._nccl_lib import library
+
+    if rank > 1:
+        return "idle"
+    lib = library()
+    if lib is None or envs.nccl_calls() != "direct":
+        return "ProcessGroupNCCL"
+    made: list[str] = []
+    plain = {name: getattr(lib, name) for name in ("move_alone", "group_start", "send", "recv")}
+
+    def counting(name):
+        def call(*args):
+            made.append(name)
+            return plain[name](*args)
+
+        return call
+
+    for name in plain:
+        setattr(lib, name, counting(name))
+    messages = {
+        "lone": [payload(0, 1, 801, (33, 3), torch.float16)],
+        "empty": [torch.empty(0, device=D())],
+        "list": [payload(0, 1, 802 + i, (7,), torch.float32) for i in range(3)],
+    }
+    calls = {}
+    try:
+        for name, tensors in messages.items():
+            made.clear()
+            single = tensors[0] if len(tensors) == 1 else tensors
+            if rank == 0:
+                tf.send(single, 1, transport="nccl").wait(T)
+            else:
+                buffers = [poisoned(t.shape, t.dtype) for t in tensors]
+                got = tf.recv(buffers[0] if len(buffers) == 1 else buffers, 0, transport="nccl")
+                got = got.result(T)
+                for i, received in enumerate(got if isinstance(got, list) else [got]):
+                    assert same_bytes(received, tensors[i]), (name, i)
+            calls[name] = list(made)
+    finally:
+        for name in plain:
+            delattr(lib, name)
+    return calls
+
+
 def static_broken(rank: int, world: int, transport: str = "auto", breaker: int = 0) -> str | None:
     """After the static agreement, rank ``breaker`` (0 sends, 1 receives) changes the shape:
     both sides must raise."""

@@ -53,6 +53,14 @@ def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
 
 
+def test_a_lone_tensor_is_one_nccl_call_and_a_list_one_group(pool):
+    sender, receiver = pool.run("nccl_calls_per_message")
+    if sender == "ProcessGroupNCCL":  # TENSORFERRY_NCCL_CALLS=torch, or no library to call
+        pytest.skip("the pairs are ProcessGroupNCCL's here, not our own communicators")
+    assert sender == {"lone": ["move_alone"], "empty": [], "list": ["group_start", "send"]}
+    assert receiver == {"lone": ["move_alone"], "empty": [], "list": ["group_start", "recv"]}
+
+
 def test_one_element_tensors_with_a_stride_travel(pool):
     assert pool.run("strided_single_elements", 12) == ["sent", "ok"]
 
