@@ -20,7 +20,9 @@ behaviour and more host time per call.
 
 ``start`` issues every message of a call as ONE NCCL group, whatever their directions and
 peers, enqueued on the transfer's stream (after the caller's work, before the layer's
-completion event): NCCL launches the whole group at once. Tensors travel as bytes, so every dtype
+completion event): NCCL launches the whole group at once. A lone tensor on our own
+communicator, the commonest call, is one ``ncclSend``/``ncclRecv`` outside any group
+(``start_lone``): what NCCL does with a group of one, with less host work around it. Tensors travel as bytes, so every dtype
 works. Tensors under :data:`PACK_BELOW` of a message with several of them are packed, on the
 transfer's stream: into a buffer kept for that layout and direction (:mod:`._staging`: one
 ``_foreach_copy_`` per dtype each way), or, for a layout whose tensors cannot be viewed in such
