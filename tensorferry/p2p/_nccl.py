@@ -103,13 +103,18 @@ class _NativePair:
             move(buf.data_ptr(), buf.numel() * buf.element_size(), other, comm, handle)
 
     def start_lone(self, kind: str, tensor: torch.Tensor, handle: int) -> _NcclPending:
-        """One tensor to or from the peer on the stream ``handle``, outside any group (see
-        ``NcclLibrary.move_alone``); an empty tensor moves nothing, on either side."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if not nbytes:
+        """One tensor to or from the peer on the stream ``handle``, outside any group; an empty
+        tensor moves nothing, on either side."""
+        if not tensor.numel():
             return _NcclPending([], [])
-        self.lib.move_alone(kind, tensor.data_ptr(), nbytes, self.other, self.comm, handle)
+        self.move_alone(kind, tensor, handle)
         return _NcclPending([(self, None)], [])
+
+    def move_alone(self, kind: str, buf: torch.Tensor, handle: int) -> None:
+        """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
+        ``NcclLibrary.move_alone``)."""
+        nbytes = buf.numel() * buf.element_size()
+        self.lib.move_alone(kind, buf.data_ptr(), nbytes, self.other, self.comm, handle)
 
     def ready(self, _work: None) -> bool:
         if self._aborted:
@@ -358,11 +363,15 @@ class NcclTransport(Transport):
         send waits for a receive queued behind the peer's own send — a deadlock once messages
         outgrow NCCL's buffers (a ``sendrecv`` of a few MiB each way). NCCL launches one group
         spanning several communicators as one unit. ``ProcessGroupNCCL`` pairs run on their own
-        streams and are issued one by one.
+        streams and are issued one by one. A group of one operation (a message packed into one
+        buffer) goes as that operation alone, as NCCL would launch it.
         """
         native = [(pair, wire) for pair, wire in wires if isinstance(pair, _NativePair)]
         started: list[tuple[Any, Any]] = [(pair, None) for pair, _ in native]
-        if native:
+        if len(native) == 1 and len(native[0][1]) == 1:
+            pair, ((kind, buf),) = native[0]
+            pair.move_alone(kind, buf, stream.cuda_stream)
+        elif native:
             lib = native[0][0].lib
             lib.group_start()
             try:

@@ -500,8 +500,9 @@ def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo
 
 def nccl_calls_per_message(rank: int, world: int) -> dict | str:
     """Which NCCL calls rank 0's sends and rank 1's receives make over our own communicators:
-    a lone tensor one call outside any group, an empty one none, a list one group. Every byte
-    is checked. Returns the calls counted per message."""
+    a lone tensor one call outside any group, an empty one none, a list of small tensors
+    (packed into one buffer) one call too, a list with a large tensor one group of two. Every
+    byte is checked. Returns the calls counted per message."""
     from tensorferry import envs
     from tensorferry.p2p._nccl_lib import library
 
@@ -525,7 +526,11 @@ def nccl_calls_per_message(rank: int, world: int) -> dict | str:
     messages = {
         "lone": [payload(0, 1, 801, (33, 3), torch.float16)],
         "empty": [torch.empty(0, device=D())],
-        "list": [payload(0, 1, 802 + i, (7,), torch.float32) for i in range(3)],
+        "packed": [payload(0, 1, 802 + i, (7,), torch.float32) for i in range(3)],
+        "large and small": [
+            payload(0, 1, 805, (1 << 15,), torch.float32),  # 128 KiB: travels on its own
+            payload(0, 1, 806, (9,), torch.float32),
+        ],
     }
     calls = {}
     try:

@@ -53,12 +53,17 @@ def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
 
 
-def test_a_lone_tensor_is_one_nccl_call_and_a_list_one_group(pool):
+def test_one_nccl_operation_goes_alone_and_several_in_one_group(pool):
     sender, receiver = pool.run("nccl_calls_per_message")
     if sender == "ProcessGroupNCCL":  # TENSORFERRY_NCCL_CALLS=torch, or no library to call
         pytest.skip("the pairs are ProcessGroupNCCL's here, not our own communicators")
-    assert sender == {"lone": ["move_alone"], "empty": [], "list": ["group_start", "send"]}
-    assert receiver == {"lone": ["move_alone"], "empty": [], "list": ["group_start", "recv"]}
+    for side, move in ((sender, "send"), (receiver, "recv")):
+        assert side == {
+            "lone": ["move_alone"],
+            "empty": [],
+            "packed": ["move_alone"],
+            "large and small": ["group_start", move, move],
+        }, side
 
 
 def test_one_element_tensors_with_a_stride_travel(pool):
