@@ -8,8 +8,8 @@ otherwise.  Usage: ``python scripts/trace_pingpong.py [--no-speculate] [--no-sho
 ``--no-short`` runs the ranks with ``TENSORFERRY_P2P_SHORT_PATH=0``: every message through a
 full step of the p2p engine, without the short way for agreed static messages (an A/B of it).
 ``--no-speculate`` runs the ranks with ``TENSORFERRY_NCCL_SPECULATE=0``: without the NCCL
-transport's speculative issue (agreed static messages issued before the peer's header; on by
-default).
+transport's speculative issue (agreed static messages issued before the peer's header; by
+default in a world of two ranks, as here).
 ``--dump-after S`` prints every thread's Python stack every S seconds in each rank (to find
 where a hang sits). ``--no-linger`` makes the completion pool's poller sleep until told after
 each item, as it did before it lingered (an A/B of that). ``--watch-delay-ms D`` makes the
