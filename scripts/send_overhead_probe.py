@@ -39,8 +39,8 @@ Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl | --one-gpu] [--t
 (``--tensors N``: each message a list of N tensors of 4 KiB, as ``bench batch``'s, instead of
 one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls (rank 0) and ``tf.recv`` calls
 (rank 1) of the lone rows under ``cProfile``, each rank's 25 costliest functions;
-``--phases``: median µs per lone call spent in the main steps of a short-way send, timed by
-wrappers, which add a little each; ``--reads``: how often the short way's read of the peer's
+``--phases``: median µs per lone call spent in the main steps of a short-way send (rank 0) and
+receive (rank 1), timed by wrappers, which add a little each (a step a side never takes reads 0); ``--reads``: how often the short way's read of the peer's
 frames, on each rank, finds any, and how many;
 ``--answered``: calls without ``static`` whose peer called first (its header came before the
 call: the short way's *answered* case), short way on and off; each rank's median call time;
@@ -222,7 +222,12 @@ _PHASES = (
     ("    marked issued", "transfer", "_mark_issued"),
     ("      transport's start", "transport", "start"),
     ("        staging copy (packing)", "staging", "pack"),
+    ("        staging copy (unpacking)", "staging", "unpack"),
     ("        ncclGroupEnd", "nccl_lib", "group_end"),
+    ("        NCCL call alone", "nccl_lib", "move_alone"),
+    ("  peer's headers checked (_confirm)", "engine", "_confirm"),
+    ("  frames parsed (Link.receive)", "link", "receive"),
+    ("overlap check (check_receives_apart)", "api", "check_receives_apart"),
 )
 
 
@@ -416,15 +421,11 @@ def _worker(
         if tensors > 1:  # a list, as bench batch's: 4 KiB each
             x = [torch.ones(1024, device=device) for _ in range(tensors)]
         prof = cProfile.Profile() if profile == "profile" else None
-        if profile == "phases" and rank == 0:
+        if profile == "phases":
             spent = _wrap_phases()
             _measure(rank, x, True, None, bursts=False)
             medians = {k: statistics.median(v or [0]) * 1e6 for k, v in spent.items()}
             queue.put((rank, {"phases": medians}))
-            return
-        if profile == "phases":
-            _measure(rank, x, True, None, bursts=False)
-            queue.put((rank, {}))
             return
         if profile == "opcodes":
             counter = _OpcodeCount() if rank == 0 else None
@@ -532,9 +533,10 @@ def main():
         return
     if "phases" in results[0]:
         over = " over NCCL" if nccl else ""
-        print(f"median µs per call in each step of a short-way send{over} on {device} (rank 0):")
+        print(f"median µs per call in each step of a short-way call{over} on {device}:")
+        print(f"  {'':38s} {'send':>8s} {'recv':>8s}")
         for label, value in results[0]["phases"].items():
-            print(f"  {label:34s} {value:8.1f}")
+            print(f"  {label:38s} {value:8.1f} {results[1]['phases'][label]:8.1f}")
         return
     if mode == "answered":
         where = "over NCCL" if nccl else f"with no wire, on {device}"
