@@ -40,8 +40,9 @@ Usage: ``python scripts/send_overhead_probe.py [--cpu | --nccl | --one-gpu] [--t
 one of 1 KiB; ``--profile``: the short-way ``tf.send`` calls (rank 0) and ``tf.recv`` calls
 (rank 1) of the lone rows under ``cProfile``, each rank's 25 costliest functions;
 ``--phases``: median µs per lone call spent in the main steps of a short-way send (rank 0) and
-receive (rank 1), timed by wrappers, which add a little each (a step a side never takes reads 0); ``--reads``: how often the short way's read of the peer's
-frames, on each rank, finds any, and how many;
+receive (rank 1), timed by wrappers, which add a little each (a step a side never takes reads
+0); ``--reads``: how often the short way's read of the peer's frames, on each rank, finds any,
+and how many;
 ``--answered``: calls without ``static`` whose peer called first (its header came before the
 call: the short way's *answered* case), short way on and off; each rank's median call time;
 ``--ab-native``: the short way's rows with the compiled validation loop (``tensorferry/_native``)

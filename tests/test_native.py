@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import shutil
 import sys
+import time
 import tracemalloc
 
 import pytest
@@ -387,6 +388,30 @@ def test_pieces_copied_by_one_kernel_arrive_byte_for_byte(native, piece_kernel, 
     for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
         assert torch.equal(dst, src), f"piece {i} of {src.numel()} bytes"
     assert all(t._version > v for t, v in zip(dsts, versions, strict=True))
+
+
+@pytest.mark.gpu
+def test_the_kernel_compiled_ahead_on_a_thread_of_its_own_launches(native, monkeypatch):
+    # tf.init compiles it on a new thread, which has no CUDA context of its own; on device 0
+    # torch.cuda.device(0) gives it none either, and the kernel was silently never used.
+    from tensorferry.p2p import _piece_copy
+
+    device = torch.cuda.current_device()
+    monkeypatch.setattr(_piece_copy, "_kernels", {})
+    _piece_copy.prepare(device)
+    deadline = time.monotonic() + 60
+    while device not in _piece_copy._kernels:
+        assert time.monotonic() < deadline, "the kernel was not compiled within 60 s"
+        time.sleep(0.01)
+    kernel = _piece_copy._kernels[device]
+    assert kernel is not None, "compiling the kernel ahead failed (see the log)"
+    srcs, dsts = _pieces(torch.device("cuda", device), 16, seed=5)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    assert native.copy_pieces(*kernel, stream.cuda_stream, dsts, srcs) is True
+    stream.synchronize()
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src)
 
 
 @pytest.mark.gpu

@@ -79,8 +79,14 @@ def prepare(device_index: int) -> None:
     once the compiled helper is loaded, so that the first packed message does not wait."""
 
     def compile_when_loaded() -> None:
-        if _native.wait() is not None:
-            _make_kernel(device_index)
+        if _native.wait() is None:
+            return
+        try:
+            _bind_primary_context(device_index)
+        except Exception as error:  # the first packed message compiles it on its own thread
+            _log.info("tensorferry: the piece copy kernel is compiled at first use: %s", error)
+            return
+        _make_kernel(device_index)
 
     threading.Thread(target=compile_when_loaded, name="tensorferry-piece-copy", daemon=True).start()
 
@@ -102,6 +108,25 @@ def _make_kernel(device_index: int) -> tuple[int, int, int] | None:
         return kernel
 
 
+def _bind_primary_context(device_index: int) -> None:
+    """Makes the device's primary context (the one torch's runtime uses) current on this thread.
+
+    A new thread has no current context, and ``torch.cuda.device(i)`` does not give it one when
+    ``i`` is already the thread's current device (0, on a new thread): NVRTC's module load then
+    fails with "invalid device context". The reference taken here is not given back: torch keeps
+    the context for the process's life anyway, and the kernel's module lives in it."""
+    lib = _driver()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    for name, args in (
+        ("cuDeviceGet", (ctypes.byref(device), device_index)),
+        ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), device)),
+        ("cuCtxSetCurrent", (context,)),
+    ):
+        status = getattr(lib, name)(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} failed ({status})")
+
+
 def _address(handle: object) -> int:
     value = handle.value if isinstance(handle, ctypes.c_void_p) else handle
     if not isinstance(value, int) or value == 0:
@@ -110,10 +135,15 @@ def _address(handle: object) -> int:
 
 
 def _current_context() -> int:
-    from torch.cuda._utils import _get_gpu_runtime_library
-
     context = ctypes.c_void_p()
-    status = _get_gpu_runtime_library().cuCtxGetCurrent(ctypes.byref(context))
+    status = _driver().cuCtxGetCurrent(ctypes.byref(context))
     if status != 0 or not context.value:
         raise RuntimeError(f"cuCtxGetCurrent failed ({status})")
     return context.value
+
+
+def _driver() -> ctypes.CDLL:
+    # Imported here: a private torch helper, which a torch without it must not fail to import.
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    return _get_gpu_runtime_library()
