@@ -199,15 +199,18 @@ class P2PContext:
         """Starts a unit's transports (under the engine's lock); returns the CUDA done event."""
         messages = unit.messages
         if len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
-            op = messages[0].op
+            message = messages[0]
+            op = message.op
             stream = self.send_stream if op.kind == "send" else self.recv_stream
-            if len(op.tensors) == 1:
-                self._after_caller(stream, unit)
-                pending = self.transport(messages[0].transport).start_lone(op, stream)
-                if pending is not None:
-                    unit.pending.append(pending)
-                    return record_on_stream(stream)  # the Transfer recycles it
-            return self._issue_on(stream, unit, {messages[0].transport: [op]})
+            transport = self.transport(message.transport)
+            self._after_caller(stream, unit)
+            pending = transport.start_lone(op, stream) if len(op.tensors) == 1 else None
+            if pending is None:
+                if not transport.makes_stream_current:
+                    return self._issue_on(stream, unit, {message.transport: [op]})
+                pending = transport.start([op], stream=stream)
+            unit.pending.append(pending)
+            return record_on_stream(stream)  # the Transfer recycles it
         on_host: list[Any] = []
         cuda_groups: dict[str, list[Any]] = {}
         for message in messages:

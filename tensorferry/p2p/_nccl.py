@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -149,13 +148,14 @@ class _GroupPair:
 
     def enqueue(self, wire: list[tuple[str, torch.Tensor]], stream: Any) -> Any:
         pg = self.pg
-        pg._start_coalescing()
-        try:
-            for kind, buf in wire:
-                (pg.send if kind == "send" else pg.recv)([as_bytes(buf)], self.other, _TAG)
-        finally:
-            work = pg._end_coalescing()
-        work.wait()  # orders `stream` (the current stream) after the group; the host goes on
+        with on_stream(stream):  # ProcessGroupNCCL orders its own stream after the current one
+            pg._start_coalescing()
+            try:
+                for kind, buf in wire:
+                    (pg.send if kind == "send" else pg.recv)([as_bytes(buf)], self.other, _TAG)
+            finally:
+                work = pg._end_coalescing()
+            work.wait()  # orders `stream` after the group; the host goes on
         return work
 
     def ready(self, work: Any) -> bool:
@@ -287,15 +287,13 @@ class NcclTransport(Transport):
         return pair
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
-        lone = len(ops) == 1 and len(ops[0].tensors) == 1
-        pair = self._prepared_pair(*self._ends(ops[0].peer, ops[0].kind)) if lone else None
-        if isinstance(pair, _NativePair):
+        # No stream switch around it: NCCL, the staging copies and the events take `stream`
+        # explicitly; what runs torch operations on the current stream (a fresh packing, a
+        # new staging buffer, a ProcessGroupNCCL pair) switches to `stream` itself.
+        if len(ops) == 1 and len(ops[0].tensors) == 1:
+            pair = self._prepared_pair(*self._ends(ops[0].peer, ops[0].kind))
             return self._start_one(pair, ops[0], stream)
-        # Packing runs torch kernels, and a ProcessGroupNCCL orders the current stream.
-        with on_stream(stream):
-            if lone:
-                return self._start_one(pair, ops[0], stream)
-            return self._start_grouped(ops, stream)
+        return self._start_grouped(ops, stream)
 
     def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
         # On our own communicator: the one NCCL call, with no group around it. A
@@ -309,43 +307,56 @@ class NcclTransport(Transport):
         by_direction: dict[tuple[int, int], list[P2POp]] = {}
         for op in ops:
             by_direction.setdefault(self._ends(op.peer, op.kind), []).append(op)
-        device = self.ctx.device
-        wires, keep, to_unpack, used = [], [], [], []
+        wires, keep, used = [], [], []
+        to_unpack: list[tuple[Any, Any]] = []  # (staging or packed buffer, the tensors)
         for (src, dst), peer_ops in by_direction.items():
             pair = self._prepared_pair(src, dst)
             wire: list[tuple[str, torch.Tensor]] = []
             for op in peer_ops:
-                staging = self._staging_for(op, src, dst)
+                staging = self._staging_for(op, src, dst, stream)
                 if staging is not None and staging not in used:  # once per group
                     used.append(staging)
                     staging.claim(stream)
                     if op.kind == "send":
                         staging.pack(op.tensors, stream)  # after the caller's writes
                     else:
-                        to_unpack.append(functools.partial(staging.unpack, op.tensors, stream))
+                        to_unpack.append((staging, op.tensors))
                     wire.append((op.kind, staging.buffer))
                     wire.extend((op.kind, op.tensors[i]) for i in staging.alone)
                     continue
                 packed_idx, alone_idx = wire_plan(op.tensors, pack_below=PACK_BELOW)
                 if packed_idx:
-                    small = [op.tensors[i] for i in packed_idx]
-                    if op.kind == "send":
-                        buf = pack(small)  # on `stream`: after the caller's writes
-                    else:
-                        total = sum(t.numel() * t.element_size() for t in small)
-                        buf = torch.empty(total, dtype=torch.uint8, device=device)
-                        to_unpack.append(functools.partial(unpack, buf, small))
+                    buf = self._packed_afresh(op, packed_idx, stream, to_unpack)
                     wire.append((op.kind, buf))
                     keep.append(buf)
                 wire.extend((op.kind, op.tensors[i]) for i in alone_idx)
             if wire:  # else only empty tensors: nothing to move (both sides agree on that)
                 wires.append((pair, wire))
         started = self._enqueue(wires, stream)
-        for finish in to_unpack:
-            finish()  # on `stream`, after the group
+        for packed, tensors in to_unpack:  # on `stream`, after the group
+            if isinstance(packed, Staging):
+                packed.unpack(tensors, stream)
+            else:
+                with on_stream(stream):
+                    unpack(packed, tensors)
         for staging in used:
             staging.release(stream)
         return _NcclPending(started, keep)
+
+    def _packed_afresh(
+        self, op: P2POp, indices: list[int], stream: Any, to_unpack: list[tuple[Any, Any]]
+    ) -> torch.Tensor:
+        """A new buffer for the tensors ``indices`` of ``op`` that travel packed (a layout with
+        no staging buffer): filled on ``stream`` for a send; for a receive, listed in
+        ``to_unpack`` to be copied out after the group."""
+        small = [op.tensors[i] for i in indices]
+        with on_stream(stream):  # torch operations: on `stream`, after the caller's writes
+            if op.kind == "send":
+                return pack(small)
+            total = sum(t.numel() * t.element_size() for t in small)
+            buf = torch.empty(total, dtype=torch.uint8, device=self.ctx.device)
+        to_unpack.append((buf, small))
+        return buf
 
     def _start_one(self, pair: Any, op: P2POp, stream: Any) -> PendingOps:
         """One tensor to or from one peer (the commonest call): what :meth:`start` does, with
@@ -366,6 +377,10 @@ class NcclTransport(Transport):
         streams and are issued one by one. A group of one operation (a message packed into one
         buffer) goes as that operation alone, as NCCL would launch it.
         """
+        if len(wires) == 1 and len(wires[0][1]) == 1 and isinstance(wires[0][0], _NativePair):
+            pair, ((kind, buf),) = wires[0]  # one operation (a packed message): alone
+            pair.move_alone(kind, buf, stream.cuda_stream)
+            return [(pair, None)]
         native = [(pair, wire) for pair, wire in wires if isinstance(pair, _NativePair)]
         started: list[tuple[Any, Any]] = [(pair, None) for pair, _ in native]
         if len(native) == 1 and len(native[0][1]) == 1:
@@ -384,16 +399,23 @@ class NcclTransport(Transport):
                 started.append((pair, pair.enqueue(wire, stream)))
         return started
 
-    def _staging_for(self, op: P2POp, src: int, dst: int) -> Staging | None:
+    def _staging_for(self, op: P2POp, src: int, dst: int, stream: Any) -> Staging | None:
         """The reused packing buffer of this op's layout and direction, or ``None`` when its
         small tensors are packed afresh (no layout given, nothing to pack, or a layout whose
-        tensors cannot be viewed in place)."""
+        tensors cannot be viewed in place). A new one is allocated on ``stream``."""
         if op.layout is None:
             return None
+        key = (src, dst, op.layout)
+        staging = self._staging.get(key)
+        if staging is not None:
+            return staging
         plan = layout_plan(op.layout, pack_below=PACK_BELOW)
         if not plan.groups or not plan.aligned:
             return None
-        return self._staging.get((src, dst, op.layout), plan, op.layout, self.ctx.device)
+        with on_stream(stream):
+            staging = Staging(plan, op.layout, self.ctx.device)
+        self._staging.add(key, staging)
+        return staging
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
         keys = [self._key(*self._ends(peer, kind)) for kind in ("send", "recv")]

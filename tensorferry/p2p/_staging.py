@@ -114,18 +114,19 @@ class StagingCache:
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, Staging] = OrderedDict()
 
-    def get(
-        self, key: Hashable, plan: LayoutPlan, descriptor: Descriptor, device: torch.device
-    ) -> Staging:
+    def get(self, key: Hashable) -> Staging | None:
+        """The buffer kept under ``key`` (now the most recently used), or ``None``."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
-            return entry
-        entry = self._entries[key] = Staging(plan, descriptor, device)
+        return entry
+
+    def add(self, key: Hashable, entry: Staging) -> None:
+        """Keeps ``entry`` under ``key``, dropping the least recently used beyond capacity."""
+        self._entries[key] = entry
         while len(self._entries) > self.capacity:
             _, dropped = self._entries.popitem(last=False)
             dropped.wait_idle()  # the device may still read or write it
-        return entry
 
     def clear(self) -> None:
         for entry in self._entries.values():

@@ -235,19 +235,21 @@ def test_descriptors_of_one_layout_are_one_object_equal_to_the_plain_tuple():
 
 def test_staging_cache_keeps_the_most_recent_layouts():
     from tensorferry.p2p._spec import describe
-    from tensorferry.p2p._staging import LayoutPlan, StagingCache
+    from tensorferry.p2p._staging import LayoutPlan, Staging, StagingCache
 
     cache = StagingCache(capacity=2)
     cpu = torch.device("cpu")
     layouts = [describe([torch.zeros(n), torch.zeros(n)]) for n in (1, 2, 3)]
-    plans = [LayoutPlan(layout, pack_below=1024) for layout in layouts]
-    first = cache.get("a", plans[0], layouts[0], cpu)
-    assert cache.get("a", plans[0], layouts[0], cpu) is first
-    cache.get("b", plans[1], layouts[1], cpu)
-    cache.get("a", plans[0], layouts[0], cpu)  # "a" is now the most recent
-    cache.get("c", plans[2], layouts[2], cpu)  # drops "b"
-    assert len(cache) == 2 and cache.get("a", plans[0], layouts[0], cpu) is first
-    assert cache.get("b", plans[1], layouts[1], cpu).buffer.numel() == 16  # made again
+    made = [Staging(LayoutPlan(layout, pack_below=1024), layout, cpu) for layout in layouts]
+    assert cache.get("a") is None
+    cache.add("a", made[0])
+    assert cache.get("a") is made[0]
+    cache.add("b", made[1])
+    assert cache.get("a") is made[0]  # "a" is now the most recent
+    cache.add("c", made[2])  # drops "b"
+    assert len(cache) == 2 and cache.get("b") is None
+    assert cache.get("a") is made[0] and cache.get("c") is made[2]
+    assert made[1].buffer.numel() == 16
 
 
 def test_transfer_latch_releases_every_waiter_and_tolerates_races():
