@@ -147,6 +147,9 @@ class _GroupPair:
         self.epoch = epoch
 
     def enqueue(self, wire: list[tuple[str, torch.Tensor]], stream: Any) -> Any:
+        """Issues ``wire`` as one coalesced group on the process group's own stream, after the
+        work queued on ``stream``; returns its work, which :meth:`order_after` orders ``stream``
+        after (not here: see ``NcclTransport._enqueue``)."""
         pg = self.pg
         with on_stream(stream):  # ProcessGroupNCCL orders its own stream after the current one
             pg._start_coalescing()
@@ -155,8 +158,13 @@ class _GroupPair:
                     (pg.send if kind == "send" else pg.recv)([as_bytes(buf)], self.other, _TAG)
             finally:
                 work = pg._end_coalescing()
-            work.wait()  # orders `stream` after the group; the host goes on
         return work
+
+    @staticmethod
+    def order_after(work: Any, stream: Any) -> None:
+        """Makes ``stream`` wait on the device for ``work``; the host goes on."""
+        with on_stream(stream):
+            work.wait()
 
     def ready(self, work: Any) -> bool:
         return work.is_completed()
@@ -374,8 +382,11 @@ class NcclTransport(Transport):
         send waits for a receive queued behind the peer's own send — a deadlock once messages
         outgrow NCCL's buffers (a ``sendrecv`` of a few MiB each way). NCCL launches one group
         spanning several communicators as one unit. ``ProcessGroupNCCL`` pairs run on their own
-        streams and are issued one by one. A group of one operation (a message packed into one
-        buffer) goes as that operation alone, as NCCL would launch it.
+        streams and are issued one by one; only then is the transfer's stream ordered after
+        them, since each pair's stream first waits for the work queued on that stream: ordered
+        after its send, a pair's receive would start only once the peer's receive took the
+        send, which waits behind the peer's own send the same way. A group of one operation (a
+        message packed into one buffer) goes as that operation alone, as NCCL would launch it.
         """
         if len(wires) == 1 and len(wires[0][1]) == 1 and isinstance(wires[0][0], _NativePair):
             pair, ((kind, buf),) = wires[0]  # one operation (a packed message): alone
@@ -394,10 +405,14 @@ class NcclTransport(Transport):
                     pair.add(wire, stream.cuda_stream)
             finally:
                 lib.group_end()
-        for pair, wire in wires:
-            if not isinstance(pair, _NativePair):
-                started.append((pair, pair.enqueue(wire, stream)))
-        return started
+        groups = [
+            (pair, pair.enqueue(wire, stream))
+            for pair, wire in wires
+            if not isinstance(pair, _NativePair)
+        ]
+        for pair, work in groups:
+            pair.order_after(work, stream)
+        return started + groups
 
     def _staging_for(self, op: P2POp, src: int, dst: int, stream: Any) -> Staging | None:
         """The reused packing buffer of this op's layout and direction, or ``None`` when its
