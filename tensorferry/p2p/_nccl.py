@@ -283,7 +283,9 @@ class NcclTransport(Transport):
             stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
                 probe = torch.ones(1, dtype=torch.uint8, device=device)
-                pair.enqueue([("send" if sending else "recv", probe)], stream)
+                work = pair.enqueue([("send" if sending else "recv", probe)], stream)
+                if isinstance(pair, _GroupPair):
+                    pair.order_after(work, stream)
                 done = torch.cuda.Event()
                 done.record(stream)
         deadline = time.monotonic() + self.ctx.timeout.total_seconds()
