@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tensorferry.cli.main import main
 
@@ -16,6 +17,27 @@ def test_doctor_reports_transports(capsys):
     out = capsys.readouterr().out
     assert "torch" in out
     assert "gloo    usable" in out
+
+
+def test_doctor_says_how_packed_messages_are_copied(capsys, monkeypatch):
+    import tensorferry.cli.doctor as doctor
+
+    assert doctor.piece_copy_report(0) == "no CUDA device"
+    monkeypatch.setattr(doctor, "piece_copy_report", lambda devices: f"{devices} device(s) here")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert f"packed messages' copies (CUDA)\n  {count} device(s) here\n" in out
+
+
+@pytest.mark.gpu
+def test_doctor_finds_the_packed_copy_kernel_compiled_on_every_device():
+    from tensorferry.cli.doctor import piece_copy_report
+
+    report = piece_copy_report(torch.cuda.device_count())
+    assert report == (
+        "every device: one launch of tensorferry's kernel per message (compiled ahead at tf.init)"
+    ), report
 
 
 @pytest.mark.parametrize("local_links", ["1", "0"])

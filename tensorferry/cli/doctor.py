@@ -191,6 +191,19 @@ def native_report(timeout_s: float = 300.0) -> str:
     return _native.status()
 
 
+def piece_copy_report(devices: int) -> str:
+    """How each device copies a packed message in and out of its buffer (``p2p/_piece_copy``):
+    one kernel of tensorferry's own, compiled ahead as ``tf.init`` does, or torch's copy."""
+    if not devices:
+        return "no CUDA device"
+    from tensorferry.p2p import _piece_copy
+
+    reports = {_piece_copy.status(i) for i in range(devices)}
+    if len(reports) == 1:
+        return f"every device: {reports.pop()}"
+    return "; ".join(f"cuda:{i}: {_piece_copy.status(i)}" for i in range(devices))
+
+
 def _collect() -> dict:
     import torch
 
@@ -233,6 +246,7 @@ def _collect() -> dict:
     info["transports"] = transport_report()
     info["side_channel"] = side_channel_report()
     info["native"] = native_report()
+    info["piece_copy"] = piece_copy_report(cuda)
     info["speculation"] = speculation_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
@@ -266,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
     print(f"p2p side channel (headers, fault notices)\n  {info['side_channel']}")
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
+    print(f"packed messages' copies (CUDA)\n  {info['piece_copy']}")
     print(
         "static NCCL messages issued ahead of the peer's header (TENSORFERRY_NCCL_SPECULATE)\n"
         f"  {info['speculation']}"

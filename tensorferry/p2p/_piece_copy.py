@@ -24,7 +24,7 @@ import torch
 
 from tensorferry import _native
 
-__all__ = ["copy", "prepare"]
+__all__ = ["copy", "prepare", "status"]
 
 _log = logging.getLogger("tensorferry")
 
@@ -53,6 +53,8 @@ extern "C" __global__ void tensorferry_copy_pieces(const Pieces pieces) {
 _lock = threading.Lock()
 # device index -> (CUfunction, CUcontext, device index), or None where it could not be made
 _kernels: dict[int, tuple[int, int, int] | None] = {}
+# device index -> why the kernel is not used there (yet), for `tensorferry doctor`
+_problems: dict[int, str] = {}
 
 
 def copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any) -> None:
@@ -74,21 +76,40 @@ def copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any
         torch._foreach_copy_(list(dsts), list(srcs))
 
 
-def prepare(device_index: int) -> None:
+def prepare(device_index: int) -> threading.Thread:
     """Compiles the kernel for ``device_index`` on a background thread (NVRTC takes a moment),
-    once the compiled helper is loaded, so that the first packed message does not wait."""
+    once the compiled helper is loaded, so that the first packed message does not wait.
+    Returns the thread."""
 
     def compile_when_loaded() -> None:
         if _native.wait() is None:
+            _problems[device_index] = f"the compiled helper is not loaded: {_native.status()}"
             return
         try:
             _bind_primary_context(device_index)
         except Exception as error:  # the first packed message compiles it on its own thread
+            _problems[device_index] = f"not compiled ahead ({error}): compiled at first use"
             _log.info("tensorferry: the piece copy kernel is compiled at first use: %s", error)
             return
         _make_kernel(device_index)
 
-    threading.Thread(target=compile_when_loaded, name="tensorferry-piece-copy", daemon=True).start()
+    thread = threading.Thread(
+        target=compile_when_loaded, name="tensorferry-piece-copy", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def status(device_index: int, timeout_s: float = 300.0) -> str:
+    """How the packed messages of ``device_index`` are copied: compiles the kernel ahead as
+    ``tf.init`` does (building the compiled helper first, if need be) and says whether it is
+    used, or why not (for ``tensorferry doctor``)."""
+    prepare(device_index).join(timeout_s)
+    kernel = _kernels.get(device_index)
+    if kernel is not None:
+        return "one launch of tensorferry's kernel per message (compiled ahead at tf.init)"
+    why = _problems.get(device_index, f"not compiled within {timeout_s:g} s")
+    return f"torch's _foreach_copy_: {why}"
 
 
 def _make_kernel(device_index: int) -> tuple[int, int, int] | None:
@@ -101,6 +122,7 @@ def _make_kernel(device_index: int) -> tuple[int, int, int] | None:
                 compiled = torch.cuda._compile_kernel(_SOURCE, "tensorferry_copy_pieces")
                 kernel = (_address(compiled.func), _current_context(), device_index)
         except Exception as error:  # a private torch API, NVRTC missing: torch's copy then
+            _problems[device_index] = f"the kernel did not compile: {error}"
             _log.info(
                 "tensorferry: the piece copy kernel is not used on cuda:%d: %s", device_index, error
             )
