@@ -4,7 +4,7 @@
 #   runtime native lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
 #   trace-nospeculate trace-noshort trace-no-linger nvlink-configs nvlink-ceiling trace-graph
 #   trace-overlap graph graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
-#   p2p-one-gpu p2p-ranks-one-gpu p2p-ranks-one-gpu-nospeculate p2p-ranks-nospeculate allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
+#   p2p-one-gpu p2p-torch-calls p2p-one-gpu-torch-calls p2p-ranks-one-gpu p2p-ranks-one-gpu-nospeculate p2p-ranks-nospeculate allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
 # p2p-nospeculate runs the p2p GPU tier with the NCCL transport's speculative issue turned off;
@@ -16,6 +16,8 @@
 # p2p-one-gpu and p2p-ranks-one-gpu (ONE_GPU_RANKS ranks, default 3) run the NCCL tier and the
 # N-rank suite with every rank on one GPU, each posing as its own host to NCCL (NCCL_HOSTID):
 # NCCL's network transport between them, so correctness only, on a machine with one GPU.
+# *-torch-calls: the p2p tier with ProcessGroupNCCL pairs (TENSORFERRY_NCCL_CALLS=torch), the
+# NCCL transport's fallback where the NCCL library cannot be called directly.
 # *-nospeculate: the same with TENSORFERRY_NCCL_SPECULATE=0 (with three ranks or more that is
 # the default, and the suite runs its two cases of messages issued ahead to several peers: see
 # torchrun_suite.py).
@@ -99,6 +101,11 @@ for s in $steps; do
       tests/nvlink/_worker.py ce ;;
     p2p-one-gpu) step p2p-one-gpu 150 env TF_TEST_ONE_GPU_RANKS=1 TF_TEST_DUMP_AFTER=60 python3 -m \
       pytest -q --tb=short -p no:cacheprovider -rs tests/p2p/test_p2p_gpu.py ;;
+    p2p-torch-calls) step "$s" 150 env TENSORFERRY_NCCL_CALLS=torch TF_TEST_DUMP_AFTER=90 python3 -m \
+      pytest -q --tb=short -p no:cacheprovider -rs tests/p2p/test_p2p_gpu.py ;;
+    p2p-one-gpu-torch-calls) step "$s" 150 env TENSORFERRY_NCCL_CALLS=torch TF_TEST_ONE_GPU_RANKS=1 \
+      TF_TEST_DUMP_AFTER=90 python3 -m pytest -q --tb=short -p no:cacheprovider -rs \
+      tests/p2p/test_p2p_gpu.py ;;
     p2p-ranks-one-gpu) step p2p-ranks-one-gpu 240 env TF_TEST_DUMP_AFTER=200 python3 -m \
       torch.distributed.run --standalone --nproc-per-node "${ONE_GPU_RANKS:-3}" \
       scripts/one_gpu_ranks.py tests/p2p/torchrun_suite.py ;;
