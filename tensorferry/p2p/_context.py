@@ -259,11 +259,13 @@ class P2PContext:
     def _after_caller(self, stream: Any, unit: Any) -> None:
         """Makes ``stream`` wait for the caller's work (``unit``'s caller event), on the rank's
         device; once per unit."""
-        if torch._C._cuda_getDevice() != self.device.index:
+        index = self.device.index
+        if torch._C._cuda_getDevice() != index:
             self._own_thread_to_device()
-        if unit.caller_event is not None:
-            stream_wait(stream, unit.caller_event)
-            recycle(unit.caller_event)  # the wait is enqueued: free to record again
+        event = unit.caller_event
+        if event is not None:
+            stream_wait(stream, event)
+            recycle(event, index)  # the wait is enqueued: free to record again
             unit.caller_event = None
 
     def _own_thread_to_device(self) -> None:

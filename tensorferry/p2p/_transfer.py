@@ -377,8 +377,10 @@ class Transfer:
         # this transfer): it goes back to the pool, to be recorded again.
         event = self._done_event
         if event is not None and self._outcome.done():
-            with contextlib.suppress(Exception):  # at interpreter exit, say
+            try:  # noqa: SIM105 (contextlib.suppress: an object and two calls, per message)
                 recycle(event)
+            except Exception:  # at interpreter exit, say
+                pass
 
     def __repr__(self) -> str:
         if not self._outcome.done():

@@ -157,16 +157,21 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
     """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
     through the GIL-holding call, or ``None`` (no such call, the calling thread on another
     device, or no free event)."""
-    calls = _runtime()
+    # Two per message: _runtime and _pooled written out.
+    calls = _calls if _calls_checked else _runtime()
     if calls is None or not _on_current_device(index):
         return None
-    event = _pooled(index)
-    if event is None:
+    free = _free.get(index)
+    if not free:
+        return None
+    try:
+        event = free.popleft()
+    except IndexError:  # another thread took the last one
         return None
     if calls.record(event.cuda_event, raw_stream) == 0:
         return event
     _disable("cudaEventRecord failed")
-    recycle(event)
+    recycle(event, index)
     return None
 
 
@@ -233,12 +238,14 @@ def is_done(event: torch.cuda.Event) -> bool:
     return event.query()  # torch raises the CUDA error, if any
 
 
-def recycle(event: Any) -> None:
+def recycle(event: Any, index: int | None = None) -> None:
     """Returns ``event`` to the pool: only once every wait on it has been enqueued (a later
-    record does not change what an enqueued wait waits for) and nothing polls it any more."""
+    record does not change what an enqueued wait waits for) and nothing polls it any more.
+    ``index``: its device's, where the caller knows it (``event.device`` makes an object)."""
     if event is None:
         return
-    index = event.device.index
+    if index is None:
+        index = event.device.index
     free = _free.get(index)  # not setdefault: that would make a deque on every call
     if free is None:
         free = _free.setdefault(index, collections.deque())
