@@ -368,12 +368,98 @@ PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
   Py_RETURN_TRUE;
 }
 
+// ---------------------------------------------------------------- one tensor over NCCL
+// A lone tensor's send or receive over NCCL makes three calls besides NCCL's own: the transfer
+// stream's wait for the caller's event, and the record of the completion event after it. From
+// Python each is a ctypes call wrapped in checks; here they are one call, with the GIL
+// released around NCCL's only (it may block on its own locks). The entry points are passed as
+// addresses the caller found (tensorferry/runtime/_events.py, tensorferry/p2p/_nccl_lib.py),
+// so nothing of CUDA or NCCL is needed to build this file.
+using CudaStreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
+using CudaEventRecord = int (*)(void* event, void* stream);
+using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int peer, void* comm,
+                         void* stream);
+
+// issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, record,
+//            done_event) -> None or (step, code)
+//
+// Makes `stream` wait for `caller_event` (none when 0), calls `move` (ncclSend or ncclRecv)
+// with `tensor`'s bytes (a contiguous CUDA tensor: the caller checked it) as `datatype`, then
+// records `done_event` on `stream`. None when all three succeeded; else the step that failed,
+// "wait" (nothing issued), "nccl" (nothing issued) or "record" (issued, no event recorded),
+// and the code it returned. The CUDA calls work in the calling thread's current device's
+// context only: the caller checks it is the stream's.
+PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError,
+                    "issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, "
+                    "record, done_event)");
+    return nullptr;
+  }
+  void* move = nullptr;
+  void* comm = nullptr;
+  void* stream = nullptr;
+  void* wait = nullptr;
+  void* caller_event = nullptr;
+  void* record = nullptr;
+  void* done_event = nullptr;
+  if (!pointer_arg(args[0], &move) || !pointer_arg(args[4], &comm) ||
+      !pointer_arg(args[5], &stream) || !pointer_arg(args[6], &wait) ||
+      !pointer_arg(args[7], &caller_event) || !pointer_arg(args[8], &record) ||
+      !pointer_arg(args[9], &done_event)) {
+    return nullptr;
+  }
+  const long datatype = PyLong_AsLong(args[1]);
+  const long peer = PyLong_AsLong(args[3]);
+  if ((datatype == -1 || peer == -1) && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (move == nullptr || wait == nullptr || record == nullptr || done_event == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "issue_lone: a null entry point or completion event");
+    return nullptr;
+  }
+  if (!THPVariable_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "issue_lone: tensor must be a torch.Tensor");
+    return nullptr;
+  }
+  const at::Tensor& tensor = THPVariable_Unpack(args[2]);
+  if (!tensor.is_cuda() || !tensor.is_contiguous()) {
+    PyErr_SetString(PyExc_ValueError, "issue_lone: tensor must be a contiguous CUDA tensor");
+    return nullptr;
+  }
+  const void* buffer = tensor.data_ptr();
+  const size_t nbytes = static_cast<size_t>(tensor.nbytes());
+  const char* failed = nullptr;
+  int code = 0;
+  if (caller_event != nullptr) {
+    code = reinterpret_cast<CudaStreamWaitEvent>(wait)(stream, caller_event, 0);
+    failed = code != 0 ? "wait" : nullptr;
+  }
+  if (failed == nullptr) {
+    Py_BEGIN_ALLOW_THREADS
+    code = reinterpret_cast<NcclMove>(move)(buffer, nbytes, static_cast<int>(datatype),
+                                            static_cast<int>(peer), comm, stream);
+    Py_END_ALLOW_THREADS
+    failed = code != 0 ? "nccl" : nullptr;
+  }
+  if (failed == nullptr) {
+    code = reinterpret_cast<CudaEventRecord>(record)(done_event, stream);
+    failed = code != 0 ? "record" : nullptr;
+  }
+  if (failed == nullptr) {
+    Py_RETURN_NONE;
+  }
+  return Py_BuildValue("(si)", failed, code);
+}
+
 PyMethodDef methods[] = {
     {"inspect_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inspect_plain)),
      METH_FASTCALL, "Validates and describes a message's tensors in one pass (or None)."},
     {"listed_once", listed_once, METH_O, "Whether no object is listed twice."},
     {"copy_pieces", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(copy_pieces)),
      METH_FASTCALL, "Copies tensors into tensors with one kernel launch (or returns False)."},
+    {"issue_lone", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(issue_lone)),
+     METH_FASTCALL, "One tensor over NCCL between the caller's event and the done event."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -203,6 +203,13 @@ class P2PContext:
             op = message.op
             stream = self.send_stream if op.kind == "send" else self.recv_stream
             transport = self.transport(message.transport)
+            if len(op.tensors) == 1 and torch._C._cuda_getDevice() == self.device.index:
+                started = transport.start_lone_between(op, stream, unit.caller_event)
+                if started is not None:  # the caller's event waited for: free to record again
+                    recycle(unit.caller_event, self.device.index)
+                    unit.caller_event = None
+                    unit.pending.append(started[0])
+                    return started[1]  # the Transfer recycles it
             self._after_caller(stream, unit)
             pending = transport.start_lone(op, stream) if len(op.tensors) == 1 else None
             if pending is None:

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from tensorferry import envs
+from tensorferry import _native, envs
 from tensorferry.errors import TransferTimeoutError, TransportError
-from tensorferry.p2p._nccl_lib import NcclLibrary
+from tensorferry.p2p._nccl_lib import UINT8, NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
 from tensorferry.p2p._staging import Staging, StagingCache, layout_plan
@@ -55,7 +55,7 @@ from tensorferry.p2p._transport import (
     TransportContext,
     cached_pair,
 )
-from tensorferry.runtime import communicator_cache
+from tensorferry.runtime import _events, communicator_cache
 from tensorferry.runtime._communicators import abort_together
 from tensorferry.runtime._stream_switch import on_stream
 
@@ -108,6 +108,47 @@ class _NativePair:
             return _NcclPending([], [])
         self.move_alone(kind, tensor, handle)
         return _NcclPending([(self, None)], [])
+
+    def start_lone_between(
+        self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
+    ) -> tuple[_NcclPending, Any] | None:
+        """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none) before it and
+        the completion event after it, in one call of the compiled helper ``native``; returns
+        what was started and that event. ``None``, having done nothing, where it cannot: an
+        empty tensor, no GIL-holding CUDA event calls, no pooled event free, a wait that failed.
+        The calling thread's current device must be the stream's."""
+        points = _events.entry_points()
+        if points is None or not tensor.numel():
+            return None
+        index = stream.device_index
+        done = _events.pooled(index)
+        if done is None:
+            return None
+        wait, record = points
+        failure = native.issue_lone(
+            self.lib.alone_entries[kind],
+            UINT8,
+            tensor,
+            self.other,
+            self.comm,
+            stream.cuda_stream,
+            wait,
+            0 if caller_event is None else caller_event.cuda_event,
+            record,
+            done.cuda_event,
+        )
+        if failure is None:
+            return _NcclPending([(self, None)], []), done
+        step, code = failure
+        if step == "nccl":
+            _events.recycle(done, index)
+            self.lib.check(code, "ncclSend" if kind == "send" else "ncclRecv")
+        call = "cudaStreamWaitEvent" if step == "wait" else "cudaEventRecord"
+        _events.give_up_calls(f"{call} failed ({code})")
+        _events.recycle(done, index)
+        if step == "wait":
+            return None  # nothing issued: the general way, with torch's calls now
+        return _NcclPending([(self, None)], []), _events.record_on_stream(stream)
 
     def move_alone(self, kind: str, buf: torch.Tensor, handle: int) -> None:
         """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
@@ -312,6 +353,19 @@ class NcclTransport(Transport):
         if type(pair) is not _NativePair:
             return None
         return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
+
+    def start_lone_between(
+        self, op: P2POp, stream: Any, caller_event: Any
+    ) -> tuple[PendingOps, Any] | None:
+        # On our own communicator, with the compiled helper: the NCCL call and the CUDA calls
+        # around it as one call (_NativePair.start_lone_between).
+        native = _native.helper()
+        if native is None:
+            return None
+        pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
+        if type(pair) is not _NativePair:
+            return None
+        return pair.start_lone_between(native, op.kind, op.tensors[0], stream, caller_event)
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}

@@ -25,12 +25,12 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["NcclLibrary", "NcclError", "library"]
+__all__ = ["NcclLibrary", "NcclError", "UINT8", "library"]
 
 log = logging.getLogger(__name__)
 
 _SUCCESS = 0
-_UINT8 = 1  # ncclUint8: every dtype travels as bytes
+UINT8 = _UINT8 = 1  # ncclUint8: every dtype travels as bytes
 _UNIQUE_ID_BYTES = 128
 
 
@@ -72,6 +72,12 @@ class NcclLibrary:
         # wait as it does (a connection still being made): these let go of the GIL.
         self._send_alone = _declare(waits.ncclSend, transfer_args, res)
         self._recv_alone = _declare(waits.ncclRecv, transfer_args, res)
+        # Their addresses, for the compiled helper's one call around a lone tensor
+        # (tensorferry/_native: issue_lone), which releases the GIL around them itself.
+        self.alone_entries = {
+            kind: ctypes.cast(fn, ctypes.c_void_p).value
+            for kind, fn in (("send", quick.ncclSend), ("recv", quick.ncclRecv))
+        }
 
     # ------------------------------------------------------------------ set-up
     def version(self) -> int:
@@ -146,6 +152,10 @@ class NcclLibrary:
     def _describe(self, code: int) -> str:
         text = self._error_string(code)
         return f"{text.decode(errors='replace') if text else 'unknown error'} (code {code})"
+
+    def check(self, code: int, what: str) -> None:
+        """Raises :class:`NcclError` when ``code``, returned by the call ``what``, is an error."""
+        self._check(code, what)
 
     def _check(self, code: int, what: str) -> None:
         if code != _SUCCESS:

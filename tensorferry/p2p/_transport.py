@@ -465,6 +465,17 @@ class Transport(abc.ABC):
         caller's work, and is not made current. Default: none."""
         return None
 
+    def start_lone_between(
+        self, op: P2POp, stream: Any, caller_event: Any
+    ) -> tuple[PendingOps, Any] | None:
+        """:meth:`start_lone` with the rest of the issue in the same step: ``stream``'s wait
+        for ``caller_event`` (an event of the caller's work, or ``None``) before it, and a
+        pooled completion event recorded after it (``runtime._events``), which it returns with
+        what it started. The calling thread's current device is the stream's. ``None``, having
+        done nothing, where it has no such way (the layer then waits, starts and records
+        itself). Default: none."""
+        return None
+
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027
         """Drops this transport's resources for the pair with ``peer`` (``abort`` after a
         fault: the resources may hold hung work). The next use makes fresh ones under the

@@ -29,7 +29,10 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "entry_points",
+    "give_up_calls",
     "is_done",
+    "pooled",
     "record_again",
     "record_on_current_stream",
     "record_on_stream",
@@ -141,6 +144,39 @@ def _misbehaviour(calls: _Runtime, cycles: int) -> str | None:
     recycle(event)
     recycle(after)
     return None
+
+
+def entry_points() -> tuple[int, int] | None:
+    """The addresses of ``cudaStreamWaitEvent`` and ``cudaEventRecord`` as the GIL-holding
+    calls reach them, for a compiled caller (``tensorferry/_native``); ``None`` while those
+    calls are not used (see the module doc)."""
+    calls = _calls if _calls_checked else _runtime()
+    if calls is None:
+        return None
+    points = _entry_points.get(id(calls))
+    if points is None:
+        points = (
+            ctypes.cast(calls.wait, ctypes.c_void_p).value,
+            ctypes.cast(calls.record, ctypes.c_void_p).value,
+        )
+        _entry_points.clear()
+        _entry_points[id(calls)] = points
+    return points
+
+
+_entry_points: dict[int, tuple[Any, Any]] = {}
+
+
+def give_up_calls(why: str) -> None:
+    """A compiled caller's CUDA call through :func:`entry_points` failed: clears its error and
+    takes torch's calls from now on, as a failed call here does."""
+    _disable(why)
+
+
+def pooled(index: int) -> Any:
+    """A free pooled event of device ``index`` (created: recorded before), or ``None``; give it
+    back with :func:`recycle`."""
+    return _pooled(index)
 
 
 def _pooled(index: int) -> Any:

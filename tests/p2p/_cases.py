@@ -500,10 +500,11 @@ def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo
 
 def nccl_calls_per_message(rank: int, world: int) -> dict | str:
     """Which NCCL calls rank 0's sends and rank 1's receives make over our own communicators:
-    a lone tensor one call outside any group, an empty one none, a list of small tensors
-    (packed into one buffer) one call too, a list with a large tensor one group of two. Every
-    byte is checked. Returns the calls counted per message."""
-    from tensorferry import envs
+    a lone tensor one call outside any group (through the compiled helper's ``issue_lone``,
+    which makes the CUDA calls around it too, where the helper is loaded), an empty one none, a
+    list of small tensors (packed into one buffer) one call too, a list with a large tensor one
+    group of two. Every byte is checked. Returns the calls counted per message."""
+    from tensorferry import _native, envs
     from tensorferry.p2p._nccl_lib import library
 
     if rank > 1:
@@ -511,8 +512,18 @@ def nccl_calls_per_message(rank: int, world: int) -> dict | str:
     lib = library()
     if lib is None or envs.nccl_calls() != "direct":
         return "ProcessGroupNCCL"
+    native = _native.wait(timeout=600)  # loaded in the background: here before counting
+    warm_up = payload(0, 1, 800, (5,), torch.float32)  # fills the pool of completion events
+    if rank == 0:
+        tf.send(warm_up, 1, transport="nccl").wait(T)
+    else:
+        got = tf.recv(poisoned((5,), torch.float32), 0, transport="nccl").result(T)
+        assert same_bytes(got, warm_up)
     made: list[str] = []
-    plain = {name: getattr(lib, name) for name in ("move_alone", "group_start", "send", "recv")}
+    owners = {name: lib for name in ("move_alone", "group_start", "send", "recv")}
+    if native is not None:
+        owners["issue_lone"] = native
+    plain = {name: getattr(owner, name) for name, owner in owners.items()}
 
     def counting(name):
         def call(*args):
@@ -521,8 +532,8 @@ def nccl_calls_per_message(rank: int, world: int) -> dict | str:
 
         return call
 
-    for name in plain:
-        setattr(lib, name, counting(name))
+    for name, owner in owners.items():
+        setattr(owner, name, counting(name))
     messages = {
         "lone": [payload(0, 1, 801, (33, 3), torch.float16)],
         "empty": [torch.empty(0, device=D())],
@@ -547,8 +558,11 @@ def nccl_calls_per_message(rank: int, world: int) -> dict | str:
                     assert same_bytes(received, tensors[i]), (name, i)
             calls[name] = list(made)
     finally:
-        for name in plain:
-            delattr(lib, name)
+        for name, owner in owners.items():
+            if owner is lib:
+                delattr(lib, name)
+            else:
+                setattr(owner, name, plain[name])
     return calls
 
 
