@@ -47,6 +47,8 @@ and how many;
 call: the short way's *answered* case), short way on and off; each rank's median call time;
 ``--ab-native``: the short way's rows with the compiled validation loop (``tensorferry/_native``)
 and without it, alternately in one process, five rounds;
+``--ab-lone-call`` (over NCCL): the same with a lone tensor's issue in one call of the compiled
+helper (``Transport.start_lone_between``) and without it, six rounds, the order flipped each;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -457,6 +459,10 @@ def _worker(
             rows = _ab_native(rank, x)
             queue.put((rank, {"rows": rows}))
             return
+        if profile == "ab-lone-call":
+            rows = _ab_lone_call(rank, x)
+            queue.put((rank, {"rows": rows}))
+            return
         rows = {}
         for _ in range(2):  # interleaved: this machine's host times drift
             for short in (True, False):
@@ -493,6 +499,29 @@ def _ab_native(rank, x, rounds=5):
     return rows
 
 
+def _ab_lone_call(rank, x, rounds=6):
+    """The short way's rows with a lone tensor issued in one call of the compiled helper
+    (``NcclTransport.start_lone_between``) and without it (the stream's wait, the NCCL call and
+    the completion event from Python), alternately in one process, the order flipped each
+    round, ``rounds`` times each."""
+    from tensorferry.p2p._nccl import NcclTransport
+
+    one_call = NcclTransport.start_lone_between
+    rows = {}
+    try:
+        for round_ in range(rounds):
+            for use in (True, False) if round_ % 2 == 0 else (False, True):
+                NcclTransport.start_lone_between = (
+                    one_call if use else lambda self, op, stream, caller_event: None
+                )
+                for name, value in _measure(rank, x, True, None).items():
+                    key = f"{name}, one call {'on' if use else 'off'}"
+                    rows.setdefault(key, []).append(value)
+    finally:
+        NcclTransport.start_lone_between = one_call
+    return rows
+
+
 def _option(name, default):
     """The number given after ``name`` on the command line, or ``default``."""
     return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
@@ -502,7 +531,15 @@ def main():
     one_gpu = "--one-gpu" in sys.argv
     nccl = "--nccl" in sys.argv or one_gpu
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
-    modes = ("--profile", "--phases", "--reads", "--opcodes", "--ab-native", "--answered")
+    modes = (
+        "--profile",
+        "--phases",
+        "--reads",
+        "--opcodes",
+        "--ab-native",
+        "--ab-lone-call",
+        "--answered",
+    )
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(_option("--tensors", 1))
     ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
@@ -550,7 +587,7 @@ def main():
     if one_gpu:
         where = "over NCCL's network transport, both ranks on cuda:0"
     what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
-    runs = "interleaved runs" if mode == "ab-native" else "two interleaved runs"
+    runs = "interleaved runs" if mode in ("ab-native", "ab-lone-call") else "two interleaved runs"
     print(f"host µs per {what} {where} (rank 0 sends), {runs}:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))
