@@ -22,10 +22,12 @@ behaviour and more host time per call.
 peers, enqueued on the transfer's stream (after the caller's work, before the layer's
 completion event): NCCL launches the whole group at once. A lone tensor on our own
 communicator, the commonest call, is one ``ncclSend``/``ncclRecv`` outside any group
-(``start_lone``): what NCCL does with a group of one, with less host work around it. Tensors
-travel as bytes, so every dtype works. Tensors under :data:`PACK_BELOW` of a message with
-several of them are packed, on the transfer's stream: into a buffer kept for that layout and
-direction (:mod:`._staging`: one ``_foreach_copy_`` per dtype each way), or, for a layout whose
+(``start_lone``): what NCCL does with a group of one, with less host work around it; with the
+compiled helper, that call, the stream's wait for the caller's work and the completion event
+are one call (``start_lone_between``). Tensors travel as bytes, so every dtype works. Tensors
+under :data:`PACK_BELOW` of a message with several of them are packed, on the transfer's
+stream: into a buffer kept for that layout and direction (:mod:`._staging`: one copy kernel
+launch per dtype each way, :mod:`._piece_copy`), or, for a layout whose
 tensors cannot be viewed in such a buffer, into a fresh one (one ``cat`` on the sender, one
 ``_foreach_copy_`` on the receiver). With several peers or both directions the group spans
 their communicators (``_enqueue`` says why separate groups would deadlock).
