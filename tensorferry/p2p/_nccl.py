@@ -343,10 +343,32 @@ class NcclTransport(Transport):
         # No stream switch around it: NCCL, the staging copies and the events take `stream`
         # explicitly; what runs torch operations on the current stream (a fresh packing, a
         # new staging buffer, a ProcessGroupNCCL pair) switches to `stream` itself.
-        if len(ops) == 1 and len(ops[0].tensors) == 1:
-            pair = self._prepared_pair(*self._ends(ops[0].peer, ops[0].kind))
-            return self._start_one(pair, ops[0], stream)
+        if len(ops) == 1:
+            op = ops[0]
+            src, dst = self._ends(op.peer, op.kind)
+            pair = self._prepared_pair(src, dst)
+            if len(op.tensors) == 1:
+                return self._start_one(pair, op, stream)
+            if isinstance(pair, _NativePair):
+                staging = self._staging_for(op, src, dst, stream)
+                if staging is not None and not staging.alone:
+                    return self._start_staged(pair, op, staging, stream)
         return self._start_grouped(ops, stream)
+
+    @staticmethod
+    def _start_staged(pair: _NativePair, op: P2POp, staging: Staging, stream: Any) -> PendingOps:
+        """A message whose tensors all travel in its layout's kept buffer, with one peer on our
+        own communicator (many small tensors: a KV cache's blocks, ``bench batch``'s list):
+        what :meth:`_start_grouped` does for it, with nothing to group."""
+        staging.claim(stream)
+        if op.kind == "send":
+            staging.pack(op.tensors, stream)  # after the caller's writes
+            pair.move_alone("send", staging.buffer, stream.cuda_stream)
+        else:
+            pair.move_alone("recv", staging.buffer, stream.cuda_stream)
+            staging.unpack(op.tensors, stream)
+        staging.release(stream)
+        return _NcclPending([(pair, None)], [])
 
     def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
         # On our own communicator: the one NCCL call, with no group around it. A
