@@ -40,6 +40,25 @@ def test_doctor_finds_the_packed_copy_kernel_compiled_on_every_device():
     ), report
 
 
+def test_doctor_says_which_cuda_event_calls_transfers_make(capsys, monkeypatch):
+    from tensorferry.runtime import _events
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    expected = _events.calls_report()
+    if torch.cuda.is_available():  # the GPU machine: the runtime's calls pass their check
+        assert expected == "the CUDA runtime's, called holding the GIL"
+    else:
+        assert expected == "no CUDA device"
+    assert f"CUDA event calls of each transfer\n  {expected}\n" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_events, "_runtime", lambda: None)
+    monkeypatch.setattr(_events, "_why_torch", "cudaEventRecord failed")
+    assert _events.calls_report() == (
+        "torch's, which let go of the GIL around each (cudaEventRecord failed)"
+    )
+
+
 @pytest.mark.parametrize("local_links", ["1", "0"])
 def test_doctor_says_how_ranks_carry_their_headers(capsys, monkeypatch, local_links):
     monkeypatch.setenv("TENSORFERRY_P2P_LOCAL_LINKS", local_links)

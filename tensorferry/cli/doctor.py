@@ -204,6 +204,15 @@ def piece_copy_report(devices: int) -> str:
     return "; ".join(f"cuda:{i}: {_piece_copy.status(i)}" for i in range(devices))
 
 
+def event_calls_report() -> str:
+    """Which CUDA event calls every transfer makes (``runtime/_events``): the runtime's, holding
+    the GIL, or torch's, which let go of it (tens of microseconds more per call on a busy
+    process), and why."""
+    from tensorferry.runtime import _events
+
+    return _events.calls_report()
+
+
 def _collect() -> dict:
     import torch
 
@@ -247,6 +256,7 @@ def _collect() -> dict:
     info["side_channel"] = side_channel_report()
     info["native"] = native_report()
     info["piece_copy"] = piece_copy_report(cuda)
+    info["event_calls"] = event_calls_report()
     info["speculation"] = speculation_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
@@ -281,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"p2p side channel (headers, fault notices)\n  {info['side_channel']}")
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
     print(f"packed messages' copies (CUDA)\n  {info['piece_copy']}")
+    print(f"CUDA event calls of each transfer\n  {info['event_calls']}")
     print(
         "static NCCL messages issued ahead of the peer's header (TENSORFERRY_NCCL_SPECULATE)\n"
         f"  {info['speculation']}"

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "calls_report",
     "entry_points",
     "give_up_calls",
     "is_done",
@@ -72,6 +73,7 @@ def _load_calls() -> _Runtime | None:
         )
     except (OSError, RuntimeError, AttributeError) as exc:
         log.debug("events: no GIL-holding CUDA event calls (%s); using torch's", exc)
+        _note_why(f"the CUDA runtime could not be loaded: {exc}")
         return None
     calls.record.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
     calls.wait.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
@@ -113,6 +115,7 @@ def _checked(calls: _Runtime | None) -> _Runtime | None:
             break  # a failed call or an event that never fired: no second look needed
         log.info("events: checking the CUDA event calls: %s; looking again", problem)
     log.warning("events: CUDA event calls through ctypes misbehaved (%s); using torch", problem)
+    _note_why(f"they misbehaved: {problem}")
     return None
 
 
@@ -177,6 +180,24 @@ def pooled(index: int) -> Any:
     """A free pooled event of device ``index`` (created: recorded before), or ``None``; give it
     back with :func:`recycle`."""
     return _pooled(index)
+
+
+_why_torch: str | None = None  # why torch's calls are used, once they are
+
+
+def _note_why(why: str) -> None:
+    global _why_torch
+    _why_torch = why
+
+
+def calls_report() -> str:
+    """Which event calls this process makes (for ``tensorferry doctor``): the CUDA runtime's,
+    holding the GIL, or torch's and why. Runs the one-time check of the runtime's calls."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if _runtime() is not None:
+        return "the CUDA runtime's, called holding the GIL"
+    return f"torch's, which let go of the GIL around each ({_why_torch or 'no CUDA runtime'})"
 
 
 def _pooled(index: int) -> Any:
@@ -301,4 +322,5 @@ def _disable(why: str) -> None:
     if calls is not None:
         calls.clear()  # or torch raises it from the thread's next launch
     log.warning("events: %s; using torch's event calls from now on", why)
+    _note_why(why)
     _calls = None

@@ -69,6 +69,7 @@ def runtime(monkeypatch):
     monkeypatch.setattr(_events, "_calls", fake)
     monkeypatch.setattr(_events, "_calls_checked", True)
     monkeypatch.setattr(_events, "_free", {})
+    monkeypatch.setattr(_events, "_why_torch", None)
     monkeypatch.setattr(_events, "_on_current_device", lambda index: index == state["device"])
     _events.recycle(_FakeEvent(0))
     fake.on_device = lambda index: state.__setitem__("device", index)
@@ -81,6 +82,7 @@ def test_a_record_that_fails_clears_the_error_and_leaves_the_runtime_calls(runti
     assert _events._record_pooled(0, 0x5) is None  # the caller then records through torch
     assert runtime.calls == ["record", "clear"]
     assert _events._runtime() is None, "later calls take torch's way"
+    assert _events._why_torch == "cudaEventRecord failed", "and tensorferry doctor says why"
     assert list(_events._free[0]) == [pooled], "the event is back in the pool"
 
 
