@@ -203,13 +203,10 @@ class P2PContext:
             op = message.op
             stream = self.send_stream if op.kind == "send" else self.recv_stream
             transport = self.transport(message.transport)
-            if len(op.tensors) == 1 and torch._C._cuda_getDevice() == self.device.index:
-                started = transport.start_lone_between(op, stream, unit.caller_event)
-                if started is not None:  # the caller's event waited for: free to record again
-                    recycle(unit.caller_event, self.device.index)
-                    unit.caller_event = None
-                    unit.pending.append(started[0])
-                    return started[1]  # the Transfer recycles it
+            if len(op.tensors) == 1:
+                done = self._start_lone_between(transport, op, stream, unit)
+                if done is not None:
+                    return done
             self._after_caller(stream, unit)
             pending = transport.start_lone(op, stream) if len(op.tensors) == 1 else None
             if pending is None:
@@ -232,6 +229,23 @@ class P2PContext:
         has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
         stream = self.send_stream if has_send else self.recv_stream
         return self._issue_on(stream, unit, cuda_groups)
+
+    def _start_lone_between(self, transport: Transport, op: Any, stream: Any, unit: Any) -> Any:
+        """``unit``'s one tensor started by ``transport`` with the stream's wait for the caller
+        and the completion event in the same step (``Transport.start_lone_between``): that
+        event (the Transfer recycles it), or ``None``, having done nothing, where it has no such
+        way or the calling thread is on another device (the general way then)."""
+        index = self.device.index
+        if torch._C._cuda_getDevice() != index:
+            return None
+        started = transport.start_lone_between(op, stream, unit.caller_event)
+        if started is None:
+            return None
+        pending, done = started
+        recycle(unit.caller_event, index)  # waited for: free to record again
+        unit.caller_event = None
+        unit.pending.append(pending)
+        return done
 
     def issue_on_host(self, unit: Any, messages: list[Any]) -> None:
         """Starts ``messages`` of ``unit`` (all of them, or one peer's part) that travel on
