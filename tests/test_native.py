@@ -3,6 +3,7 @@ no references leaked, and a build that fails or is turned off leaves the Python 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import sys
@@ -349,6 +350,51 @@ def test_the_helper_can_be_turned_off(fresh_state, monkeypatch):
     monkeypatch.setenv("TENSORFERRY_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="TENSORFERRY_NATIVE='sometimes'"):
         _native.start()
+
+
+# ---------------------------------------------------------------- the piece copy's status
+@pytest.fixture
+def no_kernels(monkeypatch):
+    from tensorferry.p2p import _piece_copy
+
+    monkeypatch.setattr(_piece_copy, "_kernels", {})
+    monkeypatch.setattr(_piece_copy, "_problems", {})
+    return _piece_copy
+
+
+def test_the_piece_copy_says_why_without_the_compiled_helper(no_kernels, monkeypatch):
+    monkeypatch.setattr(_native, "wait", lambda timeout=None: None)
+    monkeypatch.setattr(_native, "status", lambda: "off (TENSORFERRY_NATIVE=0)")
+    assert no_kernels.status(0) == (
+        "torch's _foreach_copy_: the compiled helper is not loaded: off (TENSORFERRY_NATIVE=0)"
+    )
+
+
+def test_the_piece_copy_says_why_it_was_not_compiled_ahead(no_kernels, monkeypatch):
+    def no_context(index):
+        raise RuntimeError(f"cuDeviceGet failed for {index}")
+
+    monkeypatch.setattr(_native, "wait", lambda timeout=None: object())
+    monkeypatch.setattr(no_kernels, "_bind_primary_context", no_context)
+    assert no_kernels.status(3) == (
+        "torch's _foreach_copy_: not compiled ahead (cuDeviceGet failed for 3): compiled at "
+        "first use"
+    )
+    assert 3 not in no_kernels._kernels, "the first packed message still tries to compile it"
+
+
+def test_the_piece_copy_says_why_the_kernel_did_not_compile(no_kernels, monkeypatch):
+    def no_nvrtc(source, name):
+        raise RuntimeError("NVRTC is missing")
+
+    monkeypatch.setattr(_native, "wait", lambda timeout=None: object())
+    monkeypatch.setattr(no_kernels, "_bind_primary_context", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", no_nvrtc, raising=False)
+    assert no_kernels.status(0) == (
+        "torch's _foreach_copy_: the kernel did not compile: NVRTC is missing"
+    )
+    assert no_kernels._kernels == {0: None}, "not tried again: torch's copy from now on"
 
 
 # ---------------------------------------------------------------- the piece copy (CUDA)
