@@ -170,18 +170,6 @@ def entry_points() -> tuple[int, int] | None:
 _entry_points: dict[int, tuple[Any, Any]] = {}
 
 
-def give_up_calls(why: str) -> None:
-    """A compiled caller's CUDA call through :func:`entry_points` failed: clears its error and
-    takes torch's calls from now on, as a failed call here does."""
-    _disable(why)
-
-
-def pooled(index: int) -> Any:
-    """A free pooled event of device ``index`` (created: recorded before), or ``None``; give it
-    back with :func:`recycle`."""
-    return _pooled(index)
-
-
 _why_torch: str | None = None  # why torch's calls are used, once they are
 
 
@@ -200,7 +188,9 @@ def calls_report() -> str:
     return f"torch's, which let go of the GIL around each ({_why_torch or 'no CUDA runtime'})"
 
 
-def _pooled(index: int) -> Any:
+def pooled(index: int) -> Any:
+    """A free pooled event of device ``index`` (created: recorded before), or ``None``; give it
+    back with :func:`recycle`."""
     free = _free.get(index)
     if free:
         try:
@@ -214,7 +204,7 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
     """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
     through the GIL-holding call, or ``None`` (no such call, the calling thread on another
     device, or no free event)."""
-    # Two per message: _runtime and _pooled written out.
+    # Two per message: _runtime and pooled written out.
     calls = _calls if _calls_checked else _runtime()
     if calls is None or not _on_current_device(index):
         return None
@@ -227,7 +217,7 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
         return None
     if calls.record(event.cuda_event, raw_stream) == 0:
         return event
-    _disable("cudaEventRecord failed")
+    give_up_calls("cudaEventRecord failed")
     recycle(event, index)
     return None
 
@@ -256,7 +246,7 @@ def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
 def _torch_record(index: int, stream: torch.cuda.Stream) -> torch.cuda.Event:
     """A pooled (or new) event recorded on ``stream`` by torch's call, which switches to the
     stream's device around it (and creates the CUDA event of a new one)."""
-    event = _pooled(index) or torch.cuda.Event()
+    event = pooled(index) or torch.cuda.Event()
     event.record(stream)
     return event
 
@@ -268,7 +258,7 @@ def record_again(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
     if calls is not None and event.cuda_event and _on_current_device(stream.device_index):
         if calls.record(event.cuda_event, stream.cuda_stream) == 0:
             return
-        _disable("cudaEventRecord failed")
+        give_up_calls("cudaEventRecord failed")
     event.record(stream)
 
 
@@ -278,7 +268,7 @@ def stream_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
     if calls is not None and _on_current_device(stream.device_index):
         if calls.wait(stream.cuda_stream, event.cuda_event, 0) == 0:
             return
-        _disable("cudaStreamWaitEvent failed")
+        give_up_calls("cudaStreamWaitEvent failed")
     stream.wait_event(event)
 
 
@@ -316,7 +306,9 @@ def _on_current_device(index: int) -> bool:
     return torch._C._cuda_getDevice() == index
 
 
-def _disable(why: str) -> None:
+def give_up_calls(why: str) -> None:
+    """A GIL-holding CUDA call failed (here, or a compiled caller's through
+    :func:`entry_points`): clears its error and takes torch's calls from now on."""
     global _calls
     calls = _calls
     if calls is not None:
