@@ -198,10 +198,10 @@ def piece_copy_report(devices: int) -> str:
         return "no CUDA device"
     from tensorferry.p2p import _piece_copy
 
-    reports = {_piece_copy.status(i) for i in range(devices)}
-    if len(reports) == 1:
-        return f"every device: {reports.pop()}"
-    return "; ".join(f"cuda:{i}: {_piece_copy.status(i)}" for i in range(devices))
+    reports = [_piece_copy.status(i) for i in range(devices)]
+    if len(set(reports)) == 1:
+        return f"every device: {reports[0]}"
+    return "; ".join(f"cuda:{i}: {report}" for i, report in enumerate(reports))
 
 
 def event_calls_report() -> str:
