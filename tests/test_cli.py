@@ -30,6 +30,22 @@ def test_doctor_says_how_packed_messages_are_copied(capsys, monkeypatch):
     assert f"packed messages' copies (CUDA)\n  {count} device(s) here\n" in out
 
 
+def test_doctor_names_the_devices_whose_packed_copies_differ(monkeypatch):
+    from tensorferry.cli.doctor import piece_copy_report
+    from tensorferry.p2p import _piece_copy
+
+    asked = []
+
+    def status(index):
+        asked.append(index)
+        return "torch's _foreach_copy_: no NVRTC" if index == 1 else "one launch"
+
+    monkeypatch.setattr(_piece_copy, "status", status)
+    assert piece_copy_report(1) == "every device: one launch"
+    assert piece_copy_report(2) == "cuda:0: one launch; cuda:1: torch's _foreach_copy_: no NVRTC"
+    assert asked == [0, 0, 1], "each device asked once"
+
+
 @pytest.mark.gpu
 def test_doctor_finds_the_packed_copy_kernel_compiled_on_every_device():
     from tensorferry.cli.doctor import piece_copy_report
