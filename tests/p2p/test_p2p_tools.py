@@ -252,6 +252,39 @@ def test_staging_cache_keeps_the_most_recent_layouts():
     assert made[1].buffer.numel() == 16
 
 
+def test_process_group_pairs_are_all_issued_before_the_stream_waits_for_any():
+    # Each ProcessGroupNCCL pair's stream waits for the transfer's stream when its group is
+    # issued: ordering that stream after a pair's send before the next pair's receive is issued
+    # made a large sendrecv both ways hang (each receive waited for its own send).
+    from tensorferry.p2p._nccl import NcclTransport
+
+    calls = []
+
+    class Pair:  # stands in for _GroupPair
+        def __init__(self, name):
+            self.name = name
+
+        def enqueue(self, wire, stream):
+            calls.append(("issued", self.name, [kind for kind, _ in wire]))
+            return f"work of {self.name}"
+
+        def order_after(self, work, stream):
+            calls.append(("stream waits for", work))
+
+    sending, receiving = Pair("send pair"), Pair("recv pair")
+    tensor = torch.zeros(4)
+    started = NcclTransport._enqueue(
+        [(sending, [("send", tensor)]), (receiving, [("recv", tensor)])], stream=object()
+    )
+    assert calls == [
+        ("issued", "send pair", ["send"]),
+        ("issued", "recv pair", ["recv"]),
+        ("stream waits for", "work of send pair"),
+        ("stream waits for", "work of recv pair"),
+    ]
+    assert started == [(sending, "work of send pair"), (receiving, "work of recv pair")]
+
+
 def test_transfer_latch_releases_every_waiter_and_tolerates_races():
     import threading
     import time
