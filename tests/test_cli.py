@@ -56,6 +56,36 @@ def test_doctor_finds_the_packed_copy_kernel_compiled_on_every_device():
     ), report
 
 
+def test_doctor_says_how_nccl_is_called(capsys, monkeypatch):
+    import tensorferry.cli.doctor as doctor
+    from tensorferry.p2p import _nccl_lib
+
+    class Library:
+        path = "/opt/nccl/libnccl.so.2"
+
+        def version(self):
+            return 22809
+
+    assert doctor.nccl_calls_report(0) == "no CUDA device"
+    monkeypatch.setattr(_nccl_lib, "library", lambda: Library())
+    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS", raising=False)
+    direct = "the library directly: NCCL 2.28.9 from /opt/nccl/libnccl.so.2"
+    assert doctor.nccl_calls_report(2) == direct
+    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "torch")
+    assert doctor.nccl_calls_report(2) == "through ProcessGroupNCCL (TENSORFERRY_NCCL_CALLS=torch)"
+    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "sometimes")
+    assert doctor.nccl_calls_report(2).startswith("unusable setting: TENSORFERRY_NCCL_CALLS=")
+    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS")
+    monkeypatch.setattr(_nccl_lib, "library", lambda: None)
+    assert doctor.nccl_calls_report(1) == (
+        "through ProcessGroupNCCL: no NCCL library could be loaded to call directly"
+    )
+    monkeypatch.setattr(doctor, "nccl_calls_report", lambda devices: f"{devices} device(s)")
+    assert main(["doctor"]) == 0
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert f"NCCL calls (TENSORFERRY_NCCL_CALLS)\n  {count} device(s)\n" in capsys.readouterr().out
+
+
 def test_doctor_says_which_cuda_event_calls_transfers_make(capsys, monkeypatch):
     from tensorferry.runtime import _events
 

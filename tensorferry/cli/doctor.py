@@ -204,6 +204,28 @@ def piece_copy_report(devices: int) -> str:
     return "; ".join(f"cuda:{i}: {report}" for i, report in enumerate(reports))
 
 
+def nccl_calls_report(devices: int) -> str:
+    """How the ``nccl`` transport calls NCCL here: the library itself (our own communicators),
+    or ``ProcessGroupNCCL``, which costs each call far more host time, and why."""
+    if not devices:
+        return "no CUDA device"
+    from tensorferry import envs
+    from tensorferry.p2p._nccl_lib import library
+
+    try:
+        mode = envs.nccl_calls()
+    except ValueError as error:
+        return f"unusable setting: {error}"
+    if mode == "torch":
+        return "through ProcessGroupNCCL (TENSORFERRY_NCCL_CALLS=torch)"
+    lib = library()
+    if lib is None:
+        return "through ProcessGroupNCCL: no NCCL library could be loaded to call directly"
+    version = lib.version()
+    dotted = f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    return f"the library directly: NCCL {dotted} from {lib.path}"
+
+
 def event_calls_report() -> str:
     """Which CUDA event calls every transfer makes (``runtime/_events``): the runtime's, holding
     the GIL, or torch's, which let go of it (tens of microseconds more per call on a busy
@@ -257,6 +279,7 @@ def _collect() -> dict:
     info["native"] = native_report()
     info["piece_copy"] = piece_copy_report(cuda)
     info["event_calls"] = event_calls_report()
+    info["nccl_calls"] = nccl_calls_report(cuda)
     info["speculation"] = speculation_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
@@ -292,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
     print(f"packed messages' copies (CUDA)\n  {info['piece_copy']}")
     print(f"CUDA event calls of each transfer\n  {info['event_calls']}")
+    print(f"NCCL calls (TENSORFERRY_NCCL_CALLS)\n  {info['nccl_calls']}")
     print(
         "static NCCL messages issued ahead of the peer's header (TENSORFERRY_NCCL_SPECULATE)\n"
         f"  {info['speculation']}"
