@@ -30,7 +30,7 @@ __all__ = ["NcclLibrary", "NcclError", "UINT8", "library"]
 log = logging.getLogger(__name__)
 
 _SUCCESS = 0
-UINT8 = _UINT8 = 1  # ncclUint8: every dtype travels as bytes
+UINT8 = 1  # ncclUint8: every dtype travels as bytes
 _UNIQUE_ID_BYTES = 128
 
 
@@ -119,11 +119,11 @@ class NcclLibrary:
         self._check(self._group_end(), "ncclGroupEnd")
 
     def send(self, address: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        code = self._send(address, nbytes, _UINT8, peer, comm, stream)
+        code = self._send(address, nbytes, UINT8, peer, comm, stream)
         self._check(code, "ncclSend")
 
     def recv(self, address: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        code = self._recv(address, nbytes, _UINT8, peer, comm, stream)
+        code = self._recv(address, nbytes, UINT8, peer, comm, stream)
         self._check(code, "ncclRecv")
 
     def move_alone(
@@ -132,9 +132,9 @@ class NcclLibrary:
         """One ``ncclSend`` (``kind`` ``"send"``) or ``ncclRecv`` outside any group: what a group
         of that one operation does, without the two group calls."""
         if kind == "send":
-            code = self._send_alone(address, nbytes, _UINT8, peer, comm, stream)
+            code = self._send_alone(address, nbytes, UINT8, peer, comm, stream)
         else:
-            code = self._recv_alone(address, nbytes, _UINT8, peer, comm, stream)
+            code = self._recv_alone(address, nbytes, UINT8, peer, comm, stream)
         if code != _SUCCESS:
             self._check(code, "ncclSend" if kind == "send" else "ncclRecv")
 

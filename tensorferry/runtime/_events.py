@@ -153,21 +153,19 @@ def entry_points() -> tuple[int, int] | None:
     """The addresses of ``cudaStreamWaitEvent`` and ``cudaEventRecord`` as the GIL-holding
     calls reach them, for a compiled caller (``tensorferry/_native``); ``None`` while those
     calls are not used (see the module doc)."""
+    global _entry_points
     calls = _calls if _calls_checked else _runtime()
     if calls is None:
         return None
-    points = _entry_points.get(id(calls))
-    if points is None:
-        points = (
+    if _entry_points is None:  # the calls are loaded once, and only ever given up after
+        _entry_points = (
             ctypes.cast(calls.wait, ctypes.c_void_p).value,
             ctypes.cast(calls.record, ctypes.c_void_p).value,
         )
-        _entry_points.clear()
-        _entry_points[id(calls)] = points
-    return points
+    return _entry_points
 
 
-_entry_points: dict[int, tuple[Any, Any]] = {}
+_entry_points: tuple[Any, Any] | None = None
 
 
 _why_torch: str | None = None  # why torch's calls are used, once they are
@@ -204,16 +202,11 @@ def _record_pooled(index: int, raw_stream: Any) -> Any:
     """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
     through the GIL-holding call, or ``None`` (no such call, the calling thread on another
     device, or no free event)."""
-    # Two per message: _runtime and pooled written out.
-    calls = _calls if _calls_checked else _runtime()
+    calls = _runtime()
     if calls is None or not _on_current_device(index):
         return None
-    free = _free.get(index)
-    if not free:
-        return None
-    try:
-        event = free.popleft()
-    except IndexError:  # another thread took the last one
+    event = pooled(index)
+    if event is None:
         return None
     if calls.record(event.cuda_event, raw_stream) == 0:
         return event

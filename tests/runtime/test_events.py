@@ -150,3 +150,21 @@ def test_the_check_gives_up_at_once_on_a_failed_call(monkeypatch, caplog):
         assert _events._checked(_FakeRuntime(0)) is None
     assert len(asked) == 1, "a failed call is not timing: no second look"
     assert "[400, 0, 0]" in caplog.text
+
+
+def test_a_compiled_caller_gets_the_addresses_of_the_calls_in_use(monkeypatch):
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    calls = _events._Runtime(libc.labs, libc.abs, libc.llabs, libc.getpid)  # record, wait, ...
+    monkeypatch.setattr(_events, "_calls", calls)
+    monkeypatch.setattr(_events, "_calls_checked", True)
+    monkeypatch.setattr(_events, "_entry_points", None)
+    monkeypatch.setattr(_events, "_why_torch", None)
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    assert _events.entry_points() == (address(libc.abs), address(libc.labs))  # wait, record
+    assert _events.entry_points() is _events.entry_points(), "found once"
+    _events.give_up_calls("cudaEventRecord failed (1)")  # a compiled caller's call failed
+    assert _events.entry_points() is None, "torch's calls from now on"
+    assert _events._why_torch == "cudaEventRecord failed (1)"
