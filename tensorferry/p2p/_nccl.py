@@ -468,10 +468,6 @@ class NcclTransport(Transport):
         send, which waits behind the peer's own send the same way. A group of one operation (a
         message packed into one buffer) goes as that operation alone, as NCCL would launch it.
         """
-        if len(wires) == 1 and len(wires[0][1]) == 1 and isinstance(wires[0][0], _NativePair):
-            pair, ((kind, buf),) = wires[0]  # one operation (a packed message): alone
-            pair.move_alone(kind, buf, stream.cuda_stream)
-            return [(pair, None)]
         native = [(pair, wire) for pair, wire in wires if isinstance(pair, _NativePair)]
         started: list[tuple[Any, Any]] = [(pair, None) for pair, _ in native]
         if len(native) == 1 and len(native[0][1]) == 1:
