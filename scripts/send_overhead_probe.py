@@ -49,6 +49,9 @@ call: the short way's *answered* case), short way on and off; each rank's median
 and without it, alternately in one process, five rounds;
 ``--ab-lone-call`` (over NCCL): the same with a lone tensor's issue in one call of the compiled
 helper (``Transport.start_lone_between``) and without it, six rounds, the order flipped each;
+``--ab-gil`` (over NCCL): the same with that one call keeping the GIL through the NCCL call
+(the default while few transfers are in flight) and letting go of it, six rounds, the order
+flipped each;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -214,6 +217,8 @@ _PHASES = (
     ("validate (_api._message)", "api", "_message"),
     ("caller's event (_api._caller_event)", "api", "_caller_event"),
     ("Transfer()", "transfer", "__init__"),
+    ("submitted (_api._submit, all)", "api", "_submit"),
+    ("engine.submit, all", "engine", "submit"),
     ("engine: short way, all", "engine", "_issue_short"),
     ("  peer's frames read", "engine", "_read_link"),
     ("  header written", "engine", "_send_header"),
@@ -221,6 +226,9 @@ _PHASES = (
     ("    socket written", "link", "flush"),
     ("  started (issue and completion)", "engine", "_start"),
     ("    issued (ctx.issue)", "ctx", "issue"),
+    ("      lone start (ctx._start_lone_between)", "ctx", "_start_lone_between"),
+    ("        pooled event (_events.pooled)", "events", "pooled"),
+    ("        compiled call (issue_lone)", "native", "issue_lone"),
     ("    completion handed to the pool", "pool", "call_when"),
     ("    marked issued", "transfer", "_mark_issued"),
     ("      transport's start", "transport", "start"),
@@ -237,8 +245,10 @@ _PHASES = (
 def _wrap_phases():
     """Wraps each step of ``_PHASES`` in a timer; returns ``{label: [seconds, ...]}``."""
     import tensorferry.p2p as tf
+    from tensorferry import _native
     from tensorferry.p2p import _api, _link, _staging, _transfer
     from tensorferry.p2p._nccl_lib import library as nccl_library
+    from tensorferry.runtime import _events
 
     ctx = tf._context.current()
     owners = {
@@ -251,6 +261,8 @@ def _wrap_phases():
         "staging": _staging.Staging,
         "transport": ctx.transport(TRANSPORT),
         "nccl_lib": nccl_library() if TRANSPORT == "nccl" else None,
+        "events": _events,
+        "native": _native.helper() if TRANSPORT == "nccl" else None,
     }
     spent = {}
     for label, owner_name, attr in _PHASES:
@@ -463,6 +475,10 @@ def _worker(
             rows = _ab_lone_call(rank, x)
             queue.put((rank, {"rows": rows}))
             return
+        if profile == "ab-gil":
+            rows = _ab_gil(rank, x)
+            queue.put((rank, {"rows": rows}))
+            return
         rows = {}
         for _ in range(2):  # interleaved: this machine's host times drift
             for short in (True, False):
@@ -522,6 +538,27 @@ def _ab_lone_call(rank, x, rounds=6):
     return rows
 
 
+def _ab_gil(rank, x, rounds=6):
+    """The short way's rows with a lone tensor's NCCL call made holding the GIL (the layer's
+    default while few transfers are in flight: ``_context.HOLD_GIL_BELOW``) and letting go of
+    it (that bound set to 0), alternately in one process, the order flipped each round,
+    ``rounds`` times each."""
+    from tensorferry.p2p import _context
+
+    bound = _context.HOLD_GIL_BELOW
+    rows = {}
+    try:
+        for round_ in range(rounds):
+            for hold in (True, False) if round_ % 2 == 0 else (False, True):
+                _context.HOLD_GIL_BELOW = bound if hold else 0
+                for name, value in _measure(rank, x, True, None).items():
+                    key = f"{name}, GIL {'held' if hold else 'let go'}"
+                    rows.setdefault(key, []).append(value)
+    finally:
+        _context.HOLD_GIL_BELOW = bound
+    return rows
+
+
 def _option(name, default):
     """The number given after ``name`` on the command line, or ``default``."""
     return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
@@ -538,6 +575,7 @@ def main():
         "--opcodes",
         "--ab-native",
         "--ab-lone-call",
+        "--ab-gil",
         "--answered",
     )
     mode = next((a[2:] for a in sys.argv if a in modes), None)
@@ -587,7 +625,11 @@ def main():
     if one_gpu:
         where = "over NCCL's network transport, both ranks on cuda:0"
     what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
-    runs = "interleaved runs" if mode in ("ab-native", "ab-lone-call") else "two interleaved runs"
+    runs = (
+        "interleaved runs"
+        if mode in ("ab-native", "ab-lone-call", "ab-gil")
+        else "two interleaved runs"
+    )
     print(f"host µs per {what} {where} (rank 0 sends), {runs}:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))

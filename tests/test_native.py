@@ -265,7 +265,7 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     with pytest.raises(TypeError, match="issue_lone"):
         native.issue_lone(1, 1, t)
     entries = dict(move=1, datatype=1, tensor=t, peer=1, comm=1, stream=1, wait=1)
-    entries.update(caller_event=0, record=1, done_event=1)
+    entries.update(caller_event=0, record=1, done_event=1, hold_gil=False)
     with pytest.raises(ValueError, match="contiguous CUDA tensor"):
         native.issue_lone(*entries.values())
     with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):

@@ -381,7 +381,7 @@ using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int pee
                          void* stream);
 
 // issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, record,
-//            done_event) -> None or (step, code)
+//            done_event, hold_gil) -> None or (step, code)
 //
 // Makes `stream` wait for `caller_event` (none when 0), calls `move` (ncclSend or ncclRecv)
 // with `tensor`'s bytes (a contiguous CUDA tensor: the caller checked it) as `datatype`, then
@@ -389,11 +389,18 @@ using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int pee
 // "wait" (nothing issued), "nccl" (nothing issued) or "record" (issued, no event recorded),
 // and the code it returned. The CUDA calls work in the calling thread's current device's
 // context only: the caller checks it is the stream's.
+//
+// The GIL is released around `move` unless `hold_gil` is true. Released, another of the
+// process's threads (the completion pool's poller, in a burst of sends) takes it while NCCL
+// launches, and the caller waits for that thread to let go of it again: tens of microseconds
+// per call. Held, nothing else of the process runs while `move` does, so the caller holds it
+// only where `move` cannot block for long: with few transfers in flight, the device's launch
+// queue has room, and a connected pair's send or receive only launches.
 PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 10) {
+  if (nargs != 11) {
     PyErr_SetString(PyExc_TypeError,
                     "issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, "
-                    "record, done_event)");
+                    "record, done_event, hold_gil)");
     return nullptr;
   }
   void* move = nullptr;
@@ -412,6 +419,10 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   const long datatype = PyLong_AsLong(args[1]);
   const long peer = PyLong_AsLong(args[3]);
   if ((datatype == -1 || peer == -1) && PyErr_Occurred()) {
+    return nullptr;
+  }
+  const int hold_gil = PyObject_IsTrue(args[10]);
+  if (hold_gil < 0) {
     return nullptr;
   }
   if (move == nullptr || wait == nullptr || record == nullptr || done_event == nullptr) {
@@ -436,10 +447,17 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
     failed = code != 0 ? "wait" : nullptr;
   }
   if (failed == nullptr) {
-    Py_BEGIN_ALLOW_THREADS
-    code = reinterpret_cast<NcclMove>(move)(buffer, nbytes, static_cast<int>(datatype),
-                                            static_cast<int>(peer), comm, stream);
-    Py_END_ALLOW_THREADS
+    const auto call_move = [&] {
+      return reinterpret_cast<NcclMove>(move)(buffer, nbytes, static_cast<int>(datatype),
+                                              static_cast<int>(peer), comm, stream);
+    };
+    if (hold_gil) {
+      code = call_move();
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      code = call_move();
+      Py_END_ALLOW_THREADS
+    }
     failed = code != 0 ? "nccl" : nullptr;
   }
   if (failed == nullptr) {

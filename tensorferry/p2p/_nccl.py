@@ -112,13 +112,21 @@ class _NativePair:
         return _NcclPending([(self, None)], [])
 
     def start_lone_between(
-        self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
+        self,
+        native: Any,
+        kind: str,
+        tensor: torch.Tensor,
+        stream: Any,
+        caller_event: Any,
+        hold_gil: bool,
     ) -> tuple[_NcclPending, Any] | None:
         """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none) before it and
-        the completion event after it, in one call of the compiled helper ``native``; returns
-        what was started and that event. ``None``, having done nothing, where it cannot: an
-        empty tensor, no GIL-holding CUDA event calls, no pooled event free, a wait that failed.
-        The calling thread's current device must be the stream's."""
+        the completion event after it, in one call of the compiled helper ``native``, which
+        keeps the GIL through the NCCL call with ``hold_gil`` (see
+        ``Transport.start_lone_between``); returns what was started and that event. ``None``,
+        having done nothing, where it cannot: an empty tensor, no GIL-holding CUDA event calls,
+        no pooled event free, a wait that failed. The calling thread's current device must be
+        the stream's."""
         points = _events.entry_points()
         if points is None or not tensor.numel():
             return None
@@ -138,6 +146,7 @@ class _NativePair:
             0 if caller_event is None else caller_event.cuda_event,
             record,
             done.cuda_event,
+            hold_gil,
         )
         if failure is None:
             return _NcclPending([(self, None)], []), done
@@ -379,7 +388,7 @@ class NcclTransport(Transport):
         return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any
+        self, op: P2POp, stream: Any, caller_event: Any, *, hold_gil: bool = False
     ) -> tuple[PendingOps, Any] | None:
         # On our own communicator, with the compiled helper: the NCCL call and the CUDA calls
         # around it as one call (_NativePair.start_lone_between).
@@ -389,7 +398,8 @@ class NcclTransport(Transport):
         pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
         if type(pair) is not _NativePair:
             return None
-        return pair.start_lone_between(native, op.kind, op.tensors[0], stream, caller_event)
+        tensor = op.tensors[0]
+        return pair.start_lone_between(native, op.kind, tensor, stream, caller_event, hold_gil)
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}

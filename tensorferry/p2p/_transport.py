@@ -466,14 +466,17 @@ class Transport(abc.ABC):
         return None
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any
+        self, op: P2POp, stream: Any, caller_event: Any, *, hold_gil: bool = False
     ) -> tuple[PendingOps, Any] | None:
         """:meth:`start_lone` with the rest of the issue in the same step: ``stream``'s wait
         for ``caller_event`` (an event of the caller's work, or ``None``) before it, and a
         pooled completion event recorded after it (``runtime._events``), which it returns with
         what it started. The calling thread's current device is the stream's. ``None``, having
         done nothing, where it has no such way (the layer then waits, starts and records
-        itself). Default: none."""
+        itself). ``hold_gil``: few transfers are in flight, so the device's launch queue has
+        room and a launch cannot wait on the device: the transport may keep the GIL through
+        its own call (no other thread takes it meanwhile, to be waited for after). Default:
+        none."""
         return None
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027

@@ -233,6 +233,11 @@ class CompletionPool:
                 return len(self._pending)
             return self._running_per_owner.get(owner, 0)
 
+    def waiting_hint(self) -> int:
+        """How many items wait to finish, read without the lock: a hint, stale by the items
+        added or finished meanwhile on other threads."""
+        return len(self._pending)
+
     def has_owners_in_flight(self) -> bool:
         """Whether any owned item is in flight (a lock-free hint: a false answer may be stale
         only for items submitted concurrently, which their owner cannot be releasing)."""
