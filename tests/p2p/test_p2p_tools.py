@@ -702,3 +702,37 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
         assert transfer.exception(1) is error
     finally:
         pool.shutdown(wait=False)
+
+
+def test_a_lone_tensor_call_holds_the_gil_only_while_few_transfers_are_in_flight(monkeypatch):
+    # Held, nothing else of the process runs while the NCCL call does; let go with many
+    # transfers in flight, where a launch could wait for room in the device's queue.
+    from types import SimpleNamespace
+
+    from tensorferry.p2p import _context
+    from tensorferry.runtime import CompletionPool
+
+    pool = CompletionPool(threads=1)
+    asked = []
+
+    class Transport:  # stands in for NcclTransport
+        def start_lone_between(self, op, stream, caller_event, *, hold_gil):
+            asked.append(hold_gil)
+            return None  # as where it has no such way: the layer takes the general one
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    ctx = SimpleNamespace(device=torch.device("cuda", 0), completions=pool)
+    unit = SimpleNamespace(caller_event=None, pending=[])
+    start = _context.P2PContext._start_lone_between
+    try:
+        bound = _context.HOLD_GIL_BELOW
+        for _ in range(bound - 1):
+            pool.call_when(lambda: False, lambda exc: None, deadline=1e18, delay=60.0)
+        assert start(ctx, Transport(), None, None, unit) is None
+        pool.call_when(lambda: False, lambda exc: None, deadline=1e18, delay=60.0)
+        assert start(ctx, Transport(), None, None, unit) is None
+        assert asked == [True, False]
+        assert pool.waiting_hint() == bound
+    finally:
+        pool.shutdown(wait=False)
+    assert unit.pending == [] and unit.caller_event is None  # nothing started: nothing kept
