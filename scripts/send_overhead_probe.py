@@ -49,9 +49,9 @@ call: the short way's *answered* case), short way on and off; each rank's median
 and without it, alternately in one process, five rounds;
 ``--ab-lone-call`` (over NCCL): the same with a lone tensor's issue in one call of the compiled
 helper (``Transport.start_lone_between``) and without it, six rounds, the order flipped each;
-``--ab-gil`` (over NCCL): the same with that one call keeping the GIL through the NCCL call
-(the default while few transfers are in flight) and letting go of it, six rounds, the order
-flipped each;
+``--ab-gil`` (over NCCL): the same with NCCL's launching calls keeping the GIL (the default
+on a connected pair while few transfers are in flight) and letting go of it, six rounds, the
+order flipped each;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -539,23 +539,23 @@ def _ab_lone_call(rank, x, rounds=6):
 
 
 def _ab_gil(rank, x, rounds=6):
-    """The short way's rows with a lone tensor's NCCL call made holding the GIL (the layer's
-    default while few transfers are in flight: ``_context.HOLD_GIL_BELOW``) and letting go of
-    it (that bound set to 0), alternately in one process, the order flipped each round,
-    ``rounds`` times each."""
-    from tensorferry.p2p import _context
+    """The short way's rows with NCCL's launching calls made holding the GIL (the default on a
+    connected pair while few transfers are in flight: ``_transport.HOLD_GIL_BELOW``) and
+    letting go of it (that bound set to 0), alternately in one process, the order flipped each
+    round, ``rounds`` times each."""
+    from tensorferry.p2p import _transport
 
-    bound = _context.HOLD_GIL_BELOW
+    bound = _transport.HOLD_GIL_BELOW
     rows = {}
     try:
         for round_ in range(rounds):
             for hold in (True, False) if round_ % 2 == 0 else (False, True):
-                _context.HOLD_GIL_BELOW = bound if hold else 0
+                _transport.HOLD_GIL_BELOW = bound if hold else 0
                 for name, value in _measure(rank, x, True, None).items():
                     key = f"{name}, GIL {'held' if hold else 'let go'}"
                     rows.setdefault(key, []).append(value)
     finally:
-        _context.HOLD_GIL_BELOW = bound
+        _transport.HOLD_GIL_BELOW = bound
     return rows
 
 

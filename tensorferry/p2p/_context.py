@@ -41,12 +41,6 @@ __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_s
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
-# A lone tensor's transport call may keep the GIL while fewer transfers than this wait to
-# finish (see Transport.start_lone_between): at most a few hundred launches then wait on the
-# device, well inside its launch queue (about a thousand), so the call cannot block on a peer.
-# With more, the call lets go of the GIL, so that the library's other threads (a dead peer's
-# notice, a timeout) still run should it block.
-HOLD_GIL_BELOW = 128
 # Modules of transports built beside this layer; imported at init so they register themselves
 # (and take part in transport="auto"). A module that is missing or fails to import is skipped.
 OPTIONAL_TRANSPORT_MODULES = [
@@ -244,8 +238,7 @@ class P2PContext:
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             return None
-        hold_gil = self.completions.waiting_hint() < HOLD_GIL_BELOW
-        started = transport.start_lone_between(op, stream, unit.caller_event, hold_gil=hold_gil)
+        started = transport.start_lone_between(op, stream, unit.caller_event)
         if started is None:
             return None
         pending, done = started

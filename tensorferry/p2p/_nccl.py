@@ -56,6 +56,7 @@ from tensorferry.p2p._transport import (
     Transport,
     TransportContext,
     cached_pair,
+    few_in_flight,
 )
 from tensorferry.runtime import _events, communicator_cache
 from tensorferry.runtime._communicators import abort_together
@@ -85,6 +86,14 @@ class _NativePair:
         self.other = other  # the peer's rank within the pair
         self.epoch = epoch
         self._aborted = False
+        # Its first message (the warm-up) connects the two ranks, a rendezvous: until that is
+        # done, every NCCL call lets go of the GIL.
+        self.connected = False
+
+    def may_hold_gil(self) -> bool:
+        """Whether NCCL's calls that launch this pair's work may keep the GIL: the pair is
+        connected and few transfers are in flight (see ``few_in_flight``)."""
+        return self.connected and few_in_flight()
 
     def enqueue(self, wire: list[tuple[str, torch.Tensor]], stream: Any) -> None:
         """``wire`` as one NCCL group of its own on ``stream``."""
@@ -92,7 +101,7 @@ class _NativePair:
         try:
             self.add(wire, stream.cuda_stream)
         finally:
-            self.lib.group_end()
+            self.lib.group_end(self.may_hold_gil())
 
     def add(self, wire: list[tuple[str, torch.Tensor]], handle: int) -> None:
         """Adds ``wire``'s operations to the NCCL group the caller has open. A contiguous
@@ -112,21 +121,14 @@ class _NativePair:
         return _NcclPending([(self, None)], [])
 
     def start_lone_between(
-        self,
-        native: Any,
-        kind: str,
-        tensor: torch.Tensor,
-        stream: Any,
-        caller_event: Any,
-        hold_gil: bool,
+        self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
     ) -> tuple[_NcclPending, Any] | None:
         """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none) before it and
-        the completion event after it, in one call of the compiled helper ``native``, which
-        keeps the GIL through the NCCL call with ``hold_gil`` (see
-        ``Transport.start_lone_between``); returns what was started and that event. ``None``,
-        having done nothing, where it cannot: an empty tensor, no GIL-holding CUDA event calls,
-        no pooled event free, a wait that failed. The calling thread's current device must be
-        the stream's."""
+        the completion event after it, in one call of the compiled helper ``native`` (which
+        keeps the GIL through the NCCL call where :meth:`may_hold_gil`); returns what was
+        started and that event. ``None``, having done nothing, where it cannot: an empty
+        tensor, no GIL-holding CUDA event calls, no pooled event free, a wait that failed. The
+        calling thread's current device must be the stream's."""
         points = _events.entry_points()
         if points is None or not tensor.numel():
             return None
@@ -146,7 +148,7 @@ class _NativePair:
             0 if caller_event is None else caller_event.cuda_event,
             record,
             done.cuda_event,
-            hold_gil,
+            self.may_hold_gil(),
         )
         if failure is None:
             return _NcclPending([(self, None)], []), done
@@ -165,7 +167,8 @@ class _NativePair:
         """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
         ``NcclLibrary.move_alone``)."""
         nbytes = buf.numel() * buf.element_size()
-        self.lib.move_alone(kind, buf.data_ptr(), nbytes, self.other, self.comm, handle)
+        hold = self.may_hold_gil()
+        self.lib.move_alone(kind, buf.data_ptr(), nbytes, self.other, self.comm, handle, hold)
 
     def ready(self, _work: None) -> bool:
         if self._aborted:
@@ -346,6 +349,8 @@ class NcclTransport(Transport):
                 pair.abort()
                 raise TransferTimeoutError(f"nccl: warm-up with rank {peer} timed out")
             time.sleep(1e-4)
+        if isinstance(pair, _NativePair):
+            pair.connected = True
         return pair
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
@@ -388,7 +393,7 @@ class NcclTransport(Transport):
         return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any, *, hold_gil: bool = False
+        self, op: P2POp, stream: Any, caller_event: Any
     ) -> tuple[PendingOps, Any] | None:
         # On our own communicator, with the compiled helper: the NCCL call and the CUDA calls
         # around it as one call (_NativePair.start_lone_between).
@@ -398,8 +403,7 @@ class NcclTransport(Transport):
         pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
         if type(pair) is not _NativePair:
             return None
-        tensor = op.tensors[0]
-        return pair.start_lone_between(native, op.kind, tensor, stream, caller_event, hold_gil)
+        return pair.start_lone_between(native, op.kind, op.tensors[0], stream, caller_event)
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}
@@ -490,7 +494,7 @@ class NcclTransport(Transport):
                 for pair, wire in native:
                     pair.add(wire, stream.cuda_stream)
             finally:
-                lib.group_end()
+                lib.group_end(all(pair.may_hold_gil() for pair, _ in native))
         groups = [
             (pair, pair.enqueue(wire, stream))
             for pair, wire in wires

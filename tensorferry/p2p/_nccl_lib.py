@@ -10,10 +10,13 @@ The library is the one torch loaded (``libnccl.so.2``, found by its name when al
 process), else the ``nvidia-nccl`` wheel's. Without one, :func:`library` returns ``None`` and the
 transport uses ``ProcessGroupNCCL`` instead.
 
-GIL: calls that only enqueue (``ncclSend``/``ncclRecv``/``ncclGroupStart``, error queries) keep
-the GIL (``ctypes.PyDLL``), so no other thread takes it in the middle of a transfer's issue;
-calls that may wait — communicator creation (a rendezvous with the peer), ``ncclGroupEnd``,
-abort and destroy — release it.
+GIL: calls that only enqueue (``ncclSend``/``ncclRecv`` in a group, ``ncclGroupStart``, error
+queries) keep the GIL (``ctypes.PyDLL``), so no other thread takes it in the middle of a
+transfer's issue; calls that may wait — communicator creation (a rendezvous with the peer),
+``ncclGroupEnd`` and a send or receive outside a group (each launches, and connects a pair not
+yet connected), abort and destroy — release it, but for the launching calls where the caller
+says they only launch (``hold_gil``: a connected pair, few transfers in flight; see
+``_transport.few_in_flight``).
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ class NcclLibrary:
         self._recv = _declare(quick.ncclRecv, transfer_args, res)
         self._group_start = _declare(quick.ncclGroupStart, [], res)
         self._group_end = _declare(waits.ncclGroupEnd, [], res)
+        self._group_end_held = _declare(quick.ncclGroupEnd, [], res)
         # Outside a group NCCL launches the operation at once, as ncclGroupEnd does, and may
-        # wait as it does (a connection still being made): these let go of the GIL.
+        # wait as it does (a connection still being made): these let go of the GIL, and the
+        # quick ones above keep it where the caller knows the call only launches.
         self._send_alone = _declare(waits.ncclSend, transfer_args, res)
         self._recv_alone = _declare(waits.ncclRecv, transfer_args, res)
         # Their addresses, for the compiled helper's one call around a lone tensor
-        # (tensorferry/_native: issue_lone), which releases the GIL around them itself.
+        # (tensorferry/_native: issue_lone), which lets go of the GIL around them or not.
         self.alone_entries = {
             kind: ctypes.cast(fn, ctypes.c_void_p).value
             for kind, fn in (("send", quick.ncclSend), ("recv", quick.ncclRecv))
@@ -115,8 +120,9 @@ class NcclLibrary:
     def group_start(self) -> None:
         self._check(self._group_start(), "ncclGroupStart")
 
-    def group_end(self) -> None:
-        self._check(self._group_end(), "ncclGroupEnd")
+    def group_end(self, hold_gil: bool = False) -> None:
+        """Ends the group, launching it; keeps the GIL through with ``hold_gil``."""
+        self._check((self._group_end_held if hold_gil else self._group_end)(), "ncclGroupEnd")
 
     def send(self, address: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
         code = self._send(address, nbytes, UINT8, peer, comm, stream)
@@ -127,14 +133,23 @@ class NcclLibrary:
         self._check(code, "ncclRecv")
 
     def move_alone(
-        self, kind: str, address: int, nbytes: int, peer: int, comm: int, stream: int
+        self,
+        kind: str,
+        address: int,
+        nbytes: int,
+        peer: int,
+        comm: int,
+        stream: int,
+        hold_gil: bool = False,
     ) -> None:
         """One ``ncclSend`` (``kind`` ``"send"``) or ``ncclRecv`` outside any group: what a group
-        of that one operation does, without the two group calls."""
+        of that one operation does, without the two group calls. Keeps the GIL through with
+        ``hold_gil``."""
         if kind == "send":
-            code = self._send_alone(address, nbytes, UINT8, peer, comm, stream)
+            call = self._send if hold_gil else self._send_alone
         else:
-            code = self._recv_alone(address, nbytes, UINT8, peer, comm, stream)
+            call = self._recv if hold_gil else self._recv_alone
+        code = call(address, nbytes, UINT8, peer, comm, stream)
         if code != _SUCCESS:
             self._check(code, "ncclSend" if kind == "send" else "ncclRecv")
 

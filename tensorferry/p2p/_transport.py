@@ -101,16 +101,21 @@ import torch
 from tensorferry.errors import TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.p2p import _agreement as agreement
 from tensorferry.p2p import _trace
-from tensorferry.runtime import communicator_cache
+from tensorferry.runtime import communicator_cache, completion_pool
 
 # Store clients kept for later pairs' makings (a process rarely makes more at once).
 _IDLE_CLIENTS = 4
+# A transport's call that only launches work on a connected pair may keep the GIL while fewer
+# transfers than this wait to finish (see few_in_flight).
+HOLD_GIL_BELOW = 128
 
 __all__ = [
     "P2POp",
     "PendingOps",
     "StaleEpochError",
     "cached_pair",
+    "few_in_flight",
+    "HOLD_GIL_BELOW",
     "Transport",
     "TransportContext",
     "TransportFactory",
@@ -118,6 +123,19 @@ __all__ = [
     "unregister_transport",
     "registered_transports",
 ]
+
+
+def few_in_flight() -> bool:
+    """Whether so few transfers of this process wait to finish (``HOLD_GIL_BELOW``) that a
+    launch finds room in the device's queue (about a thousand launches) and cannot wait there
+    for a peer. A transport's call that only launches work on a pair already connected may then
+    keep the GIL through it: let go, another of the process's threads (the completion pool's
+    poller, in a burst of sends) takes it meanwhile, and the caller waits for that thread to let
+    go again, tens of microseconds a call. With more in flight, such a call lets go of the GIL,
+    so that the library's other threads (a dead peer's notice, a timeout) still run should it
+    block. A thread of the user's own that launches onto a full queue holds the GIL as it
+    waits: torch's launches keep it."""
+    return completion_pool().waiting_hint() < HOLD_GIL_BELOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,17 +484,14 @@ class Transport(abc.ABC):
         return None
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any, *, hold_gil: bool = False
+        self, op: P2POp, stream: Any, caller_event: Any
     ) -> tuple[PendingOps, Any] | None:
         """:meth:`start_lone` with the rest of the issue in the same step: ``stream``'s wait
         for ``caller_event`` (an event of the caller's work, or ``None``) before it, and a
         pooled completion event recorded after it (``runtime._events``), which it returns with
         what it started. The calling thread's current device is the stream's. ``None``, having
         done nothing, where it has no such way (the layer then waits, starts and records
-        itself). ``hold_gil``: few transfers are in flight, so the device's launch queue has
-        room and a launch cannot wait on the device: the transport may keep the GIL through
-        its own call (no other thread takes it meanwhile, to be waited for after). Default:
-        none."""
+        itself). Default: none."""
         return None
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027

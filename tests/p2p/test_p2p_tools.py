@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -704,35 +705,51 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
         pool.shutdown(wait=False)
 
 
-def test_a_lone_tensor_call_holds_the_gil_only_while_few_transfers_are_in_flight(monkeypatch):
-    # Held, nothing else of the process runs while the NCCL call does; let go with many
-    # transfers in flight, where a launch could wait for room in the device's queue.
-    from types import SimpleNamespace
-
-    from tensorferry.p2p import _context
+def test_nccl_calls_keep_the_gil_only_on_a_connected_pair_with_few_transfers_in_flight(
+    monkeypatch,
+):
+    # Held, nothing else of the process runs while NCCL launches; let go before the pair's
+    # first message (which connects it, a rendezvous with the peer) and with many transfers in
+    # flight, where a launch could wait for room in the device's queue.
+    from tensorferry.p2p import _nccl, _transport
     from tensorferry.runtime import CompletionPool
 
     pool = CompletionPool(threads=1)
-    asked = []
+    monkeypatch.setattr(_transport, "completion_pool", lambda: pool)
+    held = []
 
-    class Transport:  # stands in for NcclTransport
-        def start_lone_between(self, op, stream, caller_event, *, hold_gil):
-            asked.append(hold_gil)
-            return None  # as where it has no such way: the layer takes the general one
+    class Library:  # stands in for NcclLibrary
+        def move_alone(self, kind, address, nbytes, peer, comm, stream, hold_gil=False):
+            held.append(("move", hold_gil))
 
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    ctx = SimpleNamespace(device=torch.device("cuda", 0), completions=pool)
-    unit = SimpleNamespace(caller_event=None, pending=[])
-    start = _context.P2PContext._start_lone_between
+        def group_start(self):
+            pass
+
+        def send(self, *args):
+            pass
+
+        def group_end(self, hold_gil=False):
+            held.append(("group", hold_gil))
+
+    pair = _nccl._NativePair(Library(), comm=1, other=1, epoch=0)
+    tensor = torch.zeros(4)
+    stream = SimpleNamespace(cuda_stream=0)
     try:
-        bound = _context.HOLD_GIL_BELOW
-        for _ in range(bound - 1):
+        pair.move_alone("send", tensor, 0)  # the warm-up: not connected yet
+        pair.connected = True
+        pair.move_alone("send", tensor, 0)
+        pair.enqueue([("send", tensor), ("send", tensor)], stream)
+        for _ in range(_transport.HOLD_GIL_BELOW):
             pool.call_when(lambda: False, lambda exc: None, deadline=1e18, delay=60.0)
-        assert start(ctx, Transport(), None, None, unit) is None
-        pool.call_when(lambda: False, lambda exc: None, deadline=1e18, delay=60.0)
-        assert start(ctx, Transport(), None, None, unit) is None
-        assert asked == [True, False]
-        assert pool.waiting_hint() == bound
+        assert pool.waiting_hint() == _transport.HOLD_GIL_BELOW
+        pair.move_alone("send", tensor, 0)
+        pair.enqueue([("send", tensor), ("send", tensor)], stream)
     finally:
         pool.shutdown(wait=False)
-    assert unit.pending == [] and unit.caller_event is None  # nothing started: nothing kept
+    assert held == [
+        ("move", False),
+        ("move", True),
+        ("group", True),
+        ("move", False),
+        ("group", False),
+    ]
