@@ -240,21 +240,22 @@ class P2PContext:
         """``unit``'s one tensor started by ``transport`` with the stream's wait for the caller
         (and the record of the caller's event, where that is still pending) and the completion
         event in the same step (``Transport.start_lone_between``): that event (the Transfer
-        recycles it), or ``None``, having done nothing, where it has no such way, the calling
-        thread is on another device or no pooled event is free for the caller's (the general
-        way then)."""
+        recycles it), or ``None``, having issued nothing, where it has no such way or the calling
+        thread is on another device (the general way then)."""
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             return None
         caller_event, caller_stream = unit.caller_event, None
         if unit.caller_pending:  # on the caller's thread, in its call (see Unit.caller_pending)
             caller_event = pooled(index)
-            if caller_event is None:
-                return None
-            caller_stream = torch._C._cuda_getCurrentRawStream(index)
+            if caller_event is None:  # none free: recorded apart now, which makes a new one
+                self.record_caller_event(unit)
+                caller_event = unit.caller_event
+            else:
+                caller_stream = torch._C._cuda_getCurrentRawStream(index)
         started = transport.start_lone_between(op, stream, caller_event, caller_stream)
         if started is None:
-            if unit.caller_pending:
+            if caller_stream is not None:  # taken from the pool here, not the unit's
                 recycle(caller_event, index)
             return None
         pending, done = started

@@ -134,15 +134,13 @@ class _NativePair:
         after it, in one call of the compiled helper ``native`` (which keeps the GIL through
         the NCCL call where :meth:`may_hold_gil`); returns what was started and that event.
         ``None``, having issued nothing, where it cannot: an empty tensor, no GIL-holding CUDA
-        event calls, no pooled event free, a record or wait before the NCCL call that failed.
+        event calls, a record or wait before the NCCL call that failed.
         The calling thread's current device must be the stream's."""
         points = _events.entry_points()
         if points is None or not tensor.numel():
             return None
         index = stream.device_index
-        done = _events.pooled(index)
-        if done is None:
-            return None
+        done = _events.pooled_or_made(index, stream)
         wait, record = points
         failure = native.issue_lone(
             self.lib.alone_entries[kind],

@@ -198,6 +198,21 @@ def pooled(index: int) -> Any:
     return None
 
 
+def pooled_or_made(index: int, stream: torch.cuda.Stream) -> Any:
+    """A free pooled event of device ``index``, or, with none free, a new one, made (its CUDA
+    event created) by recording it on ``stream`` through torch: the caller records it again
+    where it needs it. Give it back with :func:`recycle`; the pool keeps up to ``_MAX_FREE``.
+
+    For a caller that needs an event's handle before it records it: falling back to another
+    way whenever none was free would never add one to the pool (that way takes as many as it
+    gives back), so a process whose pool held fewer than such a caller needs stayed there."""
+    event = pooled(index)
+    if event is None:
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
 def _record_pooled(index: int, raw_stream: Any) -> Any:
     """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
     through the GIL-holding call, or ``None`` (no such call, the calling thread on another

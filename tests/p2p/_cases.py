@@ -1390,6 +1390,43 @@ def _stream_ordering(rank: int, sender: int, in_thread: bool) -> str:
     return "ok"
 
 
+def stream_ordering_when_agreed(rank: int, world: int) -> str:
+    """The same ordering on an agreed static channel, where each call issues its transfer
+    itself, the caller's event recorded in the issue's one call. Messages 0 and 2: the
+    sender's tensor is written by a slow kernel right before ``tf.send``. Messages 1 and 3: on
+    the receiver, a slow kernel then a read of the buffer right before ``tf.recv`` into it (the
+    receive must not overwrite it before that read). The first message agrees the channel; the
+    others travel on the agreement. Random payloads, every byte checked."""
+    if rank > 1:
+        return "idle"
+    n = 1 << 20
+    sender = rank == 0
+
+    def busy() -> None:  # about a millisecond or more of work on the current stream
+        big = torch.randn(1024, 1024, device=D())
+        for _ in range(40):
+            big = big @ big / 1024**0.5
+
+    for i in range(4):
+        good = payload(0, 1, 1300 + i, (n,), torch.float32)
+        if sender:
+            x = torch.zeros(n, device=D())
+            if i % 2 == 0:
+                busy()
+            x.copy_(good)  # queued behind the matmuls on the caller's stream
+            tf.send(x, 1, static=True).wait(T)
+            continue
+        y = poisoned((n,), torch.float32)
+        old = y.clone()
+        if i % 2 == 1:
+            busy()
+        seen = y * 1  # reads the buffer behind the matmuls, before the receive may write it
+        got = tf.recv(y, 0, static=True).result(T)
+        assert same_bytes(seen, old), f"message {i}: the receive overwrote the buffer too soon"
+        assert same_bytes(got, good), f"message {i}: wrong bytes"
+    return "sent" if sender else "ok"
+
+
 def _outcome(fn) -> str:
     """``fn()``'s result, or what it raised: ``mismatch:<field>`` or the error's type name."""
     try:

@@ -156,6 +156,10 @@ def test_stream_ordering(pool):
     assert pool.run("stream_ordering") == ["sent", "ok"]
 
 
+def test_stream_ordering_on_an_agreed_static_channel(pool):
+    assert pool.run("stream_ordering_when_agreed") == ["sent", "ok"]
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("sender", [0, 1])
 def test_stream_ordering_from_threads_whose_current_device_is_another(pool, sender):
