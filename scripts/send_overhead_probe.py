@@ -52,8 +52,6 @@ helper (``Transport.start_lone_between``) and without it, six rounds, the order 
 ``--ab-gil`` (over NCCL): the same with NCCL's launching calls keeping the GIL (the default
 on a connected pair while few transfers are in flight) and letting go of it, six rounds, the
 order flipped each;
-``--ab-caller-event`` (over NCCL): the same with the caller's event recorded in the issue's
-one compiled call (the default) and as the call starts, six rounds, the order flipped each;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -217,7 +215,7 @@ def _measure_answered(rank, x, short, rounds=40):
 # What --phases times: (label, owner, attribute); the owner is resolved on the running layer.
 _PHASES = (
     ("validate (_api._message)", "api", "_message"),
-    ("caller's event recorded apart", "ctx", "record_caller_event"),
+    ("caller's event (_api._caller_event)", "api", "_caller_event"),
     ("Transfer()", "transfer", "__init__"),
     ("submitted (_api._submit, all)", "api", "_submit"),
     ("engine.submit, all", "engine", "submit"),
@@ -481,10 +479,6 @@ def _worker(
             rows = _ab_gil(rank, x)
             queue.put((rank, {"rows": rows}))
             return
-        if profile == "ab-caller-event":
-            rows = _ab_caller_event(rank, x)
-            queue.put((rank, {"rows": rows}))
-            return
         rows = {}
         for _ in range(2):  # interleaved: this machine's host times drift
             for short in (True, False):
@@ -534,7 +528,7 @@ def _ab_lone_call(rank, x, rounds=6):
         for round_ in range(rounds):
             for use in (True, False) if round_ % 2 == 0 else (False, True):
                 NcclTransport.start_lone_between = (
-                    one_call if use else lambda self, op, stream, event, event_stream=None: None
+                    one_call if use else lambda self, op, stream, caller_event: None
                 )
                 for name, value in _measure(rank, x, True, None).items():
                     key = f"{name}, one call {'on' if use else 'off'}"
@@ -565,25 +559,6 @@ def _ab_gil(rank, x, rounds=6):
     return rows
 
 
-def _ab_caller_event(rank, x, rounds=6):
-    """The short way's rows with the caller's event recorded in the issue's one compiled call
-    (the default: ``_api.DEFER_CALLER_EVENT``) and recorded as the call starts, alternately in
-    one process, the order flipped each round, ``rounds`` times each."""
-    from tensorferry.p2p import _api
-
-    rows = {}
-    try:
-        for round_ in range(rounds):
-            for defer in (True, False) if round_ % 2 == 0 else (False, True):
-                _api.DEFER_CALLER_EVENT = defer
-                for name, value in _measure(rank, x, True, None).items():
-                    key = f"{name}, caller's event {'with the issue' if defer else 'first'}"
-                    rows.setdefault(key, []).append(value)
-    finally:
-        _api.DEFER_CALLER_EVENT = True
-    return rows
-
-
 def _option(name, default):
     """The number given after ``name`` on the command line, or ``default``."""
     return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
@@ -601,7 +576,6 @@ def main():
         "--ab-native",
         "--ab-lone-call",
         "--ab-gil",
-        "--ab-caller-event",
         "--answered",
     )
     mode = next((a[2:] for a in sys.argv if a in modes), None)
@@ -651,8 +625,11 @@ def main():
     if one_gpu:
         where = "over NCCL's network transport, both ranks on cuda:0"
     what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
-    alternated = ("ab-native", "ab-lone-call", "ab-gil", "ab-caller-event")
-    runs = "interleaved runs" if mode in alternated else "two interleaved runs"
+    runs = (
+        "interleaved runs"
+        if mode in ("ab-native", "ab-lone-call", "ab-gil")
+        else "two interleaved runs"
+    )
     print(f"host µs per {what} {where} (rank 0 sends), {runs}:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))

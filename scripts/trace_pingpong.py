@@ -57,11 +57,10 @@ def patch():
         (_transfer.Transfer, "wait_stream", "wait_stream"),
         (_transfer.Transfer, "_wait_issued", "wait_issued"),
         (_context.P2PContext, "issue", "ctx.issue"),
-        (_context.P2PContext, "record_caller_event", "caller_event"),
         (_nccl.NcclTransport, "start", "nccl.start"),
         *((_nccl, name, name) for name in ("pack", "unpack", "wire_plan")),
         *((_staging.Staging, name, f"staging.{name}") for name in ("pack", "unpack")),
-        *((_api, name, name) for name in ("_message", "_submit")),
+        *((_api, name, name) for name in ("_message", "_submit", "_caller_event")),
     ]
     for owner, name, label in stages:
         setattr(owner, name, timed(getattr(owner, name), label))

@@ -58,18 +58,13 @@ def _message(
     return message, single
 
 
-# Where the caller's event is recorded: with the unit's issue, in the same compiled call where
-# the call issues the unit itself (see Unit.caller_pending), or, False, as the call starts
-# (how ``scripts/send_overhead_probe.py --ab-caller-event`` compares the two).
-DEFER_CALLER_EVENT = True
-
-
-def _on_cuda(messages: Sequence[Message]) -> bool:
-    """Whether the call has CUDA tensors: its device work must follow the caller's."""
-    for m in messages:  # noqa: SIM110 (a loop, not any() of a generator: most calls have one)
+def _caller_event(messages: Sequence[Message], device: torch.device) -> Any:
+    """An event after the work queued so far on the caller's current stream of ``device`` (its
+    CUDA tensors are there), or ``None`` for a call with CPU tensors only."""
+    for m in messages:  # a loop, not any() of a generator: most calls have one message
         if m.op.tensors[0].is_cuda:
-            return True
-    return False
+            return record_on_current_stream(device.index)
+    return None
 
 
 def _deadline(ctx: _context.P2PContext, timeout: float | None) -> float:
@@ -103,17 +98,8 @@ def _submit(
     else:
         transfer._deadline = deadline
         transfer._value = value
-    pending = False
-    if caller_event is True:  # after the work queued so far on the caller's current stream
-        caller_event = None
-        if _on_cuda(messages):
-            if DEFER_CALLER_EVENT:
-                pending = True
-            else:
-                caller_event = record_on_current_stream(ctx.device.index)
-    unit = Unit(
-        messages, transfer, deadline, caller_event=caller_event, caller_pending=pending, after=after
-    )
+    event = _caller_event(messages, ctx.device) if caller_event is True else caller_event
+    unit = Unit(messages, transfer, deadline, caller_event=event, after=after)
     if after is not None:
         after.awaited = True
         unit.after_issued_is_enough = all(m.op.tensors[0].is_cuda for m in messages) and all(

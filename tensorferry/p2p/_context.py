@@ -33,13 +33,7 @@ from tensorferry.p2p._transport import (
     registry_version,
 )
 from tensorferry.runtime._devices import cuda_device_count
-from tensorferry.runtime._events import (
-    pooled,
-    record_on_current_stream,
-    record_on_stream,
-    recycle,
-    stream_wait,
-)
+from tensorferry.runtime._events import record_on_stream, recycle, stream_wait
 from tensorferry.runtime._stream_switch import on_stream
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
@@ -238,38 +232,20 @@ class P2PContext:
 
     def _start_lone_between(self, transport: Transport, op: Any, stream: Any, unit: Any) -> Any:
         """``unit``'s one tensor started by ``transport`` with the stream's wait for the caller
-        (and the record of the caller's event, where that is still pending) and the completion
-        event in the same step (``Transport.start_lone_between``): that event (the Transfer
-        recycles it), or ``None``, having issued nothing, where it has no such way or the calling
-        thread is on another device (the general way then)."""
+        and the completion event in the same step (``Transport.start_lone_between``): that
+        event (the Transfer recycles it), or ``None``, having issued nothing, where it has no
+        such way or the calling thread is on another device (the general way then)."""
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             return None
-        caller_event, caller_stream = unit.caller_event, None
-        if unit.caller_pending:  # on the caller's thread, in its call (see Unit.caller_pending)
-            caller_event = pooled(index)
-            if caller_event is None:  # none free: recorded apart now, which makes a new one
-                self.record_caller_event(unit)
-                caller_event = unit.caller_event
-            else:
-                caller_stream = torch._C._cuda_getCurrentRawStream(index)
-        started = transport.start_lone_between(op, stream, caller_event, caller_stream)
+        started = transport.start_lone_between(op, stream, unit.caller_event)
         if started is None:
-            if caller_stream is not None:  # taken from the pool here, not the unit's
-                recycle(caller_event, index)
             return None
         pending, done = started
-        recycle(caller_event, index)  # waited for: free to record again
+        recycle(unit.caller_event, index)  # waited for: free to record again
         unit.caller_event = None
-        unit.caller_pending = False
         unit.pending.append(pending)
         return done
-
-    def record_caller_event(self, unit: Any) -> None:
-        """Records ``unit``'s pending caller event (``Unit.caller_pending``) now, on the
-        calling thread's current stream: the caller's, whose call left it pending."""
-        unit.caller_event = record_on_current_stream(self.device.index)
-        unit.caller_pending = False
 
     def issue_on_host(self, unit: Any, messages: list[Any]) -> None:
         """Starts ``messages`` of ``unit`` (all of them, or one peer's part) that travel on
@@ -307,8 +283,6 @@ class P2PContext:
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             self._own_thread_to_device()
-        if unit.caller_pending:
-            self.record_caller_event(unit)
         event = unit.caller_event
         if event is not None:
             stream_wait(stream, event)

@@ -222,8 +222,6 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
                 raise TensorFerryError("tf.shutdown() was called: no new transfers")
             if self._short_path and self._issue_short(unit):
                 return
-            if unit.caller_pending:  # from here on the unit may be issued on another thread
-                self.ctx.record_caller_event(unit)
             # What already arrived first (a fault notice moves the pair to its next epoch
             # before this unit is numbered), then the unit.
             self._handle(self._selector.select(0), accept=unit)

@@ -41,11 +41,6 @@ class Unit:
     transfer: Transfer
     deadline: float
     caller_event: Any = None
-    caller_pending: bool = False
-    """Its caller's event is still to be recorded, on the calling thread's current stream of
-    the rank's device: only while the caller's own call runs (:meth:`Engine.submit` records it
-    before the unit can go anywhere else), so that where the call issues the unit itself the
-    record is part of the issue's one compiled call (``P2PContext._start_lone_between``)."""
     state: str = "new"  # new → waiting → issued → done
     pending: list[PendingOps] = field(default_factory=list)
     error: BaseException | None = None

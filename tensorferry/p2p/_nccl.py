@@ -121,21 +121,14 @@ class _NativePair:
         return _NcclPending([(self, None)], [])
 
     def start_lone_between(
-        self,
-        native: Any,
-        kind: str,
-        tensor: torch.Tensor,
-        stream: Any,
-        caller_event: Any,
-        caller_stream: int | None,
+        self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
     ) -> tuple[_NcclPending, Any] | None:
-        """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none; recorded
-        first on ``caller_stream`` unless that is ``None``) before it and the completion event
-        after it, in one call of the compiled helper ``native`` (which keeps the GIL through
-        the NCCL call where :meth:`may_hold_gil`); returns what was started and that event.
-        ``None``, having issued nothing, where it cannot: an empty tensor, no GIL-holding CUDA
-        event calls, a record or wait before the NCCL call that failed.
-        The calling thread's current device must be the stream's."""
+        """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none) before it and
+        the completion event after it, in one call of the compiled helper ``native`` (which
+        keeps the GIL through the NCCL call where :meth:`may_hold_gil`); returns what was
+        started and that event. ``None``, having issued nothing, where it cannot: an empty
+        tensor, no GIL-holding CUDA event calls, a record or wait before the NCCL call that
+        failed. The calling thread's current device must be the stream's."""
         points = _events.entry_points()
         if points is None or not tensor.numel():
             return None
@@ -151,7 +144,6 @@ class _NativePair:
             stream.cuda_stream,
             wait,
             0 if caller_event is None else caller_event.cuda_event,
-            caller_stream,
             record,
             done.cuda_event,
             self.may_hold_gil(),
@@ -165,7 +157,7 @@ class _NativePair:
         call = "cudaStreamWaitEvent" if step == "wait" else "cudaEventRecord"
         _events.give_up_calls(f"{call} failed ({code})")
         _events.recycle(done, index)
-        if step in ("caller", "wait"):
+        if step == "wait":
             return None  # nothing issued: the general way, with torch's calls now
         return _NcclPending([(self, None)], []), _events.record_on_stream(stream)
 
@@ -399,7 +391,7 @@ class NcclTransport(Transport):
         return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any, caller_stream: int | None = None
+        self, op: P2POp, stream: Any, caller_event: Any
     ) -> tuple[PendingOps, Any] | None:
         # On our own communicator, with the compiled helper: the NCCL call and the CUDA calls
         # around it as one call (_NativePair.start_lone_between).
@@ -409,8 +401,7 @@ class NcclTransport(Transport):
         pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
         if type(pair) is not _NativePair:
             return None
-        tensor = op.tensors[0]
-        return pair.start_lone_between(native, op.kind, tensor, stream, caller_event, caller_stream)
+        return pair.start_lone_between(native, op.kind, op.tensors[0], stream, caller_event)
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}

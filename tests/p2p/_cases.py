@@ -1392,7 +1392,8 @@ def _stream_ordering(rank: int, sender: int, in_thread: bool) -> str:
 
 def stream_ordering_when_agreed(rank: int, world: int) -> str:
     """The same ordering on an agreed static channel, where each call issues its transfer
-    itself, the caller's event recorded in the issue's one call. Messages 0 and 2: the
+    itself (a lone tensor: the stream's wait for the caller's event in the issue's one compiled
+    call, where the helper is loaded). Messages 0 and 2: the
     sender's tensor is written by a slow kernel right before ``tf.send``. Messages 1 and 3: on
     the receiver, a slow kernel then a read of the buffer right before ``tf.recv`` into it (the
     receive must not overwrite it before that read). The first message agrees the channel; the
