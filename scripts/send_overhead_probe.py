@@ -515,48 +515,51 @@ def _ab_native(rank, x, rounds=5):
     return rows
 
 
-def _ab_lone_call(rank, x, rounds=6):
+def _alternated(rank, x, switch, labels, rounds=6):
+    """The short way's rows under two settings, alternately in one process, the order flipped
+    each round, ``rounds`` times each: ``switch(True)`` and ``switch(False)`` put each in place
+    (the first is the default, put back at the end); ``labels[True]`` and ``labels[False]``
+    name them in the rows."""
+    rows = {}
+    try:
+        for round_ in range(rounds):
+            for setting in (True, False) if round_ % 2 == 0 else (False, True):
+                switch(setting)
+                for name, value in _measure(rank, x, True, None).items():
+                    rows.setdefault(f"{name}, {labels[setting]}", []).append(value)
+    finally:
+        switch(True)
+    return rows
+
+
+def _ab_lone_call(rank, x):
     """The short way's rows with a lone tensor issued in one call of the compiled helper
     (``NcclTransport.start_lone_between``) and without it (the stream's wait, the NCCL call and
-    the completion event from Python), alternately in one process, the order flipped each
-    round, ``rounds`` times each."""
+    the completion event from Python), alternated (see :func:`_alternated`)."""
     from tensorferry.p2p._nccl import NcclTransport
 
     one_call = NcclTransport.start_lone_between
-    rows = {}
-    try:
-        for round_ in range(rounds):
-            for use in (True, False) if round_ % 2 == 0 else (False, True):
-                NcclTransport.start_lone_between = (
-                    one_call if use else lambda self, op, stream, caller_event: None
-                )
-                for name, value in _measure(rank, x, True, None).items():
-                    key = f"{name}, one call {'on' if use else 'off'}"
-                    rows.setdefault(key, []).append(value)
-    finally:
-        NcclTransport.start_lone_between = one_call
-    return rows
+
+    def switch(use):
+        NcclTransport.start_lone_between = (
+            one_call if use else lambda self, op, stream, caller_event: None
+        )
+
+    return _alternated(rank, x, switch, {True: "one call on", False: "one call off"})
 
 
-def _ab_gil(rank, x, rounds=6):
+def _ab_gil(rank, x):
     """The short way's rows with NCCL's launching calls made holding the GIL (the default on a
     connected pair while few transfers are in flight: ``_transport.HOLD_GIL_BELOW``) and
-    letting go of it (that bound set to 0), alternately in one process, the order flipped each
-    round, ``rounds`` times each."""
+    letting go of it (that bound set to 0), alternated (see :func:`_alternated`)."""
     from tensorferry.p2p import _transport
 
     bound = _transport.HOLD_GIL_BELOW
-    rows = {}
-    try:
-        for round_ in range(rounds):
-            for hold in (True, False) if round_ % 2 == 0 else (False, True):
-                _transport.HOLD_GIL_BELOW = bound if hold else 0
-                for name, value in _measure(rank, x, True, None).items():
-                    key = f"{name}, GIL {'held' if hold else 'let go'}"
-                    rows.setdefault(key, []).append(value)
-    finally:
-        _transport.HOLD_GIL_BELOW = bound
-    return rows
+
+    def switch(hold):
+        _transport.HOLD_GIL_BELOW = bound if hold else 0
+
+    return _alternated(rank, x, switch, {True: "GIL held", False: "GIL let go"})
 
 
 def _option(name, default):

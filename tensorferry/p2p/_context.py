@@ -233,8 +233,8 @@ class P2PContext:
     def _start_lone_between(self, transport: Transport, op: Any, stream: Any, unit: Any) -> Any:
         """``unit``'s one tensor started by ``transport`` with the stream's wait for the caller
         and the completion event in the same step (``Transport.start_lone_between``): that
-        event (the Transfer recycles it), or ``None``, having issued nothing, where it has no
-        such way or the calling thread is on another device (the general way then)."""
+        event (the Transfer recycles it), or ``None``, having done nothing, where it has no such
+        way or the calling thread is on another device (the general way then)."""
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             return None

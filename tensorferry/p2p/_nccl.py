@@ -127,8 +127,8 @@ class _NativePair:
         the completion event after it, in one call of the compiled helper ``native`` (which
         keeps the GIL through the NCCL call where :meth:`may_hold_gil`); returns what was
         started and that event. ``None``, having issued nothing, where it cannot: an empty
-        tensor, no GIL-holding CUDA event calls, a record or wait before the NCCL call that
-        failed. The calling thread's current device must be the stream's."""
+        tensor, no GIL-holding CUDA event calls, a wait that failed. The calling thread's current
+        device must be the stream's."""
         points = _events.entry_points()
         if points is None or not tensor.numel():
             return None
