@@ -23,18 +23,24 @@ def under_torchrun() -> bool:
 
 
 @contextlib.contextmanager
-def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
-    """A free TCP port on ``host`` for a rendezvous store, kept from others while the block runs.
+def reserved_port() -> Iterator[int]:
+    """A free TCP port for a rendezvous store on this host, kept from others while the block
+    runs.
 
     A port found free and let go at once can be taken before rank 0's store binds it: by another
     world's store picking ports the same way, or as the local end of any outgoing connection
     (both draw from the kernel's free ports). Held bound but not listening, with
     ``SO_REUSEADDR``, the port is never handed out by the kernel, while a store binding it with
     ``SO_REUSEADDR`` (torch's ``TCPStore`` does) still can.
+
+    Held on every local address (the wildcard), not only loopback: the store listens on every
+    address, so a listener on any one of them makes it fail (``EADDRINUSE``), and a port held
+    on loopback alone was still handed out to listeners on other addresses, such as NCCL's on
+    a network card's address in another process of the host.
     """
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
+        sock.bind(("0.0.0.0", 0))
         yield sock.getsockname()[1]
 
 

@@ -167,9 +167,12 @@ def test_a_reserved_port_is_kept_from_plain_binds_but_a_store_can_take_it():
     from tensorferry.p2p._launch import reserved_port
 
     with reserved_port() as port:
-        with socket.socket() as other, pytest.raises(OSError) as exc:
-            other.bind(("127.0.0.1", port))
-        assert exc.value.errno == errno.EADDRINUSE
+        # On loopback and on another local address (a listener there, NCCL's on a network
+        # card's address say, made the store's bind to every address fail).
+        for address in ("127.0.0.1", "127.0.0.2"):
+            with socket.socket() as other, pytest.raises(OSError) as exc:
+                other.bind((address, port))
+            assert exc.value.errno == errno.EADDRINUSE, address
         store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
         store.set("key", "value")
         assert store.get("key") == b"value"
