@@ -467,17 +467,9 @@ def _worker(
                         rows[f"{name}, short way {'on' if short else 'off'}"].append(value)
             queue.put((rank, {"rows": rows}))
             return
-        if profile == "ab-native":
-            rows = _ab_native(rank, x)
-            queue.put((rank, {"rows": rows}))
-            return
-        if profile == "ab-lone-call":
-            rows = _ab_lone_call(rank, x)
-            queue.put((rank, {"rows": rows}))
-            return
-        if profile == "ab-gil":
-            rows = _ab_gil(rank, x)
-            queue.put((rank, {"rows": rows}))
+        alternated = {"ab-native": _ab_native, "ab-lone-call": _ab_lone_call, "ab-gil": _ab_gil}
+        if profile in alternated:
+            queue.put((rank, {"rows": alternated[profile](rank, x)}))
             return
         rows = {}
         for _ in range(2):  # interleaved: this machine's host times drift
