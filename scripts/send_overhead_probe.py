@@ -52,6 +52,9 @@ helper (``Transport.start_lone_between``) and without it, six rounds, the order 
 ``--ab-gil`` (over NCCL): the same with NCCL's launching calls keeping the GIL (the default
 on a connected pair while few transfers are in flight) and letting go of it, six rounds, the
 order flipped each;
+``--ab-link-calls``: the same with the side channel's system calls made through the compiled
+helper, holding the GIL (the default where it is loaded), and through the socket's methods,
+six rounds, the order flipped each;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -467,7 +470,12 @@ def _worker(
                         rows[f"{name}, short way {'on' if short else 'off'}"].append(value)
             queue.put((rank, {"rows": rows}))
             return
-        alternated = {"ab-native": _ab_native, "ab-lone-call": _ab_lone_call, "ab-gil": _ab_gil}
+        alternated = {
+            "ab-native": _ab_native,
+            "ab-lone-call": _ab_lone_call,
+            "ab-gil": _ab_gil,
+            "ab-link-calls": _ab_link_calls,
+        }
         if profile in alternated:
             queue.put((rank, {"rows": alternated[profile](rank, x)}))
             return
@@ -554,6 +562,19 @@ def _ab_gil(rank, x):
     return _alternated(rank, x, switch, {True: "GIL held", False: "GIL let go"})
 
 
+def _ab_link_calls(rank, x):
+    """The short way's rows with the side channel's system calls made through the compiled
+    helper, holding the GIL (the default where it is loaded: ``_link.NATIVE_CALLS``), and
+    through the socket's methods, which let go of it, alternated (see :func:`_alternated`)."""
+    from tensorferry.p2p import _link
+
+    def switch(native):
+        _link.NATIVE_CALLS = native
+
+    labels = {True: "links' calls compiled", False: "links' calls Python's"}
+    return _alternated(rank, x, switch, labels)
+
+
 def _option(name, default):
     """The number given after ``name`` on the command line, or ``default``."""
     return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
@@ -571,6 +592,7 @@ def main():
         "--ab-native",
         "--ab-lone-call",
         "--ab-gil",
+        "--ab-link-calls",
         "--answered",
     )
     mode = next((a[2:] for a in sys.argv if a in modes), None)
@@ -622,7 +644,7 @@ def main():
     what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
     runs = (
         "interleaved runs"
-        if mode in ("ab-native", "ab-lone-call", "ab-gil")
+        if mode in ("ab-native", "ab-lone-call", "ab-gil", "ab-link-calls")
         else "two interleaved runs"
     )
     print(f"host µs per {what} {where} (rank 0 sends), {runs}:")

@@ -14,6 +14,9 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <sys/socket.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <vector>
@@ -470,6 +473,57 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   return Py_BuildValue("(si)", failed, code);
 }
 
+// send_now(fd, data) -> int
+//
+// send(2) of the bytes-like `data` on the socket `fd` without waiting, the GIL held: the
+// bytes written, or minus the errno. Python's socket methods let go of the GIL around their
+// system call, and a thread of the process that wants it then (the p2p engine's, woken by a
+// peer's frame; the completion pool's poller) takes it, so the caller waits for that thread's
+// whole turn. A call that never waits costs nothing held.
+PyObject* send_now(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "send_now(fd, data)");
+    return nullptr;
+  }
+  const long fd = PyLong_AsLong(args[0]);
+  if (fd == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  Py_buffer data;
+  if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) < 0) {
+    return nullptr;
+  }
+  const ssize_t sent = ::send(static_cast<int>(fd), data.buf, static_cast<size_t>(data.len),
+                              MSG_DONTWAIT | MSG_NOSIGNAL);
+  const int error = errno;
+  PyBuffer_Release(&data);
+  return PyLong_FromSsize_t(sent >= 0 ? sent : -static_cast<ssize_t>(error));
+}
+
+// recv_now(fd, buffer) -> int
+//
+// recv(2) into the writable bytes-like `buffer` from the socket `fd` without waiting, the GIL
+// held (see send_now): the bytes read (0 at the end of the stream), or minus the errno.
+PyObject* recv_now(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "recv_now(fd, buffer)");
+    return nullptr;
+  }
+  const long fd = PyLong_AsLong(args[0]);
+  if (fd == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  Py_buffer buffer;
+  if (PyObject_GetBuffer(args[1], &buffer, PyBUF_WRITABLE) < 0) {
+    return nullptr;
+  }
+  const ssize_t got =
+      ::recv(static_cast<int>(fd), buffer.buf, static_cast<size_t>(buffer.len), MSG_DONTWAIT);
+  const int error = errno;
+  PyBuffer_Release(&buffer);
+  return PyLong_FromSsize_t(got >= 0 ? got : -static_cast<ssize_t>(error));
+}
+
 PyMethodDef methods[] = {
     {"inspect_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inspect_plain)),
      METH_FASTCALL, "Validates and describes a message's tensors in one pass (or None)."},
@@ -478,6 +532,10 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "Copies tensors into tensors with one kernel launch (or returns False)."},
     {"issue_lone", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(issue_lone)),
      METH_FASTCALL, "One tensor over NCCL between the caller's event and the done event."},
+    {"send_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(send_now)),
+     METH_FASTCALL, "send(2) without waiting, the GIL held."},
+    {"recv_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(recv_now)),
+     METH_FASTCALL, "recv(2) without waiting, the GIL held."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -22,6 +22,7 @@ bytes are never executed).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -30,6 +31,8 @@ import selectors
 import socket
 import struct
 from typing import Any
+
+from tensorferry import _native
 
 __all__ = [
     "Link",
@@ -41,6 +44,11 @@ __all__ = [
 ]
 
 _LEN = struct.Struct(">I")
+_CHUNK = 1 << 16  # bytes one read takes at most
+# Where the compiled helper is loaded, links make their system calls through it, holding the
+# GIL (its send_now and recv_now say why); an A/B switch for the probes.
+NATIVE_CALLS = True
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 # Reads one JSON value from the start of a string: json.loads without its whitespace scans and
 # its detection of a bytes payload's encoding, a few microseconds a frame on the caller's path.
 _decode = json.JSONDecoder().raw_decode
@@ -157,6 +165,7 @@ class Link:
         self.peer = peer
         self._in = bytearray()
         self._out = bytearray()
+        self._chunk = bytearray(_CHUNK)  # what one read through the compiled helper takes in
         self.closed = False
         self.interest = selectors.EVENT_READ  # what the engine's selector watches it for
 
@@ -181,11 +190,42 @@ class Link:
     def flush(self) -> None:
         """Writes queued bytes until the socket would block. Raises OSError if it is broken."""
         while self._out:
-            try:
-                sent = self.sock.send(self._out)
-            except (BlockingIOError, InterruptedError):
+            sent = self._send(self._out)
+            if not sent:
                 return
             del self._out[:sent]
+
+    def _send(self, data: bytes | bytearray) -> int:
+        """Writes what the socket takes of ``data`` now; returns how much (0: it would block).
+        Raises OSError if the socket is broken."""
+        native = _native.helper() if NATIVE_CALLS else None
+        if native is None:
+            try:
+                return self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                return 0
+        sent = native.send_now(self.sock.fileno(), data)
+        if sent >= 0:
+            return sent
+        if -sent in _AGAIN:
+            return 0
+        raise OSError(-sent, os.strerror(-sent))
+
+    def _recv(self) -> Any:
+        """What the socket holds now, up to a chunk (a bytes-like object, empty when it would
+        block), or ``None`` at the end of the stream or when the socket is broken."""
+        native = _native.helper() if NATIVE_CALLS else None
+        if native is None:
+            try:
+                return self.sock.recv(_CHUNK) or None
+            except (BlockingIOError, InterruptedError):
+                return b""
+            except OSError:
+                return None
+        got = native.recv_now(self.sock.fileno(), self._chunk)
+        if got > 0:
+            return memoryview(self._chunk)[:got]
+        return b"" if -got in _AGAIN else None
 
     def write(self, payload: bytes) -> None:
         """Sends one encoded frame now: in one system call when nothing is queued before it
@@ -195,10 +235,7 @@ class Link:
             self.send(payload)
             return
         data = _LEN.pack(len(payload)) + payload
-        try:
-            sent = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
+        sent = self._send(data)
         if sent < len(data):
             self._out += data[sent:]
 
@@ -208,18 +245,13 @@ class Link:
 
     def receive(self) -> list[dict[str, Any]] | None:
         """Reads what is available. Returns the complete frames, or ``None`` at EOF/reset."""
-        try:
-            while True:
-                chunk = self.sock.recv(1 << 16)
-                if not chunk:
-                    return None
-                self._in += chunk
-                if len(chunk) < (1 << 16):
-                    break
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            return None
+        while True:
+            chunk = self._recv()
+            if chunk is None:
+                return None
+            self._in += chunk
+            if len(chunk) < _CHUNK:
+                break
         data, frames, start = self._in, [], 0
         while len(data) - start >= _LEN.size:
             (size,) = _LEN.unpack_from(data, start)

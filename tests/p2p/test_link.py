@@ -4,12 +4,14 @@ and on a Unix socket, and how a rank connects to a peer's listeners."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import sys
 import time
 
 import pytest
 
+from tensorferry import _native, envs
 from tensorferry.p2p import _link
 from tensorferry.p2p._link import _LEN, Link
 
@@ -18,8 +20,25 @@ linux_only = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=["compiled calls", "socket methods"])
+def calls(request, monkeypatch):
+    """How the link makes its system calls: through the compiled helper (holding the GIL),
+    where it can be built here, or through the socket's own methods."""
+    if request.param == "socket methods":
+        monkeypatch.setattr(_link, "NATIVE_CALLS", False)
+        return request.param
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    if envs.native_mode() == "0":
+        pytest.skip("TENSORFERRY_NATIVE=0: the Python path only")
+    _native.start()
+    assert _native.wait(timeout=600) is not None, _native.status()
+    monkeypatch.setattr(_link, "NATIVE_CALLS", True)
+    return request.param
+
+
 @pytest.fixture(params=["tcp", pytest.param("unix", marks=linux_only)])
-def pair(request):
+def pair(request, calls):
     if request.param == "tcp":
         server = socket.create_server(("127.0.0.1", 0))
         writer = socket.create_connection(server.getsockname())
