@@ -7,9 +7,12 @@
 // makes the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
 // copy_pieces launches the copies in and out of a message's packed buffer (see there).
+// issue_lone issues a lone tensor over NCCL with the CUDA calls around it; send_now and
+// recv_now make the side channel's system calls holding the GIL (see each).
 //
 // Built on first use against the running torch (tensorferry/_native/__init__.py); never
-// required: without it the Python loop and torch's copies run.
+// required: without it the Python loop, torch's copies and calls, and the socket's methods
+// run.
 
 #include <Python.h>
 
