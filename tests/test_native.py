@@ -273,6 +273,32 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     for name in ("move", "wait", "record", "done_event"):
         with pytest.raises(ValueError, match="null entry point"):
             native.issue_lone(*{**entries, name: 0}.values())
+    with pytest.raises(TypeError, match="send_now"):
+        native.send_now(1)
+    with pytest.raises(TypeError, match="recv_now"):
+        native.recv_now(1, bytearray(4), 2)
+    with pytest.raises(BufferError, match="not writable"):
+        native.recv_now(1, b"a read-only buffer")
+
+
+def test_the_side_channel_calls_send_receive_and_report_errors(native):
+    import errno
+    import socket
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        payload = bytes(range(256)) * 3
+        assert native.send_now(ours.fileno(), payload) == len(payload)
+        assert native.send_now(ours.fileno(), bytearray(b"and more")) == 8
+        into = bytearray(1024)
+        assert native.recv_now(theirs.fileno(), into) == len(payload) + 8
+        assert bytes(into[: len(payload) + 8]) == payload + b"and more"
+        assert native.recv_now(ours.fileno(), into) == -errno.EAGAIN  # nothing there: no wait
+        theirs.close()
+        assert native.recv_now(ours.fileno(), into) == 0  # the end of the stream
+        assert native.send_now(ours.fileno(), b"x") == -errno.EPIPE  # and no SIGPIPE
+    assert native.send_now(-1, b"x") == -errno.EBADF
 
 
 # ---------------------------------------------------------------- building and turning it off

@@ -476,6 +476,22 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   return Py_BuildValue("(si)", failed, code);
 }
 
+// The arguments of send_now and recv_now: a socket's file descriptor and a buffer, taken with
+// `flags` (PyBUF_SIMPLE, or PyBUF_WRITABLE to write into it). False with a Python error set.
+bool socket_call_args(PyObject* const* args, Py_ssize_t nargs, const char* usage, int flags,
+                      int* fd, Py_buffer* buffer) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, usage);
+    return false;
+  }
+  const long number = PyLong_AsLong(args[0]);
+  if (number == -1 && PyErr_Occurred()) {
+    return false;
+  }
+  *fd = static_cast<int>(number);
+  return PyObject_GetBuffer(args[1], buffer, flags) == 0;
+}
+
 // send_now(fd, data) -> int
 //
 // send(2) of the bytes-like `data` on the socket `fd` without waiting, the GIL held: the
@@ -484,20 +500,13 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
 // peer's frame; the completion pool's poller) takes it, so the caller waits for that thread's
 // whole turn. A call that never waits costs nothing held.
 PyObject* send_now(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "send_now(fd, data)");
-    return nullptr;
-  }
-  const long fd = PyLong_AsLong(args[0]);
-  if (fd == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
+  int fd = -1;
   Py_buffer data;
-  if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) < 0) {
+  if (!socket_call_args(args, nargs, "send_now(fd, data)", PyBUF_SIMPLE, &fd, &data)) {
     return nullptr;
   }
-  const ssize_t sent = ::send(static_cast<int>(fd), data.buf, static_cast<size_t>(data.len),
-                              MSG_DONTWAIT | MSG_NOSIGNAL);
+  const ssize_t sent =
+      ::send(fd, data.buf, static_cast<size_t>(data.len), MSG_DONTWAIT | MSG_NOSIGNAL);
   const int error = errno;
   PyBuffer_Release(&data);
   return PyLong_FromSsize_t(sent >= 0 ? sent : -static_cast<ssize_t>(error));
@@ -508,20 +517,12 @@ PyObject* send_now(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
 // recv(2) into the writable bytes-like `buffer` from the socket `fd` without waiting, the GIL
 // held (see send_now): the bytes read (0 at the end of the stream), or minus the errno.
 PyObject* recv_now(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "recv_now(fd, buffer)");
-    return nullptr;
-  }
-  const long fd = PyLong_AsLong(args[0]);
-  if (fd == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
+  int fd = -1;
   Py_buffer buffer;
-  if (PyObject_GetBuffer(args[1], &buffer, PyBUF_WRITABLE) < 0) {
+  if (!socket_call_args(args, nargs, "recv_now(fd, buffer)", PyBUF_WRITABLE, &fd, &buffer)) {
     return nullptr;
   }
-  const ssize_t got =
-      ::recv(static_cast<int>(fd), buffer.buf, static_cast<size_t>(buffer.len), MSG_DONTWAIT);
+  const ssize_t got = ::recv(fd, buffer.buf, static_cast<size_t>(buffer.len), MSG_DONTWAIT);
   const int error = errno;
   PyBuffer_Release(&buffer);
   return PyLong_FromSsize_t(got >= 0 ? got : -static_cast<ssize_t>(error));
