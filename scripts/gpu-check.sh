@@ -11,8 +11,8 @@
 # batch-noshort and trace-noshort run those without the engine's short way (A/Bs of it).
 # send-floor and send-overhead print the host time of one send from the bare NCCL call up
 # (scripts/send_floor_probe.py) and the layer's host time per call over NCCL, 1 and 64 tensors
-# (scripts/send_overhead_probe.py --nccl; also its --ab-lone-call, --ab-gil and, for 64 tensors,
-# --phases);
+# (scripts/send_overhead_probe.py --nccl; also its --ab-lone-call, --ab-gil, --ab-link-calls
+# and, for 64 tensors, --phases);
 # send-overhead also runs that probe and batch_overhead_probe.py with no wire, and
 # side_channel_probe.py (this host's Python and sockets).
 # p2p-one-gpu and p2p-ranks-one-gpu (ONE_GPU_RANKS ranks, default 3) run the NCCL tier and the
@@ -134,6 +134,8 @@ for s in $steps; do
       step send-overhead-one-call 150 python3 scripts/send_overhead_probe.py --nccl --ab-lone-call
       # NCCL's launching calls keeping the GIL against letting go of it, in one process.
       step send-overhead-gil 150 python3 scripts/send_overhead_probe.py --nccl --ab-gil
+      # The side channel's calls through the compiled helper against the socket's methods.
+      step send-overhead-links 150 python3 scripts/send_overhead_probe.py --nccl --ab-link-calls
       step send-overhead-phases-64 150 python3 scripts/send_overhead_probe.py --nccl --tensors 64 \
         --phases
       # The same with no wire (both ranks on cuda:0): what this host's Python costs, to hold
