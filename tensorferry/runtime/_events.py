@@ -207,10 +207,7 @@ def pooled_or_made(index: int, stream: torch.cuda.Stream) -> Any:
     way whenever none was free would never add one to the pool (that way takes as many as it
     gives back), so a process whose pool held fewer than such a caller needs stayed there."""
     event = pooled(index)
-    if event is None:
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
+    return event if event is not None else _torch_record(index, stream)
 
 
 def _record_pooled(index: int, raw_stream: Any) -> Any:
