@@ -55,6 +55,9 @@ order flipped each;
 ``--ab-link-calls``: the same with the side channel's system calls made through the compiled
 helper, holding the GIL (the default where it is loaded), and through the socket's methods,
 six rounds, the order flipped each;
+``--ab-event-calls`` (CUDA): the same with the CUDA event calls (the caller's event, the
+completion event's polls) made through the compiled helper (the default where it is loaded)
+and through ctypes, six rounds, the order flipped each;
 ``--opcodes``: the Python opcodes and calls one short-way ``tf.send`` runs on the caller's
 thread, averaged, and each function's own share: a count that the machine's speed does not
 move, for A/Bs of small changes; it varies between runs, by up to about 40 opcodes on the CPU
@@ -475,6 +478,7 @@ def _worker(
             "ab-lone-call": _ab_lone_call,
             "ab-gil": _ab_gil,
             "ab-link-calls": _ab_link_calls,
+            "ab-event-calls": _ab_event_calls,
         }
         if profile in alternated:
             queue.put((rank, {"rows": alternated[profile](rank, x)}))
@@ -575,6 +579,29 @@ def _ab_link_calls(rank, x):
     return _alternated(rank, x, switch, labels)
 
 
+def _ab_event_calls(rank, x):
+    """The short way's rows with the CUDA event calls (record, wait, query) made through the
+    compiled helper (the default once it is loaded: ``_events._use_compiled``) and through
+    ctypes, alternated (see :func:`_alternated`). Both hold the GIL; the rows of a round trip
+    include the polls of the transfer's completion event."""
+    from tensorferry.runtime import _events
+
+    _events._runtime()
+    compiled, through_ctypes = _events._calls, _events._ctypes_calls
+    if compiled is None or compiled is through_ctypes:
+        sys.exit("the compiled event calls are not in use (no CUDA, or no compiled helper)")
+
+    def switch(use):
+        _events._calls = compiled if use else through_ctypes
+
+    labels = {True: "event calls compiled", False: "event calls ctypes"}
+    return _alternated(rank, x, switch, labels)
+
+
+# The modes that alternate two settings in one process.
+_AB_MODES = ("ab-native", "ab-lone-call", "ab-gil", "ab-link-calls", "ab-event-calls")
+
+
 def _option(name, default):
     """The number given after ``name`` on the command line, or ``default``."""
     return float(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
@@ -584,17 +611,8 @@ def main():
     one_gpu = "--one-gpu" in sys.argv
     nccl = "--nccl" in sys.argv or one_gpu
     device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda:0"
-    modes = (
-        "--profile",
-        "--phases",
-        "--reads",
-        "--opcodes",
-        "--ab-native",
-        "--ab-lone-call",
-        "--ab-gil",
-        "--ab-link-calls",
-        "--answered",
-    )
+    modes = ("--profile", "--phases", "--reads", "--opcodes", "--answered")
+    modes += tuple(f"--{mode}" for mode in _AB_MODES)
     mode = next((a[2:] for a in sys.argv if a in modes), None)
     tensors = int(_option("--tensors", 1))
     ready_us, busy_us = _option("--ready-us", 0.0), _option("--busy-us", 0.0)
@@ -642,11 +660,7 @@ def main():
     if one_gpu:
         where = "over NCCL's network transport, both ranks on cuda:0"
     what = f"message of {tensors} × 4 KiB" if tensors > 1 else "message"
-    runs = (
-        "interleaved runs"
-        if mode in ("ab-native", "ab-lone-call", "ab-gil", "ab-link-calls")
-        else "two interleaved runs"
-    )
+    runs = "interleaved runs" if mode in _AB_MODES else "two interleaved runs"
     print(f"host µs per {what} {where} (rank 0 sends), {runs}:")
     for name, values in sorted(results[0]["rows"].items()):
         print(f"  {name:34s} " + "  ".join(f"{v:8.1f}" for v in values))

@@ -301,6 +301,108 @@ def test_the_side_channel_calls_send_receive_and_report_errors(native):
     assert native.send_now(-1, b"x") == -errno.EBADF
 
 
+def _entry_point(signature, fn):
+    """A C function pointer to the Python function ``fn`` (kept alive by the caller), standing
+    in for a CUDA entry point."""
+    import ctypes
+
+    return ctypes.CFUNCTYPE(ctypes.c_int, *signature)(fn)
+
+
+def test_the_event_calls_pass_their_arguments_in_order_and_return_the_code(native):
+    import ctypes
+
+    seen = []
+    record = _entry_point((ctypes.c_void_p, ctypes.c_void_p), lambda *a: seen.append(a) or 7)
+    wait = _entry_point(
+        (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint), lambda *a: seen.append(a) or 0
+    )
+    query = _entry_point((ctypes.c_void_p,), lambda *a: seen.append(a) or 600)
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    assert native.record_event(address(record), 0x1000, 0x2000) == 7  # (event, stream)
+    assert native.wait_event(address(wait), 0x3000, 0x4000, 0) == 0  # (stream, event, flags)
+    assert native.query_event(address(query), 0x5000) == 600  # (event)
+    assert seen == [(0x1000, 0x2000), (0x3000, 0x4000, 0), (0x5000,)]
+    with pytest.raises(TypeError, match=r"record_event\(record, event, stream\)"):
+        native.record_event(address(record), 1)
+    with pytest.raises(TypeError, match=r"wait_event\(wait, stream, event, flags\)"):
+        native.wait_event(address(wait), 1, 2)
+    with pytest.raises(TypeError, match=r"query_event\(query, event\)"):
+        native.query_event(address(query))
+    with pytest.raises(ValueError, match="null entry point"):
+        native.query_event(0, 1)
+    with pytest.raises(TypeError):
+        native.record_event(address(record), "not an address", 1)
+    assert len(seen) == 3, "nothing was called after a refused argument"
+
+
+def test_the_event_module_takes_the_compiled_calls_through_the_same_entry_points(
+    native, monkeypatch
+):
+    import ctypes
+
+    from tensorferry.runtime import _events
+
+    seen = []
+    pointer = (ctypes.c_void_p,)
+    calls = _events._Runtime(
+        _entry_point(pointer * 2, lambda *a: seen.append(("record", *a)) or 0),
+        _entry_point((*pointer * 2, ctypes.c_uint), lambda *a: seen.append(("wait", *a)) or 0),
+        _entry_point(pointer, lambda *a: seen.append(("query", *a)) or 600),
+        _entry_point((), lambda: 0),
+    )
+    for fn, argtypes in zip(
+        calls, (pointer * 2, (*pointer * 2, ctypes.c_uint), pointer, ()), strict=True
+    ):
+        fn.argtypes = argtypes
+    monkeypatch.setattr(_events, "_calls", calls)
+    monkeypatch.setattr(_events, "_ctypes_calls", calls)
+    monkeypatch.setattr(_events, "_calls_checked", True)
+    monkeypatch.setattr(_events, "_entry_points", None)
+    monkeypatch.setattr(_events, "_why_torch", None)
+    points = _events.entry_points()
+    _events._use_compiled(native)
+    swapped = _events._calls
+    assert swapped is not calls and swapped.clear is calls.clear
+    assert swapped.record(11, 12) == 0 and swapped.wait(13, 14, 0) == 0
+    assert swapped.query(15) == 600
+    assert seen == [("record", 11, 12), ("wait", 13, 14, 0), ("query", 15)]
+    assert _events.entry_points() == points, "a compiled caller still gets the CUDA calls"
+    _events._use_compiled(native)
+    assert _events._calls is swapped, "swapped once"
+    monkeypatch.setattr(_events, "_calls", calls)
+    _events.give_up_calls("cudaEventRecord failed (1)")
+    _events._use_compiled(native)
+    assert _events._calls is None, "given up: torch's calls for good"
+    other = calls._replace(clear=_entry_point((), lambda: 0))
+    monkeypatch.setattr(_events, "_calls", other)  # not the calls the check passed
+    _events._use_compiled(native)
+    assert _events._calls is other
+
+
+def test_load_callbacks_run_once_now_or_when_the_helper_loads(monkeypatch, tmp_path, caplog):
+    from types import ModuleType
+
+    module = ModuleType("stand_in")
+    got = []
+    monkeypatch.setattr(_native, "_loaded", None)
+    monkeypatch.setattr(_native, "_problem", None)
+    monkeypatch.setattr(_native, "_on_load", [])
+    _native.when_loaded(lambda m: got.append(("early", m)))
+    _native.when_loaded(lambda m: 1 / 0)  # logged; the others still run
+    assert got == []
+    built = tmp_path / "built.so"
+    built.touch()
+    monkeypatch.setattr(_native, "_built_path", lambda: built)
+    monkeypatch.setattr(_native, "_import", lambda path: module)
+    _native._load_or_build()
+    assert _native.helper() is module
+    _native.when_loaded(lambda m: got.append(("late", m)))
+    assert got == [("early", module), ("late", module)]
+    assert _native._on_load == []
+    assert "load callback failed" in caplog.text
+
+
 # ---------------------------------------------------------------- building and turning it off
 @pytest.fixture
 def fresh_state(monkeypatch, tmp_path):

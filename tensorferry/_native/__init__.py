@@ -31,6 +31,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -39,7 +40,7 @@ import torch
 from tensorferry import envs
 from tensorferry._native._build import BUILD_TIMEOUT_S
 
-__all__ = ["helper", "start", "wait", "status"]
+__all__ = ["helper", "start", "wait", "status", "when_loaded"]
 
 _log = logging.getLogger("tensorferry")
 _SOURCE = Path(__file__).with_name("tensor_walk.cpp")
@@ -48,6 +49,7 @@ _MODULE = "_tensorferry_native"
 
 _loaded: ModuleType | None = None  # read on every call: a plain module global, no lock
 _lock = threading.Lock()
+_on_load: list[Callable[[ModuleType], None]] = []  # when_loaded's callbacks still to call
 _thread: threading.Thread | None = None
 _problem: str | None = None  # why it is not loaded, once that is known
 
@@ -55,6 +57,25 @@ _problem: str | None = None  # why it is not loaded, once that is known
 def helper() -> ModuleType | None:
     """The compiled module, or ``None`` while it is not (yet) loaded."""
     return _loaded
+
+
+def when_loaded(callback: Callable[[ModuleType], None]) -> None:
+    """Calls ``callback(module)`` once the helper is loaded: now, on this thread, if it is;
+    else on the loading thread right after it loads (never, if it does not). For callers that
+    swap a slower way for the helper's once it is there, rather than ask on every call."""
+    with _lock:
+        module = _loaded
+        if module is None:
+            _on_load.append(callback)
+            return
+    _call_back(callback, module)
+
+
+def _call_back(callback: Callable[[ModuleType], None], module: ModuleType) -> None:
+    try:
+        callback(module)
+    except Exception:  # the caller keeps its slower way
+        _log.exception("tensorferry: a compiled helpers' load callback failed")
 
 
 def start() -> None:
@@ -101,8 +122,14 @@ def _load_or_build() -> None:
         path = _built_path()
         if not path.exists():
             _build(path)
-        _loaded = _import(path)
+        module = _import(path)
+        with _lock:  # with the callbacks taken: when_loaded calls later ones itself
+            _loaded = module
+            callbacks = _on_load[:]
+            _on_load.clear()
         _log.debug("tensorferry: compiled helpers loaded from %s", path)
+        for callback in callbacks:
+            _call_back(callback, module)
     except Exception as error:  # any failure leaves the Python path, which is always right
         _problem = str(error) or type(error).__name__
         _log.info("tensorferry: compiled helpers not used: %s", _problem)

@@ -7,8 +7,9 @@
 // makes the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
 // copy_pieces launches the copies in and out of a message's packed buffer (see there).
-// issue_lone issues a lone tensor over NCCL with the CUDA calls around it; send_now and
-// recv_now make the side channel's system calls holding the GIL (see each).
+// issue_lone issues a lone tensor over NCCL with the CUDA calls around it; record_event,
+// wait_event and query_event make the event calls of tensorferry/runtime/_events.py; send_now
+// and recv_now make the side channel's system calls holding the GIL (see each).
 //
 // Built on first use against the running torch (tensorferry/_native/__init__.py); never
 // required: without it the Python loop, torch's copies and calls, and the socket's methods
@@ -20,6 +21,7 @@
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <cstdint>
 
 #include <algorithm>
 #include <vector>
@@ -383,6 +385,7 @@ PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
 // so nothing of CUDA or NCCL is needed to build this file.
 using CudaStreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
 using CudaEventRecord = int (*)(void* event, void* stream);
+using CudaEventQuery = int (*)(void* event);
 using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int peer, void* comm,
                          void* stream);
 
@@ -476,6 +479,57 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   return Py_BuildValue("(si)", failed, code);
 }
 
+// record_event(record, event, stream) -> int, wait_event(wait, stream, event, flags) -> int,
+// query_event(query, event) -> int
+//
+// cudaEventRecord, cudaStreamWaitEvent and cudaEventQuery through the entry points
+// `record`, `wait` and `query` (addresses the caller found: tensorferry/runtime/_events.py),
+// the GIL held; each returns the CUDA call's code. What ctypes makes of the same calls costs a
+// microsecond or more of argument conversion on the GPU machine's host, and the p2p layer makes
+// one to three of them per message (and one per poll of a transfer in flight).
+bool event_call_args(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected,
+                     const char* usage, void** pointers) {
+  if (nargs != expected) {
+    PyErr_SetString(PyExc_TypeError, usage);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (!pointer_arg(args[i], &pointers[i])) {
+      return false;
+    }
+  }
+  if (pointers[0] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "a null entry point");
+    return false;
+  }
+  return true;
+}
+
+PyObject* record_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  void* p[3];
+  if (!event_call_args(args, nargs, 3, "record_event(record, event, stream)", p)) {
+    return nullptr;
+  }
+  return PyLong_FromLong(reinterpret_cast<CudaEventRecord>(p[0])(p[1], p[2]));
+}
+
+PyObject* wait_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  void* p[4];
+  if (!event_call_args(args, nargs, 4, "wait_event(wait, stream, event, flags)", p)) {
+    return nullptr;
+  }
+  const auto flags = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p[3]));
+  return PyLong_FromLong(reinterpret_cast<CudaStreamWaitEvent>(p[0])(p[1], p[2], flags));
+}
+
+PyObject* query_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  void* p[2];
+  if (!event_call_args(args, nargs, 2, "query_event(query, event)", p)) {
+    return nullptr;
+  }
+  return PyLong_FromLong(reinterpret_cast<CudaEventQuery>(p[0])(p[1]));
+}
+
 // The arguments of send_now and recv_now: a socket's file descriptor and a buffer, taken with
 // `flags` (PyBUF_SIMPLE, or PyBUF_WRITABLE to write into it). False with a Python error set.
 bool socket_call_args(PyObject* const* args, Py_ssize_t nargs, const char* usage, int flags,
@@ -536,6 +590,12 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "Copies tensors into tensors with one kernel launch (or returns False)."},
     {"issue_lone", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(issue_lone)),
      METH_FASTCALL, "One tensor over NCCL between the caller's event and the done event."},
+    {"record_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_event)),
+     METH_FASTCALL, "cudaEventRecord through its entry point, the GIL held."},
+    {"wait_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wait_event)),
+     METH_FASTCALL, "cudaStreamWaitEvent through its entry point, the GIL held."},
+    {"query_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(query_event)),
+     METH_FASTCALL, "cudaEventQuery through its entry point, the GIL held."},
     {"send_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(send_now)),
      METH_FASTCALL, "send(2) without waiting, the GIL held."},
     {"recv_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(recv_now)),

@@ -249,6 +249,8 @@ class Link:
             chunk = self._recv()
             if chunk is None:
                 return None
+            if not chunk and not self._in:  # nothing came, nothing left over: most reads
+                return []
             self._in += chunk
             if len(chunk) < _CHUNK:
                 break

@@ -89,6 +89,9 @@ class _NativePair:
         # Its first message (the warm-up) connects the two ranks, a rendezvous: until that is
         # done, every NCCL call lets go of the GIL.
         self.connected = False
+        # What a message of one NCCL call on this pair leaves pending: it holds nothing of the
+        # message's, so one serves them all (one object less per lone tensor).
+        self.lone_pending = _NcclPending([(self, None)], [])
 
     def may_hold_gil(self) -> bool:
         """Whether NCCL's calls that launch this pair's work may keep the GIL: the pair is
@@ -118,7 +121,7 @@ class _NativePair:
         if not tensor.numel():
             return _NcclPending([], [])
         self.move_alone(kind, tensor, handle)
-        return _NcclPending([(self, None)], [])
+        return self.lone_pending
 
     def start_lone_between(
         self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
@@ -149,7 +152,7 @@ class _NativePair:
             self.may_hold_gil(),
         )
         if failure is None:
-            return _NcclPending([(self, None)], []), done
+            return self.lone_pending, done
         step, code = failure
         if step == "nccl":
             _events.recycle(done, index)
@@ -159,7 +162,7 @@ class _NativePair:
         _events.recycle(done, index)
         if step == "wait":
             return None  # nothing issued: the general way, with torch's calls now
-        return _NcclPending([(self, None)], []), _events.record_on_stream(stream)
+        return self.lone_pending, _events.record_on_stream(stream)
 
     def move_alone(self, kind: str, buf: torch.Tensor, handle: int) -> None:
         """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
@@ -290,6 +293,12 @@ class NcclTransport(Transport):
             raise TransportError(f"nccl: the direction rank {src} → {dst} is not prepared")
         return pair
 
+    def _direction_key(self, peer: int, kind: str) -> tuple[str, int, int]:
+        """The cache key of the direction that carries messages of ``kind`` with ``peer``
+        (``_key(*_ends(peer, kind))`` in one call: asked on every lone tensor's issue)."""
+        rank = self.ctx.rank
+        return ("nccl", rank, peer) if kind == "send" else ("nccl", peer, rank)
+
     def _ends(self, peer: int, kind: str) -> tuple[int, int]:
         """``(src, dst)`` of the direction that carries messages of ``kind`` with ``peer``."""
         return (self.ctx.rank, peer) if kind == "send" else (peer, self.ctx.rank)
@@ -380,12 +389,12 @@ class NcclTransport(Transport):
             pair.move_alone("recv", staging.buffer, stream.cuda_stream)
             staging.unpack(op.tensors, stream)
         staging.release(stream)
-        return _NcclPending([(pair, None)], [])
+        return pair.lone_pending
 
     def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
         # On our own communicator: the one NCCL call, with no group around it. A
         # ProcessGroupNCCL pair, or none (start raises then), takes the general way.
-        pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
+        pair = communicator_cache().get(self._direction_key(op.peer, op.kind))
         if type(pair) is not _NativePair:
             return None
         return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
@@ -398,7 +407,7 @@ class NcclTransport(Transport):
         native = _native.helper()
         if native is None:
             return None
-        pair = communicator_cache().get(self._key(*self._ends(op.peer, op.kind)))
+        pair = communicator_cache().get(self._direction_key(op.peer, op.kind))
         if type(pair) is not _NativePair:
             return None
         return pair.start_lone_between(native, op.kind, op.tensors[0], stream, caller_event)
@@ -521,7 +530,7 @@ class NcclTransport(Transport):
         return staging
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
-        keys = [self._key(*self._ends(peer, kind)) for kind in ("send", "recv")]
+        keys = [self._direction_key(peer, kind) for kind in ("send", "recv")]
         communicator_cache().evict_together(keys, abort=abort, reason=reason)
 
     def close(self) -> None:

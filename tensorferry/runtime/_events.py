@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import threading
 from typing import Any, NamedTuple
 
 import torch
+
+from tensorferry import _native
 
 __all__ = [
     "calls_report",
@@ -85,13 +88,43 @@ def _load_calls() -> _Runtime | None:
 
 
 def _runtime() -> _Runtime | None:
-    global _calls, _calls_checked
+    global _calls, _calls_checked, _ctypes_calls
     if not _calls_checked:
+        checked_now = False
         with _lock:
             if not _calls_checked:
-                _calls = _checked(_load_calls())
+                _calls = _ctypes_calls = _checked(_load_calls())
                 _calls_checked = True
+                checked_now = _calls is not None
+        if checked_now:  # outside the lock: the callback takes it, and may run right away
+            _native.when_loaded(_use_compiled)
     return _calls
+
+
+# The checked ctypes calls, kept for the probes' A/Bs once the compiled ones replace them.
+_ctypes_calls: _Runtime | None = None
+
+
+def _use_compiled(native: Any) -> None:
+    """Replaces the ctypes calls with the compiled helper's (``record_event``, ``wait_event``,
+    ``query_event`` of ``tensorferry/_native``) through the same entry points: the same CUDA
+    calls, the GIL held as before, without ctypes' conversion of the arguments (about a
+    microsecond a call on the GPU machine's host; a query is made on every poll of a transfer).
+    Nothing changes once the calls were given up, or where they are not the ones checked."""
+    global _calls
+    record_event = getattr(native, "record_event", None)
+    if record_event is None:  # a helper built from an older source
+        return
+    with _lock:
+        calls = _calls
+        if calls is None or calls is not _ctypes_calls:
+            return
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        _calls = calls._replace(
+            record=functools.partial(record_event, address(calls.record)),
+            wait=functools.partial(native.wait_event, address(calls.wait)),
+            query=functools.partial(native.query_event, address(calls.query)),
+        )
 
 
 # Device clock cycles the check's kernel spins (tens of milliseconds): its event must still be
@@ -158,9 +191,10 @@ def entry_points() -> tuple[int, int] | None:
     if calls is None:
         return None
     if _entry_points is None:  # the calls are loaded once, and only ever given up after
+        loaded = _ctypes_calls if _ctypes_calls is not None else calls
         _entry_points = (
-            ctypes.cast(calls.wait, ctypes.c_void_p).value,
-            ctypes.cast(calls.record, ctypes.c_void_p).value,
+            ctypes.cast(loaded.wait, ctypes.c_void_p).value,
+            ctypes.cast(loaded.record, ctypes.c_void_p).value,
         )
     return _entry_points
 
@@ -320,4 +354,5 @@ def give_up_calls(why: str) -> None:
         calls.clear()  # or torch raises it from the thread's next launch
     log.warning("events: %s; using torch's event calls from now on", why)
     _note_why(why)
-    _calls = None
+    with _lock:  # against _use_compiled putting calls back
+        _calls = None

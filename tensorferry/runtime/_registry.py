@@ -28,6 +28,9 @@ _completions: CompletionPool | None = None
 def completion_pool() -> CompletionPool:
     """The process's completion pool (a new one if the last was shut down)."""
     global _completions
+    pool = _completions  # read without the lock: every p2p call asks, and it rarely changes
+    if pool is not None and not pool.is_shutdown:
+        return pool
     with _lock:
         if _completions is None or _completions.is_shutdown:
             _completions = CompletionPool(threads=envs.completion_threads())
@@ -51,6 +54,9 @@ def stream_pool() -> StreamPool:
 def communicator_cache() -> CommunicatorCache:
     """The process's communicator cache."""
     global _communicators
+    cache = _communicators  # made once; read without the lock (asked on every NCCL issue)
+    if cache is not None:
+        return cache
     with _lock:
         if _communicators is None:
             _communicators = CommunicatorCache()
