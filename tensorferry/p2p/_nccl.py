@@ -89,9 +89,6 @@ class _NativePair:
         # Its first message (the warm-up) connects the two ranks, a rendezvous: until that is
         # done, every NCCL call lets go of the GIL.
         self.connected = False
-        # What a message of one NCCL call on this pair leaves pending: it holds nothing of the
-        # message's, so one serves them all (one object less per lone tensor).
-        self.lone_pending = _NcclPending([(self, None)], [])
 
     def may_hold_gil(self) -> bool:
         """Whether NCCL's calls that launch this pair's work may keep the GIL: the pair is
@@ -121,7 +118,7 @@ class _NativePair:
         if not tensor.numel():
             return _NcclPending([], [])
         self.move_alone(kind, tensor, handle)
-        return self.lone_pending
+        return _NcclPending([(self, None)], [])
 
     def start_lone_between(
         self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
@@ -152,7 +149,7 @@ class _NativePair:
             self.may_hold_gil(),
         )
         if failure is None:
-            return self.lone_pending, done
+            return _NcclPending([(self, None)], []), done
         step, code = failure
         if step == "nccl":
             _events.recycle(done, index)
@@ -162,7 +159,7 @@ class _NativePair:
         _events.recycle(done, index)
         if step == "wait":
             return None  # nothing issued: the general way, with torch's calls now
-        return self.lone_pending, _events.record_on_stream(stream)
+        return _NcclPending([(self, None)], []), _events.record_on_stream(stream)
 
     def move_alone(self, kind: str, buf: torch.Tensor, handle: int) -> None:
         """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
@@ -389,7 +386,7 @@ class NcclTransport(Transport):
             pair.move_alone("recv", staging.buffer, stream.cuda_stream)
             staging.unpack(op.tensors, stream)
         staging.release(stream)
-        return pair.lone_pending
+        return _NcclPending([(pair, None)], [])
 
     def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
         # On our own communicator: the one NCCL call, with no group around it. A
