@@ -21,7 +21,7 @@ from typing import Any
 
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import TransferTimeoutError
-from tensorferry.runtime._events import recycle, stream_wait
+from tensorferry.runtime._events import current_stream_wait, recycle, stream_wait
 from tensorferry.runtime._spin import spin_until, spin_window_s
 
 __all__ = ["Transfer"]
@@ -246,13 +246,12 @@ class Transfer:
         if self._done_event is None or self._outcome.done():
             self.wait(timeout)
             return
-        import torch
-
         if stream is None:
             # Of the transfer's device, not the thread's current one: a thread the caller
             # started is on device 0 until it says otherwise.
-            stream = torch.cuda.current_stream(self._driver.ctx.device)
-        stream_wait(stream, self._done_event)
+            current_stream_wait(self._driver.ctx.device.index, self._done_event)
+        else:
+            stream_wait(stream, self._done_event)
 
     # ------------------------------------------------------------------ internals (p2p layer)
     def _mark_issued(

@@ -97,6 +97,60 @@ def test_a_thread_on_another_device_records_and_waits_through_torch(runtime):
     assert _events._runtime() is runtime, "and stay in use for threads on the device"
 
 
+@pytest.fixture
+def current_stream(monkeypatch):
+    """The current stream of each device as a raw handle (``0x70 + index``) and as torch's
+    object (a fake that notes its waits), each asked for by device index."""
+    import torch
+
+    asked: list[tuple[str, int]] = []
+    streams: dict[int, _FakeStream] = {}
+
+    def raw(index: int) -> int:
+        asked.append(("raw", index))
+        return 0x70 + index
+
+    def stream_object(index: int) -> _FakeStream:
+        asked.append(("object", index))
+        return streams.setdefault(index, _FakeStream())
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", stream_object)
+    return asked, streams
+
+
+def test_the_current_stream_waits_through_the_runtime_by_its_raw_handle(runtime, current_stream):
+    asked, _streams = current_stream
+    waits = []
+    runtime.wait = lambda stream, event, flags: waits.append((stream, event, flags)) or 0
+    event = _FakeEvent(0)
+    _events.current_stream_wait(0, event)
+    assert waits == [(0x70, event.cuda_event, 0)]
+    assert asked == [("raw", 0)], "no torch Stream object made"
+
+
+def test_the_current_stream_of_another_device_waits_through_torch(runtime, current_stream):
+    asked, streams = current_stream
+    runtime.on_device(1)
+    event = _FakeEvent(0)
+    _events.current_stream_wait(0, event)
+    assert streams[0].torch_waits == [event] and asked == [("object", 0)]
+    assert runtime.calls == [], "the runtime's calls were not made from the wrong device"
+
+
+def test_a_failed_wait_of_the_current_stream_gives_up_the_calls_and_waits_through_torch(
+    runtime, current_stream
+):
+    _asked, streams = current_stream
+    runtime.code = _INVALID_RESOURCE_HANDLE
+    event = _FakeEvent(0)
+    _events.current_stream_wait(0, event)
+    assert runtime.calls == ["wait", "clear"]
+    assert streams[0].torch_waits == [event], "the wait is still made, by torch"
+    assert _events._runtime() is None
+    assert _events._why_torch == "cudaStreamWaitEvent failed"
+
+
 def test_on_the_device_records_go_through_the_runtime(runtime):
     event = _events.record_on_stream(_FakeStream())
     assert not event.torch_records
