@@ -108,7 +108,7 @@ class HeaderAgreement:
                 return
             unit = self._unit_of(message)
             if unit is not None:
-                unit.symmetric_error_peers.add(peer.rank)
+                unit.symmetric_error_peers = {*unit.symmetric_error_peers, peer.rank}
                 self._fail_unit(unit, exc, cascade=True, skip_peer=None)
             self._retire(channel, message.seq)
             return

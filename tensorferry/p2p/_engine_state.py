@@ -33,20 +33,17 @@ class Message:
     confirmed: bool = True  # False while issued ahead of the peer's header (Engine._speculate)
 
 
-@dataclass(eq=False, slots=True)
 class Unit:
-    """One call or batch: issued as one group (per transport) or failed as a whole."""
+    """One call or batch: issued as one group (per transport) or failed as a whole.
 
-    messages: list[Message]
-    transfer: Transfer
-    deadline: float
-    caller_event: Any = None
+    A plain class whose rarely set attributes are class-level defaults: every ``tf.send`` makes
+    one, and a dataclass's ``__init__`` set all sixteen (and made an empty set) each time."""
+
     state: str = "new"  # new → waiting → issued → done
-    pending: list[PendingOps] = field(default_factory=list)
     error: BaseException | None = None
-    symmetric_error_peers: set[int] = field(default_factory=set)
-    after: Unit | None = None
-    """A unit that must finish first (a ring step reads what the previous step received)."""
+    symmetric_error_peers: frozenset[int] | set[int] = frozenset()
+    """Peers whose header disagreed with this unit's message in a way both sides see alike
+    (a set of its own once one is added: see ``HeaderAgreement._agree``)."""
     after_issued_is_enough: bool = False
     """``after`` only needs to be issued: both units run on one CUDA stream, in order."""
     awaited: bool = False
@@ -66,6 +63,26 @@ class Unit:
     claim: Any = None
     """Once issued: takes its completion from the completion pool, so that nobody else
     completes it from then on (a fault about to fail it); returns whether it got it."""
+
+    def __init__(
+        self,
+        messages: list[Message],
+        transfer: Transfer,
+        deadline: float,
+        *,
+        caller_event: Any = None,
+        after: Unit | None = None,
+    ) -> None:
+        self.messages = messages
+        self.transfer = transfer
+        self.deadline = deadline
+        self.caller_event = caller_event
+        # A unit that must finish first (a ring step reads what the previous step received).
+        self.after = after
+        self.pending: list[PendingOps] = []
+
+    def __repr__(self) -> str:
+        return f"Unit({self.trace_text()}, {self.state})"
 
     def forget_completion(self) -> None:
         """Drops ``ready``, ``settle`` and ``claim`` once the unit is done or failed: they

@@ -90,8 +90,9 @@ class CommunicatorCache:
 
     def get(self, key: Hashable) -> Any | None:
         """The cached communicator for ``key``, or ``None`` (never creates)."""
-        with self._lock:
-            return self._live.get(key)
+        # One dict read, atomic as it is: no lock (asked on every NCCL issue). What the lock
+        # keeps whole is a read with a change after it (get_or_create, evict).
+        return self._live.get(key)
 
     def evict(self, key: Hashable, *, abort: bool, reason: str = "") -> bool:
         """Removes ``key``'s communicator: ``abort()`` after an error, else ``close()``.

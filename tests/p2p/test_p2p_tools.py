@@ -644,7 +644,8 @@ def test_a_fault_settles_as_done_a_transfer_whose_work_finished(caller_first):
     desc = describe(tensors)
     message = Message(P2POp("recv", 1, tensors, desc), "gloo", desc, False, seq=0, epoch=0)
     transfer = Transfer("recv 1 tensor(s) from rank 1", deadline=time.monotonic() + 10)
-    unit = Unit([message], transfer, transfer._deadline, state="issued")
+    unit = Unit([message], transfer, transfer._deadline)
+    unit.state = "issued"
     settled = []
 
     def settle() -> None:  # as Issuing._settle_seen: the pool's item goes to one taker only
@@ -683,7 +684,8 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
     desc = describe(tensors)
     message = Message(P2POp("recv", 1, tensors, desc), "gloo", desc, False, seq=0, epoch=0)
     transfer = Transfer("recv 1 tensor(s) from rank 1", deadline=time.monotonic() + 10)
-    unit = Unit([message], transfer, transfer._deadline, state="issued")
+    unit = Unit([message], transfer, transfer._deadline)
+    unit.state = "issued"
     finished = [False]
     handle = pool.call_when(
         lambda: finished[0], lambda exc: None, deadline=time.monotonic() + 10, delay=5.0
