@@ -11,6 +11,11 @@ in ns per call, on one stream and two events of ``cuda:0``, the stream idle:
   ``wait_event`` and ``query_event`` (``tensorferry/_native``), the GIL held: what the events
   module calls once the helper is loaded.
 
+Then what finding the calling thread's current stream costs, as ``Transfer.wait_stream()``
+with no stream needs it: torch's ``Stream`` object (``torch.cuda.current_stream(0)``, what it
+made before) against its raw handle (``torch._C._cuda_getCurrentRawStream(0)``, what it reads
+now).
+
 Usage (a CUDA device): ``TENSORFERRY_NATIVE=wait python scripts/event_calls_probe.py``
 """
 
@@ -60,6 +65,13 @@ def main():
             costs.append(f"{best * 1e9:8.0f}")
         stream.synchronize()
         print(f"  {name:10s} " + " ".join(costs))
+    print("ns per look-up of the current stream, best of 7 × 20,000:")
+    for name, fn in (
+        ("torch.cuda.current_stream(0)", lambda: torch.cuda.current_stream(0)),
+        ("torch._C._cuda_getCurrentRawStream(0)", lambda: torch._C._cuda_getCurrentRawStream(0)),
+    ):
+        best = min(timeit.repeat(fn, number=20_000, repeat=7)) / 20_000
+        print(f"  {name:40s} {best * 1e9:8.0f}")
 
 
 if __name__ == "__main__":

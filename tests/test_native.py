@@ -336,6 +336,42 @@ def test_the_event_calls_pass_their_arguments_in_order_and_return_the_code(nativ
     assert len(seen) == 3, "nothing was called after a refused argument"
 
 
+def test_nccl_async_errors_read_alike_through_the_helper_and_through_ctypes(native, monkeypatch):
+    """``NcclLibrary.async_error`` with a stand-in ``ncclCommGetAsyncError``: the compiled
+    poll and the ctypes one name the same errors, and find none where there is none."""
+    import ctypes
+
+    from tensorferry.p2p import _nccl_lib
+
+    answers = {}  # comm -> (the call's code, the async result it writes)
+
+    def get_async_error(comm, out):
+        code, result = answers[comm]
+        out[0] = result
+        return code
+
+    entry = _entry_point((ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)), get_async_error)
+    entry.argtypes = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+    texts = {3: b"internal error", 5: b"invalid usage", 6: b"remote error"}
+    lib = _nccl_lib.NcclLibrary.__new__(_nccl_lib.NcclLibrary)
+    lib._async_error = entry
+    lib._async_error_entry = ctypes.cast(entry, ctypes.c_void_p).value
+    lib._error_string = lambda code: texts.get(code)
+    answers.update({0x10: (0, 0), 0x20: (0, 7), 0x30: (0, 6), 0x40: (5, 0)})
+    expected = {
+        0x10: None,  # nothing went wrong
+        0x20: None,  # ncclInProgress: still running, not an error
+        0x30: "remote error (code 6)",
+        0x40: "invalid usage (code 5)",  # the call itself failed
+    }
+    for use_helper in (True, False):
+        monkeypatch.setattr(_native, "_loaded", native if use_helper else None)
+        got = {comm: lib.async_error(comm) for comm in answers}
+        assert got == expected, ("compiled" if use_helper else "ctypes", got)
+    with pytest.raises(TypeError, match=r"nccl_async_error\(entry, comm\)"):
+        native.nccl_async_error(lib._async_error_entry)
+
+
 def test_the_event_module_takes_the_compiled_calls_through_the_same_entry_points(
     native, monkeypatch
 ):

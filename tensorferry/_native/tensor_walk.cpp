@@ -8,8 +8,9 @@
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
 // copy_pieces launches the copies in and out of a message's packed buffer (see there).
 // issue_lone issues a lone tensor over NCCL with the CUDA calls around it; record_event,
-// wait_event and query_event make the event calls of tensorferry/runtime/_events.py; send_now
-// and recv_now make the side channel's system calls holding the GIL (see each).
+// wait_event and query_event make the event calls of tensorferry/runtime/_events.py, and
+// nccl_async_error the NCCL transport's poll; send_now and recv_now make the side channel's
+// system calls holding the GIL (see each).
 //
 // Built on first use against the running torch (tensorferry/_native/__init__.py); never
 // required: without it the Python loop, torch's copies and calls, and the socket's methods
@@ -386,6 +387,7 @@ PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
 using CudaStreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
 using CudaEventRecord = int (*)(void* event, void* stream);
 using CudaEventQuery = int (*)(void* event);
+using NcclAsyncError = int (*)(void* comm, int* result);
 using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int peer, void* comm,
                          void* stream);
 
@@ -530,6 +532,22 @@ PyObject* query_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
   return PyLong_FromLong(reinterpret_cast<CudaEventQuery>(p[0])(p[1]));
 }
 
+// nccl_async_error(entry, comm) -> int
+//
+// ncclCommGetAsyncError(comm, &result) through its entry point `entry`, the GIL held: the
+// result (0 when nothing went wrong in the background), or minus the call's own error code.
+// Every poll of an NCCL transfer in flight asks it; through ctypes (an int made, two
+// arguments converted, one passed by reference) that cost microseconds on the GPU machine.
+PyObject* nccl_async_error(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  void* p[2];
+  if (!event_call_args(args, nargs, 2, "nccl_async_error(entry, comm)", p)) {
+    return nullptr;
+  }
+  int result = 0;
+  const int code = reinterpret_cast<NcclAsyncError>(p[0])(p[1], &result);
+  return PyLong_FromLong(code != 0 ? -code : result);
+}
+
 // The arguments of send_now and recv_now: a socket's file descriptor and a buffer, taken with
 // `flags` (PyBUF_SIMPLE, or PyBUF_WRITABLE to write into it). False with a Python error set.
 bool socket_call_args(PyObject* const* args, Py_ssize_t nargs, const char* usage, int flags,
@@ -596,6 +614,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "cudaStreamWaitEvent through its entry point, the GIL held."},
     {"query_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(query_event)),
      METH_FASTCALL, "cudaEventQuery through its entry point, the GIL held."},
+    {"nccl_async_error",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(nccl_async_error)),
+     METH_FASTCALL, "ncclCommGetAsyncError through its entry point, the GIL held."},
     {"send_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(send_now)),
      METH_FASTCALL, "send(2) without waiting, the GIL held."},
     {"recv_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(recv_now)),

@@ -152,7 +152,10 @@ class Issuing:
         messages = unit.messages
 
         def confirmed() -> bool:
-            if all(m.confirmed for m in messages):
+            for m in messages:  # loops, not all() of generators: polled while in flight
+                if not m.confirmed:
+                    break
+            else:
                 return True
             # Issued ahead of the peer's header (see _speculate): whoever polls reads the
             # peer's frames (a caller waiting, the completion pool), so the engine thread need
@@ -166,11 +169,12 @@ class Issuing:
             # Confirmation first: until the peer's header agreed with a message issued ahead of
             # it, a transport error may just be the pair fault on its way, and that fault's
             # error (a MismatchError, say) is the one to report.
-            return (
-                confirmed()
-                and all(p.ready() for p in pending)
-                and (done_event is None or is_done(done_event))
-            )
+            if not confirmed():
+                return False
+            for p in pending:
+                if not p.ready():
+                    return False
+            return done_event is None or is_done(done_event)
 
         completions = self.ctx.completions
         # On the pool's poller thread: _on_completed is quick and hands user callbacks to a

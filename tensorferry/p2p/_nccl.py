@@ -237,7 +237,11 @@ class _NcclPending(PendingOps):
 
     def ready(self) -> bool:
         try:
-            return all(pair.ready(work) for pair, work in self._started)
+            # A loop, not all() of a generator: polled over and over while in flight.
+            for pair, work in self._started:  # noqa: SIM110
+                if not pair.ready(work):
+                    return False
+            return True
         except TransportError:
             raise
         except Exception as exc:

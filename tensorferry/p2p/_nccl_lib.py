@@ -28,6 +28,8 @@ import logging
 import os
 from typing import Any
 
+from tensorferry import _native
+
 __all__ = ["NcclLibrary", "NcclError", "UINT8", "library"]
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class NcclLibrary:
         self._async_error = _declare(
             quick.ncclCommGetAsyncError, [ptr, ctypes.POINTER(ctypes.c_int)], res
         )
+        # For the compiled helper's poll (tensorferry/_native: nccl_async_error).
+        self._async_error_entry = ctypes.cast(self._async_error, ctypes.c_void_p).value
         self._error_string = _declare(quick.ncclGetErrorString, [res], ctypes.c_char_p)
         transfer_args = [ptr, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ptr, ptr]
         self._send = _declare(quick.ncclSend, transfer_args, res)
@@ -155,13 +159,21 @@ class NcclLibrary:
 
     def async_error(self, comm: int) -> str | None:
         """What went wrong on ``comm`` in the background (a peer gone, a network error), or
-        ``None``."""
-        out = ctypes.c_int()
-        code = self._async_error(ctypes.c_void_p(comm), ctypes.byref(out))
-        if code != _SUCCESS:
-            return self._describe(code)
+        ``None``. Asked on every poll of a transfer in flight: through the compiled helper
+        where it is loaded (no ctypes conversions), else through ctypes."""
+        native = _native.helper()
+        if native is not None:
+            result = native.nccl_async_error(self._async_error_entry, comm)
+            if result < 0:
+                return self._describe(-result)
+        else:
+            out = ctypes.c_int()
+            code = self._async_error(ctypes.c_void_p(comm), ctypes.byref(out))
+            if code != _SUCCESS:
+                return self._describe(code)
+            result = out.value
         # ncclInProgress (7) is not an error: a non-blocking operation still running.
-        return None if out.value in (_SUCCESS, 7) else self._describe(out.value)
+        return None if result in (_SUCCESS, 7) else self._describe(result)
 
     # ------------------------------------------------------------------ errors
     def _describe(self, code: int) -> str:
