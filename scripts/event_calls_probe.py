@@ -11,7 +11,10 @@ in ns per call, on one stream and two events of ``cuda:0``, the stream idle:
   ``wait_event`` and ``query_event`` (``tensorferry/_native``), the GIL held: what the events
   module calls once the helper is loaded.
 
-Then what finding the calling thread's current stream costs, as ``Transfer.wait_stream()``
+Then the NCCL transport's poll of a communicator's background errors
+(``NcclLibrary.async_error``, asked on every poll of a transfer in flight) on a communicator of
+one rank, through ctypes and through the compiled helper's ``nccl_async_error``; and what
+finding the calling thread's current stream costs, as ``Transfer.wait_stream()``
 with no stream needs it: torch's ``Stream`` object (``torch.cuda.current_stream(0)``, what it
 made before) against its raw handle (``torch._C._cuda_getCurrentRawStream(0)``, what it reads
 now).
@@ -65,6 +68,7 @@ def main():
             costs.append(f"{best * 1e9:8.0f}")
         stream.synchronize()
         print(f"  {name:10s} " + " ".join(costs))
+    _async_error_rows(native=_native.helper())
     print("ns per look-up of the current stream, best of 7 × 20,000:")
     for name, fn in (
         ("torch.cuda.current_stream(0)", lambda: torch.cuda.current_stream(0)),
@@ -72,6 +76,27 @@ def main():
     ):
         best = min(timeit.repeat(fn, number=20_000, repeat=7)) / 20_000
         print(f"  {name:40s} {best * 1e9:8.0f}")
+
+
+def _async_error_rows(native):
+    """``NcclLibrary.async_error`` on a one-rank communicator, ctypes against compiled."""
+    from tensorferry import _native
+    from tensorferry.p2p._nccl_lib import library
+
+    lib = library()
+    if lib is None:
+        print("no NCCL library: no async-error rows")
+        return
+    comm = lib.init_rank(1, lib.unique_id(), 0)
+    try:
+        print("ns per NCCL async-error poll (NcclLibrary.async_error), best of 7 × 20,000:")
+        for name, module in (("ctypes", None), ("compiled", native)):
+            _native._loaded = module
+            best = min(timeit.repeat(lambda: lib.async_error(comm), number=20_000, repeat=7))
+            print(f"  {name:10s} {best / 20_000 * 1e9:8.0f}")
+    finally:
+        _native._loaded = native
+        lib.destroy(comm)
 
 
 if __name__ == "__main__":
