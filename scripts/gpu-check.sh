@@ -11,8 +11,8 @@
 # batch-noshort and trace-noshort run those without the engine's short way (A/Bs of it).
 # send-floor and send-overhead print the host time of one send from the bare NCCL call up
 # (scripts/send_floor_probe.py) and the layer's host time per call over NCCL, 1 and 64 tensors
-# (scripts/send_overhead_probe.py --nccl; also its --ab-lone-call, --ab-gil, --ab-link-calls
-# and, for 64 tensors, --phases);
+# (scripts/send_overhead_probe.py --nccl; also its --ab-lone-call, --ab-gil, --ab-link-calls,
+# --ab-event-calls and, for 64 tensors, --phases; and scripts/event_calls_probe.py);
 # send-overhead also runs that probe and batch_overhead_probe.py with no wire, and
 # side_channel_probe.py (this host's Python and sockets).
 # p2p-one-gpu and p2p-ranks-one-gpu (ONE_GPU_RANKS ranks, default 3) run the NCCL tier and the
@@ -136,6 +136,9 @@ for s in $steps; do
       step send-overhead-gil 150 python3 scripts/send_overhead_probe.py --nccl --ab-gil
       # The side channel's calls through the compiled helper against the socket's methods.
       step send-overhead-links 150 python3 scripts/send_overhead_probe.py --nccl --ab-link-calls
+      # The CUDA event calls through the compiled helper against ctypes, and each call's cost.
+      step send-overhead-events 150 python3 scripts/send_overhead_probe.py --nccl --ab-event-calls
+      step event-calls 90 python3 scripts/event_calls_probe.py
       step send-overhead-phases-64 150 python3 scripts/send_overhead_probe.py --nccl --tensors 64 \
         --phases
       # The same with no wire (both ranks on cuda:0): what this host's Python costs, to hold
@@ -143,7 +146,8 @@ for s in $steps; do
       step send-overhead-null 150 python3 scripts/send_overhead_probe.py
       step batch-overhead-null 150 python3 scripts/batch_overhead_probe.py
       step side-channel 60 python3 scripts/side_channel_probe.py
-      tail -n 20 "$LOGS"/send-overhead*.log "$LOGS/batch-overhead-null.log" "$LOGS/side-channel.log" ;;
+      tail -n 20 "$LOGS"/send-overhead*.log "$LOGS/batch-overhead-null.log" "$LOGS/side-channel.log" \
+        "$LOGS/event-calls.log" ;;
     profile-pingpong | profile-graph)
       if ! ls .whl/py_spy-*.whl >/dev/null 2>&1; then
         echo "=== $s: no .whl/py_spy-*.whl here (git-ignored: carry .whl to the GPU machine)"
