@@ -372,6 +372,65 @@ def test_nccl_async_errors_read_alike_through_the_helper_and_through_ctypes(nati
         native.nccl_async_error(lib._async_error_entry)
 
 
+def test_nccl_moves_alone_alike_through_the_helper_and_through_ctypes(native, monkeypatch):
+    """``NcclLibrary.move_alone`` with stand-in ``ncclSend``/``ncclRecv``: the compiled call and
+    the ctypes ones pass the same arguments, keep or let go of the GIL alike (both answer),
+    and a failed call raises ``NcclError`` naming it, either way."""
+    import ctypes
+
+    from tensorferry.p2p import _nccl_lib
+
+    seen = []
+    codes = {"send": 0, "recv": 0}
+    signature = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    )
+
+    def stand_in(kind):
+        def move(*args):
+            seen.append((kind, *args))
+            return codes[kind]
+
+        fn = _entry_point(signature, move)
+        fn.argtypes = signature
+        return fn
+
+    send, recv = stand_in("send"), stand_in("recv")
+    lib = _nccl_lib.NcclLibrary.__new__(_nccl_lib.NcclLibrary)
+    lib._send = lib._send_alone = send
+    lib._recv = lib._recv_alone = recv
+    lib.alone_entries = {
+        kind: ctypes.cast(fn, ctypes.c_void_p).value
+        for kind, fn in (("send", send), ("recv", recv))
+    }
+    lib._error_string = lambda code: b"unhandled cuda error"
+    for use_helper in (True, False):
+        monkeypatch.setattr(_native, "_loaded", native if use_helper else None)
+        seen.clear()
+        for hold in (True, False):
+            lib.move_alone("send", 0x1000, 4096, 1, 0x2000, 0x3000, hold)
+            lib.move_alone("recv", 0x4000, 64, 0, 0x5000, 0x6000, hold)
+        uint8 = _nccl_lib.UINT8
+        sent = ("send", 0x1000, 4096, uint8, 1, 0x2000, 0x3000)
+        received = ("recv", 0x4000, 64, uint8, 0, 0x5000, 0x6000)
+        assert seen == [sent, received] * 2, ("compiled" if use_helper else "ctypes", seen)
+        codes["send"] = 1
+        with pytest.raises(_nccl_lib.NcclError, match=r"ncclSend failed: unhandled cuda error"):
+            lib.move_alone("send", 0x1000, 4096, 1, 0x2000, 0x3000, True)
+        codes["send"] = 0
+    with pytest.raises(TypeError, match=r"nccl_move\(move, buffer, nbytes"):
+        native.nccl_move(lib.alone_entries["send"], 1, 2)
+    with pytest.raises(ValueError, match="null entry point or a negative size"):
+        native.nccl_move(0, 1, 2, 0, 1, 2, 3, True)
+    with pytest.raises(ValueError, match="null entry point or a negative size"):
+        native.nccl_move(lib.alone_entries["send"], 1, -2, 0, 1, 2, 3, True)
+
+
 def test_the_event_module_takes_the_compiled_calls_through_the_same_entry_points(
     native, monkeypatch
 ):

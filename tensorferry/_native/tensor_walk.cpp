@@ -8,9 +8,9 @@
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
 // copy_pieces launches the copies in and out of a message's packed buffer (see there).
 // issue_lone issues a lone tensor over NCCL with the CUDA calls around it; record_event,
-// wait_event and query_event make the event calls of tensorferry/runtime/_events.py, and
-// nccl_async_error the NCCL transport's poll; send_now and recv_now make the side channel's
-// system calls holding the GIL (see each).
+// wait_event and query_event make the event calls of tensorferry/runtime/_events.py,
+// nccl_move a packed message's NCCL call and nccl_async_error the NCCL transport's poll;
+// send_now and recv_now make the side channel's system calls holding the GIL (see each).
 //
 // Built on first use against the running torch (tensorferry/_native/__init__.py); never
 // required: without it the Python loop, torch's copies and calls, and the socket's methods
@@ -532,6 +532,57 @@ PyObject* query_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
   return PyLong_FromLong(reinterpret_cast<CudaEventQuery>(p[0])(p[1]));
 }
 
+// nccl_move(move, buffer, nbytes, datatype, peer, comm, stream, hold_gil) -> int
+//
+// `move` (ncclSend or ncclRecv, outside any group) of `nbytes` at the address `buffer` as
+// `datatype` on `stream`: the code it returned. The GIL is released around it unless
+// `hold_gil` (see issue_lone for when a caller may keep it). What a message of several tensors
+// (its packed buffer) makes, where issue_lone serves a lone tensor; through ctypes its seven
+// arguments cost microseconds of conversion.
+PyObject* nccl_move(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError,
+                    "nccl_move(move, buffer, nbytes, datatype, peer, comm, stream, hold_gil)");
+    return nullptr;
+  }
+  void* move = nullptr;
+  void* buffer = nullptr;
+  void* comm = nullptr;
+  void* stream = nullptr;
+  if (!pointer_arg(args[0], &move) || !pointer_arg(args[1], &buffer) ||
+      !pointer_arg(args[5], &comm) || !pointer_arg(args[6], &stream)) {
+    return nullptr;
+  }
+  const Py_ssize_t nbytes = PyLong_AsSsize_t(args[2]);
+  const long datatype = PyLong_AsLong(args[3]);
+  const long peer = PyLong_AsLong(args[4]);
+  if ((nbytes == -1 || datatype == -1 || peer == -1) && PyErr_Occurred()) {
+    return nullptr;
+  }
+  const int hold_gil = PyObject_IsTrue(args[7]);
+  if (hold_gil < 0) {
+    return nullptr;
+  }
+  if (move == nullptr || nbytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "nccl_move: a null entry point or a negative size");
+    return nullptr;
+  }
+  const auto call_move = [&] {
+    return reinterpret_cast<NcclMove>(move)(buffer, static_cast<size_t>(nbytes),
+                                            static_cast<int>(datatype), static_cast<int>(peer),
+                                            comm, stream);
+  };
+  int code = 0;
+  if (hold_gil) {
+    code = call_move();
+  } else {
+    Py_BEGIN_ALLOW_THREADS
+    code = call_move();
+    Py_END_ALLOW_THREADS
+  }
+  return PyLong_FromLong(code);
+}
+
 // nccl_async_error(entry, comm) -> int
 //
 // ncclCommGetAsyncError(comm, &result) through its entry point `entry`, the GIL held: the
@@ -614,6 +665,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "cudaStreamWaitEvent through its entry point, the GIL held."},
     {"query_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(query_event)),
      METH_FASTCALL, "cudaEventQuery through its entry point, the GIL held."},
+    {"nccl_move", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(nccl_move)),
+     METH_FASTCALL, "ncclSend or ncclRecv outside any group through its entry point."},
     {"nccl_async_error",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(nccl_async_error)),
      METH_FASTCALL, "ncclCommGetAsyncError through its entry point, the GIL held."},

@@ -148,12 +148,17 @@ class NcclLibrary:
     ) -> None:
         """One ``ncclSend`` (``kind`` ``"send"``) or ``ncclRecv`` outside any group: what a group
         of that one operation does, without the two group calls. Keeps the GIL through with
-        ``hold_gil``."""
-        if kind == "send":
-            call = self._send if hold_gil else self._send_alone
+        ``hold_gil``. Through the compiled helper where it is loaded, else through ctypes."""
+        native = _native.helper()
+        if native is not None:
+            entry = self.alone_entries[kind]
+            code = native.nccl_move(entry, address, nbytes, UINT8, peer, comm, stream, hold_gil)
         else:
-            call = self._recv if hold_gil else self._recv_alone
-        code = call(address, nbytes, UINT8, peer, comm, stream)
+            if kind == "send":
+                call = self._send if hold_gil else self._send_alone
+            else:
+                call = self._recv if hold_gil else self._recv_alone
+            code = call(address, nbytes, UINT8, peer, comm, stream)
         if code != _SUCCESS:
             self._check(code, "ncclSend" if kind == "send" else "ncclRecv")
 
