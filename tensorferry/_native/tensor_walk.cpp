@@ -391,6 +391,23 @@ using NcclAsyncError = int (*)(void* comm, int* result);
 using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int peer, void* comm,
                          void* stream);
 
+// `move` (ncclSend or ncclRecv) of `nbytes` at `buffer` on `stream`: the code it returned. The
+// GIL is released around it unless `hold_gil` (see issue_lone for when a caller may keep it).
+int move_bytes(void* move, const void* buffer, size_t nbytes, int datatype, int peer, void* comm,
+               void* stream, bool hold_gil) {
+  const auto call = [&] {
+    return reinterpret_cast<NcclMove>(move)(buffer, nbytes, datatype, peer, comm, stream);
+  };
+  if (hold_gil) {
+    return call();
+  }
+  int code = 0;
+  Py_BEGIN_ALLOW_THREADS
+  code = call();
+  Py_END_ALLOW_THREADS
+  return code;
+}
+
 // issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, record,
 //            done_event, hold_gil) -> None or (step, code)
 //
@@ -458,17 +475,8 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
     failed = code != 0 ? "wait" : nullptr;
   }
   if (failed == nullptr) {
-    const auto call_move = [&] {
-      return reinterpret_cast<NcclMove>(move)(buffer, nbytes, static_cast<int>(datatype),
-                                              static_cast<int>(peer), comm, stream);
-    };
-    if (hold_gil) {
-      code = call_move();
-    } else {
-      Py_BEGIN_ALLOW_THREADS
-      code = call_move();
-      Py_END_ALLOW_THREADS
-    }
+    code = move_bytes(move, buffer, nbytes, static_cast<int>(datatype), static_cast<int>(peer),
+                      comm, stream, hold_gil != 0);
     failed = code != 0 ? "nccl" : nullptr;
   }
   if (failed == nullptr) {
@@ -567,20 +575,9 @@ PyObject* nccl_move(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
     PyErr_SetString(PyExc_ValueError, "nccl_move: a null entry point or a negative size");
     return nullptr;
   }
-  const auto call_move = [&] {
-    return reinterpret_cast<NcclMove>(move)(buffer, static_cast<size_t>(nbytes),
-                                            static_cast<int>(datatype), static_cast<int>(peer),
-                                            comm, stream);
-  };
-  int code = 0;
-  if (hold_gil) {
-    code = call_move();
-  } else {
-    Py_BEGIN_ALLOW_THREADS
-    code = call_move();
-    Py_END_ALLOW_THREADS
-  }
-  return PyLong_FromLong(code);
+  return PyLong_FromLong(move_bytes(move, buffer, static_cast<size_t>(nbytes),
+                                    static_cast<int>(datatype), static_cast<int>(peer), comm,
+                                    stream, hold_gil != 0));
 }
 
 // nccl_async_error(entry, comm) -> int
