@@ -113,16 +113,13 @@ def _use_compiled(native: Any) -> None:
     microsecond a call on the GPU machine's host; a query is made on every poll of a transfer).
     Nothing changes once the calls were given up, or where they are not the ones checked."""
     global _calls
-    record_event = getattr(native, "record_event", None)
-    if record_event is None:  # a helper built from an older source
-        return
     with _lock:
         calls = _calls
         if calls is None or calls is not _ctypes_calls:
             return
         address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
         _calls = calls._replace(
-            record=functools.partial(record_event, address(calls.record)),
+            record=functools.partial(native.record_event, address(calls.record)),
             wait=functools.partial(native.wait_event, address(calls.wait)),
             query=functools.partial(native.query_event, address(calls.query)),
         )
