@@ -301,6 +301,13 @@ def test_the_side_channel_calls_send_receive_and_report_errors(native):
     assert native.send_now(-1, b"x") == -errno.EBADF
 
 
+def _address(fn):
+    """The address of the C function pointer ``fn`` (a ctypes function or callback)."""
+    import ctypes
+
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def _entry_point(signature, fn):
     """A C function pointer to the Python function ``fn`` (kept alive by the caller), standing
     in for a CUDA entry point."""
@@ -318,21 +325,20 @@ def test_the_event_calls_pass_their_arguments_in_order_and_return_the_code(nativ
         (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint), lambda *a: seen.append(a) or 0
     )
     query = _entry_point((ctypes.c_void_p,), lambda *a: seen.append(a) or 600)
-    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-    assert native.record_event(address(record), 0x1000, 0x2000) == 7  # (event, stream)
-    assert native.wait_event(address(wait), 0x3000, 0x4000, 0) == 0  # (stream, event, flags)
-    assert native.query_event(address(query), 0x5000) == 600  # (event)
+    assert native.record_event(_address(record), 0x1000, 0x2000) == 7  # (event, stream)
+    assert native.wait_event(_address(wait), 0x3000, 0x4000, 0) == 0  # (stream, event, flags)
+    assert native.query_event(_address(query), 0x5000) == 600  # (event)
     assert seen == [(0x1000, 0x2000), (0x3000, 0x4000, 0), (0x5000,)]
     with pytest.raises(TypeError, match=r"record_event\(record, event, stream\)"):
-        native.record_event(address(record), 1)
+        native.record_event(_address(record), 1)
     with pytest.raises(TypeError, match=r"wait_event\(wait, stream, event, flags\)"):
-        native.wait_event(address(wait), 1, 2)
+        native.wait_event(_address(wait), 1, 2)
     with pytest.raises(TypeError, match=r"query_event\(query, event\)"):
-        native.query_event(address(query))
+        native.query_event(_address(query))
     with pytest.raises(ValueError, match="null entry point"):
         native.query_event(0, 1)
     with pytest.raises(TypeError):
-        native.record_event(address(record), "not an address", 1)
+        native.record_event(_address(record), "not an address", 1)
     assert len(seen) == 3, "nothing was called after a refused argument"
 
 
@@ -355,7 +361,7 @@ def test_nccl_async_errors_read_alike_through_the_helper_and_through_ctypes(nati
     texts = {3: b"internal error", 5: b"invalid usage", 6: b"remote error"}
     lib = _nccl_lib.NcclLibrary.__new__(_nccl_lib.NcclLibrary)
     lib._async_error = entry
-    lib._async_error_entry = ctypes.cast(entry, ctypes.c_void_p).value
+    lib._async_error_entry = _address(entry)
     lib._error_string = lambda code: texts.get(code)
     answers.update({0x10: (0, 0), 0x20: (0, 7), 0x30: (0, 6), 0x40: (5, 0)})
     expected = {
@@ -404,10 +410,7 @@ def test_nccl_moves_alone_alike_through_the_helper_and_through_ctypes(native, mo
     lib = _nccl_lib.NcclLibrary.__new__(_nccl_lib.NcclLibrary)
     lib._send = lib._send_alone = send
     lib._recv = lib._recv_alone = recv
-    lib.alone_entries = {
-        kind: ctypes.cast(fn, ctypes.c_void_p).value
-        for kind, fn in (("send", send), ("recv", recv))
-    }
+    lib.alone_entries = {"send": _address(send), "recv": _address(recv)}
     lib._error_string = lambda code: b"unhandled cuda error"
     for use_helper in (True, False):
         monkeypatch.setattr(_native, "_loaded", native if use_helper else None)
