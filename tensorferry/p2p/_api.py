@@ -22,7 +22,13 @@ import torch
 from tensorferry._seconds import checked_seconds
 from tensorferry.p2p import _context
 from tensorferry.p2p._engine import Message, Unit
-from tensorferry.p2p._spec import as_recv_list, as_tensor_list, check_peer, check_receives_apart
+from tensorferry.p2p._spec import (
+    TensorSpec,
+    as_recv_list,
+    as_tensor_list,
+    check_peer,
+    check_receives_apart,
+)
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
 from tensorferry.runtime._events import record_on_current_stream
@@ -145,11 +151,18 @@ def send(
         RuntimeError: ``tf.init()`` was not called.
     """
     ctx = _context.current()
+    if static is True and timeout is None and type(dst) is int:
+        transfer = ctx.engine.lanes.call("send", tensors, dst, transport)
+        if transfer is not None:
+            return transfer
     _check_options(static, timeout)
-    message, _ = _message(
+    message, single = _message(
         ctx, "send", tensors, dst, static=static, transport=transport, what="tensors"
     )
-    return _submit(ctx, [message], None, timeout).transfer
+    transfer = _submit(ctx, [message], None, timeout).transfer
+    if static and single:
+        ctx.engine.lanes.offer(message, transport)
+    return transfer
 
 
 def recv(
@@ -181,6 +194,10 @@ def recv(
         RuntimeError: ``tf.init()`` was not called.
     """
     ctx = _context.current()
+    if static is True and timeout is None and type(src) is int:
+        transfer = ctx.engine.lanes.call("recv", buffers, src, transport)
+        if transfer is not None:
+            return transfer
     _check_options(static, timeout)
     message, single = _message(
         ctx, "recv", buffers, src, static=static, transport=transport, what="buffers"
@@ -188,7 +205,10 @@ def recv(
     if len(message.op.tensors) > 1:  # one buffer cannot overlap itself: the lone path skips it
         check_receives_apart([("buffers", "recv", message.op.tensors)])
     received = message.op.tensors[0] if single else list(message.op.tensors)
-    return _submit(ctx, [message], received, timeout).transfer
+    transfer = _submit(ctx, [message], received, timeout).transfer
+    if static and single and type(buffers) is not TensorSpec:
+        ctx.engine.lanes.offer(message, transport)
+    return transfer
 
 
 def sendrecv(

@@ -75,6 +75,7 @@ from tensorferry.p2p._engine_issue import Issuing
 from tensorferry.p2p._engine_links import PeerLinks
 from tensorferry.p2p._engine_short import ShortWay
 from tensorferry.p2p._engine_state import Message, PeerState, Unit
+from tensorferry.p2p._lanes import Lanes
 from tensorferry.p2p._spec import descriptor_text
 from tensorferry.runtime._daemon_threads import DaemonThreads
 from tensorferry.runtime._wakeup import write_wakeup
@@ -158,6 +159,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
             self._selector.register(self._local_listener, selectors.EVENT_READ, "listen")
         self._stopping = False
         self._short_path = envs.p2p_short_path()  # see _issue_short
+        self.lanes = Lanes(self)  # the repeated calls of agreed static channels
         # Guards all the state below. The engine thread holds it while it handles what woke it;
         # callers hold it to queue and drive their own units (see submit and drive).
         self._lock = threading.RLock()
@@ -260,6 +262,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         """Says bye to every peer, fails what is left, stops the thread."""
         if not self._thread.is_alive():
             return
+        self.lanes.close()
         done = self.call(self._shutdown)
         try:
             done.result(timeout)
@@ -489,24 +492,28 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
             self._send_header(peer, message)
         self._ensure_link(peer)
 
-    def _send_header(self, peer: PeerState, message: Message, *, now: bool = False) -> None:
+    def _send_header(
+        self, peer: PeerState, message: Message, *, now: bool = False, data: bytes | None = None
+    ) -> None:
         """Queues ``message``'s header for the next :meth:`_flush_links`; with ``now``, sends it
-        at once (with anything queued before it)."""
+        at once (with anything queued before it). ``data``: the header, encoded already (by the
+        message's lane)."""
         message.header_sent = True
         if _trace.ON:
             _trace.record("header out", peer.rank, message.op.kind, message.seq, message.epoch)
-        # Written out rather than json.dumps of a dict: one header per message, on the
-        # caller's critical path. Every value is a number, a fixed word or a string with
-        # nothing to escape (the descriptor text, a transport name).
-        frame = _HEADER % (
-            message.epoch,
-            "s" if message.op.kind == "send" else "r",
-            message.seq,
-            descriptor_text(message.desc),
-            "true" if message.static else "false",
-            message.transport,
-        )
-        data = frame.encode()
+        if data is None:
+            # Written out rather than json.dumps of a dict: one header per message, on the
+            # caller's critical path. Every value is a number, a fixed word or a string with
+            # nothing to escape (the descriptor text, a transport name).
+            frame = _HEADER % (
+                message.epoch,
+                "s" if message.op.kind == "send" else "r",
+                message.seq,
+                descriptor_text(message.desc),
+                "true" if message.static else "false",
+                message.transport,
+            )
+            data = frame.encode()
         if now and self._write_now(peer.link, data):
             return
         self._send_frame(peer, data, batch=True)

@@ -72,9 +72,14 @@ class ShortWay:
         ):
             return False
         frame = channel.peer_headers.get(seq)
-        if channel.static_desc is not None:
+        lane = unit.lane
+        if lane is not None and lane.holds(peer, channel):
+            goes = lane.lets_go(message, frame)
+        elif channel.static_desc is not None:
+            lane = None
             goes = self._agreed(peer, channel, message, frame)
         else:
+            lane = None
             goes = self._answered(peer, channel, message, frame)
         if not goes:
             return False
@@ -86,7 +91,7 @@ class ShortWay:
         if message.header:
             if not message.confirmed:  # issued ahead: the peer's header confirms it later
                 channel.unconfirmed[seq] = message
-            self._send_header(peer, message, now=True)
+            self._send_header(peer, message, now=True, data=lane.header(seq) if lane else None)
         if _trace.ON:
             _trace.record("short way", peer.rank, kind, seq, "epoch", peer.epoch)
         self._start(unit)

@@ -63,6 +63,9 @@ class Unit:
     claim: Any = None
     """Once issued: takes its completion from the completion pool, so that nobody else
     completes it from then on (a fault about to fail it); returns whether it got it."""
+    lane: Any = None
+    """The lane its lone static message came by (see :mod:`._lanes`): the short way takes its
+    agreement's checks and header from there."""
 
     def __init__(
         self,
