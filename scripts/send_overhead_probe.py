@@ -220,13 +220,16 @@ def _measure_answered(rank, x, short, rounds=40):
 
 # What --phases times: (label, owner, attribute); the owner is resolved on the running layer.
 _PHASES = (
+    ("lane's call (Lanes.call, all)", "lanes", "call"),
+    ("  lane's check (lone_of_layout)", "lanes_module", "lone_of_layout"),
+    ("  lane's caller event", "lanes_module", "record_on_current_stream"),
     ("validate (_api._message)", "api", "_message"),
     ("caller's event (_api._caller_event)", "api", "_caller_event"),
     ("Transfer()", "transfer", "__init__"),
     ("submitted (_api._submit, all)", "api", "_submit"),
     ("engine.submit, all", "engine", "submit"),
     ("engine: short way, all", "engine", "_issue_short"),
-    ("  peer's frames read", "engine", "_read_link"),
+    ("  peer's frames handled", "engine", "_handle_frames"),
     ("  header written", "engine", "_send_header"),
     ("  links flushed", "engine", "_flush_links"),
     ("    socket written", "link", "flush"),
@@ -252,7 +255,7 @@ def _wrap_phases():
     """Wraps each step of ``_PHASES`` in a timer; returns ``{label: [seconds, ...]}``."""
     import tensorferry.p2p as tf
     from tensorferry import _native
-    from tensorferry.p2p import _api, _link, _staging, _transfer
+    from tensorferry.p2p import _api, _lanes, _link, _staging, _transfer
     from tensorferry.p2p._nccl_lib import library as nccl_library
     from tensorferry.runtime import _events
 
@@ -261,6 +264,8 @@ def _wrap_phases():
         "api": _api,
         "transfer": _transfer.Transfer,
         "engine": ctx.engine,
+        "lanes": ctx.engine.lanes,
+        "lanes_module": _lanes,
         "ctx": ctx,
         "pool": ctx.completions,
         "link": _link.Link,
@@ -330,26 +335,25 @@ def _count_reads():
 
     engine = tf._context.current().engine
     counts = {"short-way calls": 0, "reads that found frames": 0, "frames found": 0}
-    issue_short, read_link = engine._issue_short, engine._read_link
+    issue_short, handle_frames = engine._issue_short, engine._handle_frames
     inside = []
 
     def counted_issue(unit):
+        counts["short-way calls"] += 1
         inside.append(True)
         try:
             return issue_short(unit)
         finally:
             inside.pop()
 
-    def counted_read(link):
-        found = read_link(link)
-        if inside:
-            counts["short-way calls"] += 1
-            if found > 0:
-                counts["reads that found frames"] += 1
-                counts["frames found"] += found
+    def counted_handle(link, frames):
+        found = handle_frames(link, frames)
+        if inside and found > 0:
+            counts["reads that found frames"] += 1
+            counts["frames found"] += found
         return found
 
-    engine._issue_short, engine._read_link = counted_issue, counted_read
+    engine._issue_short, engine._handle_frames = counted_issue, counted_handle
     return counts
 
 

@@ -46,7 +46,11 @@ class PeerLinks:
     def _read_link(self, link: _link.Link) -> int:
         """Handles the frames that came on ``link``; returns their count, or -1 when the link
         was lost."""
-        frames = link.receive()
+        return self._handle_frames(link, link.receive())
+
+    def _handle_frames(self, link: _link.Link, frames: list[dict] | None) -> int:
+        """Handles ``frames`` read from ``link`` (``None``: it was lost); returns their count,
+        or -1 when the link was lost."""
         if frames is None:
             self._on_link_lost(link)
             return -1

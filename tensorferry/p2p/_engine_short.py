@@ -1,7 +1,7 @@
 """The p2p engine's short way for lone messages (see :meth:`ShortWay._issue_short`).
 
 A mixin of :class:`._engine.Engine`, like :mod:`._engine_faults`: it uses the engine's state
-and helpers (``_peers``, ``_units``, ``_read_link``, ``_confirm``, ``_compare_header``,
+and helpers (``_peers``, ``_units``, ``_handle_frames``, ``_confirm``, ``_compare_header``,
 ``_send_header``, ``_start``, ``ctx``) and runs under the engine's lock, on the caller's thread
 (``Engine.submit``). ``TENSORFERRY_P2P_SHORT_PATH=0`` turns it off.
 """
@@ -45,19 +45,20 @@ class ShortWay:
             return False
         if not message.static and not peer.channels[message.op.kind].peer_headers:
             return False
-        # What the frames set off (a fault, the peer's answer to one) runs as in a step: a
-        # transfer polled meanwhile (a fault settles those that finished) must not start a
-        # step of its own, which would handle other frames, faults with other peers among
-        # them, in the middle of this pair's move to its next epoch.
-        stepping = getattr(self._stepping, "on", False)
-        self._stepping.on = True
-        try:
-            read = self._read_link(peer.link)
-            usable = not read or self._on_frames_read(peer)
-        finally:
-            self._stepping.on = stepping
-        if not usable:
-            return False
+        frames = peer.link.receive()
+        if frames is None or frames:  # most reads find nothing: no step to mark then
+            # What the frames set off (a fault, the peer's answer to one) runs as in a step: a
+            # transfer polled meanwhile (a fault settles those that finished) must not start a
+            # step of its own, which would handle other frames, faults with other peers among
+            # them, in the middle of this pair's move to its next epoch.
+            stepping = getattr(self._stepping, "on", False)
+            self._stepping.on = True
+            try:
+                usable = self._handle_frames(peer.link, frames) > 0 and self._on_frames_read(peer)
+            finally:
+                self._stepping.on = stepping
+            if not usable:
+                return False
         if peer.lost is not None or peer.link is None or peer.debts:
             return False
         kind = message.op.kind

@@ -162,6 +162,9 @@ class Link:
         if sock.family in (socket.AF_INET, socket.AF_INET6):  # TCP: send each small frame now
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        # The compiled helper's calls take the descriptor; asking the socket is a call each time.
+        # -1 once closed (sock.fileno() then says the same), never a number reused since.
+        self._fd = sock.fileno()
         self.peer = peer
         self._in = bytearray()
         self._out = bytearray()
@@ -204,7 +207,7 @@ class Link:
                 return self.sock.send(data)
             except (BlockingIOError, InterruptedError):
                 return 0
-        sent = native.send_now(self.sock.fileno(), data)
+        sent = native.send_now(self._fd, data)
         if sent >= 0:
             return sent
         if -sent in _AGAIN:
@@ -222,7 +225,7 @@ class Link:
                 return b""
             except OSError:
                 return None
-        got = native.recv_now(self.sock.fileno(), self._chunk)
+        got = native.recv_now(self._fd, self._chunk)
         if got > 0:
             return memoryview(self._chunk)[:got]
         return b"" if -got in _AGAIN else None
@@ -274,5 +277,6 @@ class Link:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._fd = -1
             with contextlib.suppress(OSError):
                 self.sock.close()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -413,6 +415,52 @@ def short_way_count(rank: int, world: int, steps: int, transport: str, short: bo
     finally:
         engine._short_path = True
     return sum(taken)
+
+
+def lane_calls(rank: int, world: int, steps: int, transport: str) -> dict | int:
+    """Ranks 0 and 1 move ``steps`` lone static messages of random data (rank 1 into poisoned
+    tensor buffers, some of them parameters that require grad), then rank 0 makes two bad calls
+    (a tensor that is not contiguous, which the lane's check leaves to the general way; its own
+    rank as the peer), each raising the general way's error before anything moves, then two
+    more good messages. Returns how many calls each rank's lane took, and what the bad calls
+    raised; every byte is checked."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return -1
+    lanes = _context.current().engine.lanes
+    plain = lanes.call
+    taken: list[bool] = []
+
+    def counted(*args):
+        transfer = plain(*args)
+        taken.append(transfer is not None)
+        return transfer
+
+    lanes.call = counted
+    raised = []
+    try:
+        for step in range(steps + 2):
+            if step == steps and rank == 0:
+                strided = torch.zeros((4, 8), device=D())[:, ::2]
+                for bad, peer in ((strided, 1), (torch.zeros((4, 4), device=D()), 0)):
+                    try:
+                        tf.send(bad, peer, static=True, transport=transport)
+                    except ValueError as exc:
+                        raised.append(str(exc).split(" ")[0])
+            data = payload(0, 1, 700 + step, (4, 4), torch.float32)
+            if rank == 0:
+                tf.send(data, 1, static=True, transport=transport).wait(T)
+            else:
+                buffer = poisoned((4, 4), torch.float32)
+                if step % 3 == 2:
+                    buffer = torch.nn.Parameter(buffer)
+                got = tf.recv(buffer, 0, static=True, transport=transport).result(T)
+                assert not got.requires_grad and same_bytes(got, data), step
+                assert same_bytes(buffer.detach(), data), step
+    finally:
+        del lanes.call
+    return {"lane": sum(taken), "raised": raised}
 
 
 @contextlib.contextmanager
@@ -2008,19 +2056,25 @@ def owed_messages_fail_without_a_new_fault(rank: int, world: int) -> dict | str:
     return after
 
 
+# Keys of the store that cases use to say when they are ready: new ones each time (a case may
+# run more than once in a pool's life), the same on every rank (each counts its own calls).
+_STORE_KEYS = itertools.count()
+
+
 def short_way_reads_in_a_step(rank: int, world: int) -> dict | str:
     """Ranks 0 and 1 move lone static messages, which take the engine's short way; it reads the
     peer's frames first. Whatever those set off must run as in an engine step: a fault among
     them settles the transfers that finished, and polling one outside a step started a step of
     its own, which handled other peers' frames, faults among them, in the middle of this pair's
     move to its next epoch (which then moved twice on one side: the pair never met again).
-    Returns how many of the short way's reads ran outside a step (none should)."""
+    Returns how many of the short way's reads found frames, and how many of those handled
+    them outside a step (none should)."""
     from tensorferry.p2p import _api, _context
 
     if rank > 1:
         return "idle"
     engine = _context.current().engine
-    plain_issue, plain_read = engine._issue_short, engine._read_link
+    plain_issue, plain_handle = engine._issue_short, engine._handle_frames
     inside: list[bool] = []
     stepping: list[bool] = []
 
@@ -2031,22 +2085,42 @@ def short_way_reads_in_a_step(rank: int, world: int) -> dict | str:
         finally:
             inside.pop()
 
-    def read(link):
+    def handle(link, frames):
         if inside:
             stepping.append(getattr(engine._stepping, "on", False))
-        return plain_read(link)
+        return plain_handle(link, frames)
 
-    engine._issue_short, engine._read_link = issue, read
+    # No agreement from earlier cases: its messages would carry no headers to wait for.
+    _api._reset_pair(1 - rank, timeout=T)
+    engine._issue_short, engine._handle_frames = issue, handle
+    calls = []
     try:
+        # Rank 1 holds its engine from before rank 0's first call (rank 0 calls once rank 1
+        # said so through the store) until rank 0's headers came: its thread, which reads an
+        # idle link now and then, leaves them to rank 1's first call's short way. Rank 0 makes
+        # all its calls without waiting.
+        store = _context.current().store
+        key = f"short_way_reads_in_a_step/{next(_STORE_KEYS)}"
+        if rank == 0:
+            store.wait([key], datetime.timedelta(seconds=T))
+        else:
+            with engine._lock:
+                store.set(key, "held")
+                select.select([engine._peers[0].link.sock], [], [], T)  # rank 0's headers
+                first = tf.recv(poisoned((8,), torch.float32), 0, static=True, timeout=T)
         for i in range(8):
             sent = payload(0, 1, 50 + i, (8,), torch.float32)
             if rank == 0:
-                tf.send(sent, 1, static=True, timeout=T).wait(T)
+                calls.append((tf.send(sent, 1, static=True, timeout=T), sent))
+            elif i == 0:
+                calls.append((first, sent))
             else:
-                got = tf.recv(poisoned((8,), torch.float32), 0, static=True, timeout=T)
-                assert same_bytes(got.result(T), sent), i
+                calls.append((tf.recv(poisoned((8,), torch.float32), 0, static=True), sent))
+        for i, (transfer, sent) in enumerate(calls):
+            got = transfer.result(T)
+            assert rank == 0 or same_bytes(got, sent), i
     finally:
-        del engine._issue_short, engine._read_link
+        del engine._issue_short, engine._handle_frames
     _api._reset_pair(1 - rank, timeout=T)  # no static agreement left for later cases
     return {"reads": len(stepping), "outside a step": stepping.count(False)}
 

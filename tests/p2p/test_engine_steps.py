@@ -28,8 +28,8 @@ def test_a_batch_the_peer_owes_fails_alone(pool):
 
 def test_the_short_way_handles_frames_as_a_step(pool):
     sender, receiver = pool.run("short_way_reads_in_a_step")
+    assert receiver["reads"] > 0, receiver  # the sender's headers were there to read
     for side in (sender, receiver):
-        assert side["reads"] > 0, side  # the case exercised the short way
         assert side["outside a step"] == 0, side
 
 

@@ -474,6 +474,24 @@ def test_lone_static_messages_take_the_short_way_once_agreed(pool):
     assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]  # no agreement left behind
 
 
+def test_lone_static_calls_take_their_channels_lane_once_agreed(pool):
+    assert all(pool.run("register_speculating_gloo"))
+    for transport in ("gloo", "gloo-spec"):  # headers skipped; headers kept, issued ahead
+        assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
+        sender, receiver = pool.run("lane_calls", 12, transport)[:2]
+        # The first call sets the agreement (on the side that calls second, at once), the next
+        # opens the lane at the latest: the later calls, and those after the bad ones, take it.
+        assert sender["raised"] == ["tensors[0]", "dst=0"], (transport, sender)
+        assert receiver["raised"] == [], (transport, receiver)
+        for side in (sender, receiver):
+            assert 12 <= side["lane"] <= 13, (transport, sender, receiver)
+        # The lane outlives a broken promise: the channel starts over, and so does its lane.
+        assert pool.run("static_broken", transport)[:2] == ["shape", "shape"]
+        sender, receiver = pool.run("lane_calls", 4, transport)[:2]
+        assert sender["lane"] >= 4 and receiver["lane"] >= 4, (transport, sender, receiver)
+    assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]  # no agreement left behind
+
+
 def test_lone_messages_whose_peer_called_first_take_the_short_way(pool):
     """The side that calls second finds the peer's header and issues at once, static or not;
     the first side's calls wait for headers, so they go the full way, but for those of a
