@@ -36,7 +36,8 @@ class ShortWay:
         the engine thread wakes for it and takes turns at the GIL with the caller); a fault
         among it is handled before the checks. Other peers' frames wait for the next step. A
         message that is not static reads nothing here unless a header of the peer's was read
-        already: the full step, which it then takes, would read the link again."""
+        already: the full step, which it then takes, would read the link again. Nor does a
+        message that came by its channel's lane (see below)."""
         if len(unit.messages) != 1 or unit.after is not None or self._stopping:
             return False
         message = unit.messages[0]
@@ -45,7 +46,12 @@ class ShortWay:
             return False
         if not message.static and not peer.channels[message.op.kind].peer_headers:
             return False
-        frames = peer.link.receive()
+        # A lane's message reads nothing: its system call was a tenth of the call's host time,
+        # and what it finds there is for later (the peer's headers of messages issued ahead,
+        # which whoever waits for them reads) or could as well have come a moment later (a
+        # fault, which then fails this message too). Other calls read, so that what the peer
+        # sent is handled before the checks.
+        frames = [] if unit.lane is not None else peer.link.receive()
         if frames is None or frames:  # most reads find nothing: no step to mark then
             # What the frames set off (a fault, the peer's answer to one) runs as in a step: a
             # transfer polled meanwhile (a fault settles those that finished) must not start a
