@@ -8,11 +8,17 @@ and helpers (``_peers``, ``_units``, ``_handle_frames``, ``_confirm``, ``_compar
 
 from __future__ import annotations
 
+import time
+
 from tensorferry.errors import MismatchError
 from tensorferry.p2p import _trace
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["ShortWay"]
+
+# How recently (seconds) the link to the peer must have been read for a lane's message to skip
+# its own read (see ShortWay._issue_short).
+_FRESH_READ_S = 1e-3
 
 
 class ShortWay:
@@ -37,7 +43,7 @@ class ShortWay:
         among it is handled before the checks. Other peers' frames wait for the next step. A
         message that is not static reads nothing here unless a header of the peer's was read
         already: the full step, which it then takes, would read the link again. Nor does a
-        message that came by its channel's lane (see below)."""
+        message that came by its channel's lane where the link was read a moment ago."""
         if len(unit.messages) != 1 or unit.after is not None or self._stopping:
             return False
         message = unit.messages[0]
@@ -46,12 +52,16 @@ class ShortWay:
             return False
         if not message.static and not peer.channels[message.op.kind].peer_headers:
             return False
-        # A lane's message reads nothing: its system call was a tenth of the call's host time,
-        # and what it finds there is for later (the peer's headers of messages issued ahead,
-        # which whoever waits for them reads) or could as well have come a moment later (a
-        # fault, which then fails this message too). Other calls read, so that what the peer
-        # sent is handled before the checks.
-        frames = [] if unit.lane is not None else peer.link.receive()
+        # A lane's message reads nothing where the link was read within _FRESH_READ_S (the
+        # caller's wait for its last transfer, in a ping-pong): the system call was a tenth of
+        # the call's host time, and what came since could as well still be on its way (the
+        # peer's headers of messages issued ahead, which whoever waits for them reads; a fault
+        # notice, which then fails this message too, as it would had it come a moment later).
+        link = peer.link
+        if unit.lane is not None and time.monotonic() - link.read_at < _FRESH_READ_S:
+            frames = []
+        else:
+            frames = link.receive()
         if frames is None or frames:  # most reads find nothing: no step to mark then
             # What the frames set off (a fault, the peer's answer to one) runs as in a step: a
             # transfer polled meanwhile (a fault settles those that finished) must not start a
@@ -60,7 +70,7 @@ class ShortWay:
             stepping = getattr(self._stepping, "on", False)
             self._stepping.on = True
             try:
-                usable = self._handle_frames(peer.link, frames) > 0 and self._on_frames_read(peer)
+                usable = self._handle_frames(link, frames) > 0 and self._on_frames_read(peer)
             finally:
                 self._stepping.on = stepping
             if not usable:

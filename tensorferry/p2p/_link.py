@@ -30,6 +30,7 @@ import secrets
 import selectors
 import socket
 import struct
+import time
 from typing import Any
 
 from tensorferry import _native
@@ -171,6 +172,7 @@ class Link:
         self._chunk = bytearray(_CHUNK)  # what one read through the compiled helper takes in
         self.closed = False
         self.interest = selectors.EVENT_READ  # what the engine's selector watches it for
+        self.read_at = float("-inf")  # monotonic time of the last receive()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -248,6 +250,7 @@ class Link:
 
     def receive(self) -> list[dict[str, Any]] | None:
         """Reads what is available. Returns the complete frames, or ``None`` at EOF/reset."""
+        self.read_at = time.monotonic()
         while True:
             chunk = self._recv()
             if chunk is None:
