@@ -18,8 +18,9 @@ one process per GPU:
   by the engine's short way for agreed static messages and, for comparison, by its full step
   (the short way switched off on the running engine, as ``TENSORFERRY_P2P_SHORT_PATH=0`` does).
 
-Usage (2 GPUs): ``python scripts/send_floor_probe.py [--profile]`` (``--profile``: the
-``tf.send`` calls under ``cProfile``, its 25 most costly functions).
+Usage (2 GPUs): ``python scripts/send_floor_probe.py [--profile] [--elements N]``
+(``--profile``: the ``tf.send`` calls under ``cProfile``, its 25 most costly functions;
+``--elements N``: a message of N float32 values instead of 256, i.e. 1 KiB).
 """
 
 import contextlib
@@ -47,7 +48,7 @@ def worker(rank, world, cfg):
     peer = 1 - rank
     prof = cProfile.Profile() if cfg["profile"] and rank == 0 else None
     device = tf._context.current().device
-    x = torch.ones(256, device=device)
+    x = torch.ones(cfg["elements"], device=device)
     out = {}
     with torch_group("probe/send_floor", timeout_s=120):
         lib = library()
@@ -181,8 +182,10 @@ if __name__ == "__main__":
     from tensorferry.p2p._launch import run_world
 
     profile = "--profile" in sys.argv  # tf.send under cProfile (its times inflate)
-    res = run_world(worker, {"profile": profile}, backend="nccl", timeout=300)
-    print("median host µs of the sending call (rank 0), two interleaved rounds:")
+    elements = int(sys.argv[sys.argv.index("--elements") + 1]) if "--elements" in sys.argv else 256
+    cfg = {"profile": profile, "elements": elements}
+    res = run_world(worker, cfg, backend="nccl", timeout=300)
+    print(f"median host µs of the sending call (rank 0, {elements * 4} bytes), two interleaved rounds:")
     for name, values in res[0].items():
         if name != "profile":
             print(f"  {name:32s} " + "  ".join(f"{v:7.1f}" for v in values))
