@@ -185,7 +185,7 @@ if __name__ == "__main__":
     elements = int(sys.argv[sys.argv.index("--elements") + 1]) if "--elements" in sys.argv else 256
     cfg = {"profile": profile, "elements": elements}
     res = run_world(worker, cfg, backend="nccl", timeout=300)
-    print(f"median host µs of the sending call (rank 0, {elements * 4} bytes), two interleaved rounds:")
+    print(f"median host µs of the sending call (rank 0, {elements * 4} bytes), two rounds:")
     for name, values in res[0].items():
         if name != "profile":
             print(f"  {name:32s} " + "  ".join(f"{v:7.1f}" for v in values))
