@@ -14,11 +14,20 @@ from tensorferry.errors import MismatchError
 from tensorferry.p2p import _trace
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
-__all__ = ["ShortWay"]
+__all__ = ["ShortWay", "set_agreed_header"]
 
 # How recently (seconds) the link to the peer must have been read for a lane's message to skip
 # its own read (see ShortWay._issue_short).
 _FRESH_READ_S = 1e-3
+
+
+def set_agreed_header(message: Message, *, speculates: bool, frame_came: bool) -> None:
+    """The header's fate of a message of an agreed static channel that may go: on a transport
+    that issues such messages ahead, it keeps its header (the peer checks every message
+    against its own, see ``_confirm``) and is confirmed only if the peer's header came; on one
+    that skips headers, it has none."""
+    message.header = speculates
+    message.confirmed = frame_came or not speculates
 
 
 class ShortWay:
@@ -90,13 +99,13 @@ class ShortWay:
             return False
         frame = channel.peer_headers.get(seq)
         lane = unit.lane
-        if lane is not None and lane.holds(peer, channel):
+        if lane is not None and not lane.holds(peer, channel):
+            lane = None
+        if lane is not None:
             goes = lane.lets_go(message, frame)
         elif channel.static_desc is not None:
-            lane = None
             goes = self._agreed(peer, channel, message, frame)
         else:
-            lane = None
             goes = self._answered(peer, channel, message, frame)
         if not goes:
             return False
@@ -134,11 +143,7 @@ class ShortWay:
                 self._compare_header(peer, message, frame)
             except MismatchError:
                 return False  # the full step reports it (and faults the pair)
-        if speculates:  # the peer checks every message against its own (see _confirm)
-            message.header = True
-            message.confirmed = frame is not None
-        else:
-            message.header = False
+        set_agreed_header(message, speculates=speculates, frame_came=frame is not None)
         return True
 
     def _answered(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorferry.p2p._engine_short import set_agreed_header
 from tensorferry.p2p._engine_state import Message, Unit
 from tensorferry.p2p._spec import Descriptor, descriptor_text, lone_of_layout
 from tensorferry.p2p._transfer import Transfer
@@ -101,11 +102,7 @@ class Lane:
         ``frame`` for it differs: the full step reports that), its header's fate set on it."""
         if frame is not None and (frame["t"] != self.name or frame["d"] != self.text):
             return False
-        if self.speculates:  # the peer checks every message against its own (see _confirm)
-            message.header = True
-            message.confirmed = frame is not None
-        else:
-            message.header = False
+        set_agreed_header(message, speculates=self.speculates, frame_came=frame is not None)
         return True
 
     def header(self, seq: int) -> bytes:
@@ -170,19 +167,21 @@ class Lanes:
             and lane.version == registry_version()
         ):
             return
+        # Read without the engine's lock (one more lock per call of the general way, where no
+        # lane opens): a lane is only a cache of what those calls work out, and the engine
+        # checks under its lock that the channel it goes on keeps the agreement (Lane.holds).
         engine = self._engine
-        with engine._lock:
-            state = engine._peers.get(peer)
-            if state is None or engine._stopping:
-                return
-            channel = state.channels[kind]
-            if channel.static_desc != message.desc or channel.static_transport != message.transport:
-                return  # not agreed yet (the peer's header has not come), or another layout
-            transport = engine.ctx.transport(message.transport)
-            if not (transport.static_speculates or transport.static_skips_headers):
-                return  # the short way never takes this transport's messages
-            device = message.op.tensors[0].device
-            self._lanes[(kind, peer)] = Lane(message, requested, transport, device)
+        state = engine._peers.get(peer)
+        if state is None or engine._stopping:
+            return
+        channel = state.channels[kind]
+        if channel.static_desc != message.desc or channel.static_transport != message.transport:
+            return  # not agreed yet (the peer's header has not come), or another layout
+        transport = engine.ctx.transport(message.transport)
+        if not (transport.static_speculates or transport.static_skips_headers):
+            return  # the short way never takes this transport's messages
+        device = message.op.tensors[0].device
+        self._lanes[(kind, peer)] = Lane(message, requested, transport, device)
 
     def close(self) -> None:
         self._lanes.clear()
