@@ -265,7 +265,7 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     with pytest.raises(TypeError, match="issue_lone"):
         native.issue_lone(1, 1, t)
     entries = dict(move=1, datatype=1, tensor=t, peer=1, comm=1, stream=1, wait=1)
-    entries.update(caller_event=0, record=1, done_event=1, hold_gil=False)
+    entries.update(caller_event=0, caller_stream=None, record=1, done_event=1, hold_gil=False)
     with pytest.raises(ValueError, match="contiguous CUDA tensor"):
         native.issue_lone(*entries.values())
     with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
@@ -273,6 +273,11 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     for name in ("move", "wait", "record", "done_event"):
         with pytest.raises(ValueError, match="null entry point"):
             native.issue_lone(*{**entries, name: 0}.values())
+    # A caller's event to record (its stream given) must be there: the default stream is 0.
+    with pytest.raises(ValueError, match="caller's event to record"):
+        native.issue_lone(*{**entries, "caller_stream": 0}.values())
+    with pytest.raises(TypeError):
+        native.issue_lone(*{**entries, "caller_stream": "a stream"}.values())
     with pytest.raises(TypeError, match="send_now"):
         native.send_now(1)
     with pytest.raises(TypeError, match="recv_now"):

@@ -408,15 +408,17 @@ int move_bytes(void* move, const void* buffer, size_t nbytes, int datatype, int 
   return code;
 }
 
-// issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, record,
-//            done_event, hold_gil) -> None or (step, code)
+// issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, caller_stream,
+//            record, done_event, hold_gil) -> None or (step, code)
 //
-// Makes `stream` wait for `caller_event` (none when 0), calls `move` (ncclSend or ncclRecv)
-// with `tensor`'s bytes (a contiguous CUDA tensor: the caller checked it) as `datatype`, then
-// records `done_event` on `stream`. None when all three succeeded; else the step that failed,
+// Records `caller_event` on `caller_stream` where that is not None (a p2p call puts the record
+// of its caller's event off until its issue: tensorferry/runtime/_events.py), makes `stream`
+// wait for `caller_event` (none when 0), calls `move` (ncclSend or ncclRecv) with `tensor`'s
+// bytes (a contiguous CUDA tensor: the caller checked it) as `datatype`, then records
+// `done_event` on `stream`. None when all succeeded; else the step that failed, "caller" or
 // "wait" (nothing issued), "nccl" (nothing issued) or "record" (issued, no event recorded),
 // and the code it returned. The CUDA calls work in the calling thread's current device's
-// context only: the caller checks it is the stream's.
+// context only: the caller checks it is the stream's (and the caller's stream's).
 //
 // The GIL is released around `move` unless `hold_gil` is true. Released, another of the
 // process's threads (the completion pool's poller, in a burst of sends) takes it while NCCL
@@ -425,10 +427,10 @@ int move_bytes(void* move, const void* buffer, size_t nbytes, int datatype, int 
 // only where `move` cannot block for long: with few transfers in flight, the device's launch
 // queue has room, and a connected pair's send or receive only launches.
 PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 11) {
+  if (nargs != 12) {
     PyErr_SetString(PyExc_TypeError,
                     "issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, "
-                    "record, done_event, hold_gil)");
+                    "caller_stream, record, done_event, hold_gil)");
     return nullptr;
   }
   void* move = nullptr;
@@ -436,12 +438,15 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   void* stream = nullptr;
   void* wait = nullptr;
   void* caller_event = nullptr;
+  void* caller_stream = nullptr;
   void* record = nullptr;
   void* done_event = nullptr;
+  const bool records_caller = args[8] != Py_None;
   if (!pointer_arg(args[0], &move) || !pointer_arg(args[4], &comm) ||
       !pointer_arg(args[5], &stream) || !pointer_arg(args[6], &wait) ||
-      !pointer_arg(args[7], &caller_event) || !pointer_arg(args[8], &record) ||
-      !pointer_arg(args[9], &done_event)) {
+      !pointer_arg(args[7], &caller_event) ||
+      (records_caller && !pointer_arg(args[8], &caller_stream)) ||
+      !pointer_arg(args[9], &record) || !pointer_arg(args[10], &done_event)) {
     return nullptr;
   }
   const long datatype = PyLong_AsLong(args[1]);
@@ -449,12 +454,14 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   if ((datatype == -1 || peer == -1) && PyErr_Occurred()) {
     return nullptr;
   }
-  const int hold_gil = PyObject_IsTrue(args[10]);
+  const int hold_gil = PyObject_IsTrue(args[11]);
   if (hold_gil < 0) {
     return nullptr;
   }
-  if (move == nullptr || wait == nullptr || record == nullptr || done_event == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "issue_lone: a null entry point or completion event");
+  if (move == nullptr || wait == nullptr || record == nullptr || done_event == nullptr ||
+      (records_caller && caller_event == nullptr)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "issue_lone: a null entry point, completion event or caller's event to record");
     return nullptr;
   }
   if (!THPVariable_Check(args[2])) {
@@ -470,7 +477,11 @@ PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   const size_t nbytes = static_cast<size_t>(tensor.nbytes());
   const char* failed = nullptr;
   int code = 0;
-  if (caller_event != nullptr) {
+  if (records_caller) {
+    code = reinterpret_cast<CudaEventRecord>(record)(caller_event, caller_stream);
+    failed = code != 0 ? "caller" : nullptr;
+  }
+  if (failed == nullptr && caller_event != nullptr) {
     code = reinterpret_cast<CudaStreamWaitEvent>(wait)(stream, caller_event, 0);
     failed = code != 0 ? "wait" : nullptr;
   }

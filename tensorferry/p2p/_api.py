@@ -31,7 +31,7 @@ from tensorferry.p2p._spec import (
 )
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
-from tensorferry.runtime._events import record_on_current_stream
+from tensorferry.runtime._events import to_record_on_current_stream
 
 __all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_gather"]
 
@@ -64,13 +64,14 @@ def _message(
     return message, single
 
 
-def _caller_event(messages: Sequence[Message], device: torch.device) -> Any:
-    """An event after the work queued so far on the caller's current stream of ``device`` (its
-    CUDA tensors are there), or ``None`` for a call with CPU tensors only."""
+def _caller_event(messages: Sequence[Message], device: torch.device) -> tuple[Any, Any]:
+    """An event of the work queued so far on the caller's current stream of ``device`` (its
+    CUDA tensors are there) and where it is still to be recorded (``Unit.caller_stream``), or
+    ``(None, None)`` for a call with CPU tensors only."""
     for m in messages:  # a loop, not any() of a generator: most calls have one message
         if m.op.tensors[0].is_cuda:
-            return record_on_current_stream(device.index)
-    return None
+            return to_record_on_current_stream(device.index)
+    return None, None
 
 
 def _deadline(ctx: _context.P2PContext, timeout: float | None) -> float:
@@ -104,8 +105,10 @@ def _submit(
     else:
         transfer._deadline = deadline
         transfer._value = value
-    event = _caller_event(messages, ctx.device) if caller_event is True else caller_event
-    unit = Unit(messages, transfer, deadline, caller_event=event, after=after)
+    event, raw = (
+        _caller_event(messages, ctx.device) if caller_event is True else (caller_event, None)
+    )
+    unit = Unit(messages, transfer, deadline, caller_event=event, caller_stream=raw, after=after)
     if after is not None:
         after.awaited = True
         unit.after_issued_is_enough = all(m.op.tensors[0].is_cuda for m in messages) and all(

@@ -33,7 +33,12 @@ from tensorferry.p2p._transport import (
     registry_version,
 )
 from tensorferry.runtime._devices import cuda_device_count
-from tensorferry.runtime._events import record_on_stream, recycle, stream_wait
+from tensorferry.runtime._events import (
+    record_on_stream,
+    record_when_issued,
+    recycle,
+    stream_wait,
+)
 from tensorferry.runtime._stream_switch import on_stream
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
@@ -238,12 +243,12 @@ class P2PContext:
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             return None
-        started = transport.start_lone_between(op, stream, unit.caller_event)
+        started = transport.start_lone_between(op, stream, unit.caller_event, unit.caller_stream)
         if started is None:
             return None
         pending, done = started
-        recycle(unit.caller_event, index)  # waited for: free to record again
-        unit.caller_event = None
+        recycle(unit.caller_event, index)  # recorded and waited for: free to record again
+        unit.caller_event = unit.caller_stream = None
         unit.pending.append(pending)
         return done
 
@@ -283,11 +288,19 @@ class P2PContext:
         index = self.device.index
         if torch._C._cuda_getDevice() != index:
             self._own_thread_to_device()
+        if unit.caller_stream is not None:
+            self.record_caller(unit)
         event = unit.caller_event
         if event is not None:
             stream_wait(stream, event)
             recycle(event, index)  # the wait is enqueued: free to record again
             unit.caller_event = None
+
+    def record_caller(self, unit: Any) -> None:
+        """Records ``unit``'s caller event where it was put off to (``Unit.caller_stream``):
+        on the caller's thread, before its call returns."""
+        record_when_issued(unit.caller_event, self.device.index, unit.caller_stream)
+        unit.caller_stream = None
 
     def _own_thread_to_device(self) -> None:
         """Makes this rank's device current on a thread of the library's own that issues

@@ -224,6 +224,8 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
                 raise TensorFerryError("tf.shutdown() was called: no new transfers")
             if self._short_path and self._issue_short(unit):
                 return
+            if unit.caller_stream is not None:  # before anything can issue it, in this call
+                self.ctx.record_caller(unit)
             # What already arrived first (a fault notice moves the pair to its next epoch
             # before this unit is numbered), then the unit.
             self._handle(self._selector.select(0), accept=unit)

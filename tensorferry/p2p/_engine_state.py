@@ -63,6 +63,11 @@ class Unit:
     claim: Any = None
     """Once issued: takes its completion from the completion pool, so that nobody else
     completes it from then on (a fault about to fail it); returns whether it got it."""
+    caller_stream: Any = None
+    """Where ``caller_event`` is still to be recorded: the raw handle of the caller's current
+    stream (``runtime._events.to_record_on_current_stream``). The engine records it before
+    ``submit`` returns, in the issue's compiled call where it can; ``None`` once recorded (or
+    where there is none)."""
     lane: Any = None
     """The lane its lone static message came by (see :mod:`._lanes`): the short way takes its
     agreement's checks and header from there."""
@@ -74,12 +79,15 @@ class Unit:
         deadline: float,
         *,
         caller_event: Any = None,
+        caller_stream: Any = None,
         after: Unit | None = None,
     ) -> None:
         self.messages = messages
         self.transfer = transfer
         self.deadline = deadline
         self.caller_event = caller_event
+        if caller_stream is not None:
+            self.caller_stream = caller_stream
         # A unit that must finish first (a ring step reads what the previous step received).
         self.after = after
         self.pending: list[PendingOps] = []

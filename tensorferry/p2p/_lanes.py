@@ -28,7 +28,7 @@ from tensorferry.p2p._engine_state import Message, Unit
 from tensorferry.p2p._spec import Descriptor, descriptor_text, lone_of_layout
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp, Transport, registry_version
-from tensorferry.runtime._events import record_on_current_stream
+from tensorferry.runtime._events import to_record_on_current_stream
 
 if TYPE_CHECKING:
     from tensorferry.p2p._engine import Engine
@@ -148,8 +148,11 @@ class Lanes:
         )
         transfer._driver = engine
         message = Message(P2POp(kind, peer, tensors, lane.desc), lane.name, lane.desc, True)
-        event = record_on_current_stream(lane.device.index) if lane.cuda else None
-        unit = Unit([message], transfer, deadline, caller_event=event)
+        if lane.cuda:  # recorded as it is issued (Unit.caller_stream)
+            event, raw = to_record_on_current_stream(lane.device.index)
+            unit = Unit([message], transfer, deadline, caller_event=event, caller_stream=raw)
+        else:
+            unit = Unit([message], transfer, deadline)
         unit.lane = lane
         engine.submit(unit)
         return transfer

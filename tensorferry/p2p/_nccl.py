@@ -121,14 +121,22 @@ class _NativePair:
         return _NcclPending([(self, None)], [])
 
     def start_lone_between(
-        self, native: Any, kind: str, tensor: torch.Tensor, stream: Any, caller_event: Any
+        self,
+        native: Any,
+        kind: str,
+        tensor: torch.Tensor,
+        stream: Any,
+        caller_event: Any,
+        caller_stream: Any = None,
     ) -> tuple[_NcclPending, Any] | None:
         """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none) before it and
         the completion event after it, in one call of the compiled helper ``native`` (which
         keeps the GIL through the NCCL call where :meth:`may_hold_gil`); returns what was
-        started and that event. ``None``, having issued nothing, where it cannot: an empty
-        tensor, no GIL-holding CUDA event calls, a wait that failed. The calling thread's current
-        device must be the stream's."""
+        started and that event. With ``caller_stream`` (a raw stream handle) the caller's event
+        is recorded there first, in the same call. ``None``, having issued nothing (nor
+        recorded the caller's event), where it cannot: an empty tensor, no GIL-holding CUDA
+        event calls, a record or wait that failed. The calling thread's current device must
+        be the stream's."""
         points = _events.entry_points()
         if points is None or not tensor.numel():
             return None
@@ -144,6 +152,7 @@ class _NativePair:
             stream.cuda_stream,
             wait,
             0 if caller_event is None else caller_event.cuda_event,
+            caller_stream,
             record,
             done.cuda_event,
             self.may_hold_gil(),
@@ -157,7 +166,7 @@ class _NativePair:
         call = "cudaStreamWaitEvent" if step == "wait" else "cudaEventRecord"
         _events.give_up_calls(f"{call} failed ({code})")
         _events.recycle(done, index)
-        if step == "wait":
+        if step in ("caller", "wait"):
             return None  # nothing issued: the general way, with torch's calls now
         return _NcclPending([(self, None)], []), _events.record_on_stream(stream)
 
@@ -401,7 +410,7 @@ class NcclTransport(Transport):
         return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any
+        self, op: P2POp, stream: Any, caller_event: Any, caller_stream: Any = None
     ) -> tuple[PendingOps, Any] | None:
         # On our own communicator, with the compiled helper: the NCCL call and the CUDA calls
         # around it as one call (_NativePair.start_lone_between).
@@ -411,7 +420,9 @@ class NcclTransport(Transport):
         pair = communicator_cache().get(self._direction_key(op.peer, op.kind))
         if type(pair) is not _NativePair:
             return None
-        return pair.start_lone_between(native, op.kind, op.tensors[0], stream, caller_event)
+        return pair.start_lone_between(
+            native, op.kind, op.tensors[0], stream, caller_event, caller_stream
+        )
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}

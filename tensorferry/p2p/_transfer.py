@@ -29,17 +29,24 @@ __all__ = ["Transfer"]
 log = logging.getLogger(__name__)
 
 
+# Taken around what threads of a transfer must not interleave: an outcome set against a callback
+# added, finishing on a library thread against a user's callback added (see Transfer), and the
+# making of a latch's lock. Shared by every transfer: each holds it for a few lines that never
+# block, and a lock made per transfer (there were four) cost more than all its holds.
+_GUARD = threading.RLock()
+
+
 class _Latch:
     """A one-way flag that threads can block on: ``threading.Event``'s ``set``/``is_set``/
-    ``wait`` for a flag that is only ever set, at a twentieth of its cost to make (one lock,
-    held while unset, instead of a condition variable); every ``tf.send`` makes one."""
+    ``wait`` for a flag that is only ever set, at a fraction of its cost to make: its lock
+    (held while unset) is made only when a thread must block on it. Most latches are set before
+    anybody waits (every ``tf.send`` makes two), and a waiter polls a while before it blocks."""
 
     __slots__ = ("_flag", "_lock")
 
     def __init__(self) -> None:
         self._flag = False
-        self._lock = threading.Lock()
-        self._lock.acquire()
+        self._lock: threading.Lock | None = None
 
     def is_set(self) -> bool:
         return self._flag
@@ -48,12 +55,25 @@ class _Latch:
         if self._flag:
             return
         self._flag = True
-        self._release()
+        # After the flag: a waiter that made its lock before this read is released here; one
+        # that made it after sees the flag when it looks again (Latch.wait).
+        if self._lock is not None:
+            self._release()
 
     def wait(self, timeout: float) -> bool:
         if self._flag:
             return True
-        if self._lock.acquire(timeout=max(0.0, timeout)):
+        lock = self._lock
+        if lock is None:
+            with _GUARD:
+                lock = self._lock
+                if lock is None:
+                    lock = threading.Lock()
+                    lock.acquire()
+                    self._lock = lock
+        if self._flag:  # set before its setter could see the lock
+            return True
+        if lock.acquire(timeout=max(0.0, timeout)):
             self._release()  # let the next waiter through too
         return self._flag
 
@@ -61,7 +81,7 @@ class _Latch:
         # Two setters, or a setter and a waiter passing it on, may both release: fine.
         # (try/except, not contextlib.suppress: that is an object and two calls per send.)
         try:  # noqa: SIM105
-            self._lock.release()
+            self._lock.release()  # type: ignore[union-attr]
         except RuntimeError:
             pass
 
@@ -73,13 +93,12 @@ class _Outcome:
     since every ``tf.send`` makes one. Callbacks run on the thread that sets it, or at once on
     the adder's when it is already set; their exceptions are logged, as a future's are."""
 
-    __slots__ = ("_callbacks", "_exception", "_latch", "_lock")
+    __slots__ = ("_callbacks", "_exception", "_latch")
 
     def __init__(self) -> None:
         self._latch = _Latch()
-        self._lock = threading.Lock()  # setting it against adding a callback
         self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[_Outcome], Any]] = []
+        self._callbacks: list[Callable[[_Outcome], Any]] | None = None  # made by the first
 
     def done(self) -> bool:
         return self._latch.is_set()
@@ -90,18 +109,21 @@ class _Outcome:
         Raises:
             concurrent.futures.InvalidStateError: it was set already.
         """
-        with self._lock:
+        with _GUARD:  # against a callback being added
             if self._latch.is_set():
                 raise InvalidStateError("the outcome is already set")
             self._exception = exc
             self._latch.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            self._call(fn)
+            callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            for fn in callbacks:
+                self._call(fn)
 
     def add_done_callback(self, fn: Callable[[_Outcome], Any]) -> None:
-        with self._lock:
+        with _GUARD:
             if not self._latch.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         self._call(fn)
@@ -147,6 +169,26 @@ class Transfer:
         description: what is transferred, for messages (``"send 2 tensor(s) to rank 1"``).
     """
 
+    # Class-level defaults of what most transfers set later or never (every tf.send makes
+    # one transfer, and each attribute set in __init__ is paid for by all of them):
+    _has_callbacks = False
+    """Are there user callbacks? Under ``_GUARD`` against finishing on a library thread that
+    must not run them (see ``_finish_if_no_callbacks``)."""
+    _done_event: Any = None
+    """The ``torch.cuda.Event`` recorded after the device work."""
+    _ready: Callable[[], bool] | None = None
+    """Once issued: a non-blocking "all device/host work finished" predicate. A waiting caller
+    polls it itself for a short window (``runtime._spin``) instead of sleeping until the
+    completion pool tells it, which costs a thread wake-up or two."""
+    _settle: Callable[[], bool] | None = None
+    _expedite: Callable[[], None] | None = None
+    """Hands the transfer to the completion pool without the pool's usual delay: called before
+    a caller blocks on the future (see ``CompletionPool.expedite``)."""
+    _seen_ready = False
+    _driver: Any = None
+    """The p2p engine: a waiting caller drives it (reads the peers' headers, issues) rather than
+    sleep until the engine's own thread wakes up to do it."""
+
     def __init__(
         self, description: str | Callable[[], str], *, deadline: float, value: Any = None
     ) -> None:
@@ -156,23 +198,6 @@ class Transfer:
         self._value = value
         self._outcome = _Outcome()
         self._issued = _Latch()
-        # Guards "are there user callbacks?" against finishing on a library thread that must
-        # not run them (see _finish_if_no_callbacks).
-        self._callbacks_lock = threading.Lock()
-        self._has_callbacks = False
-        self._done_event: Any = None  # torch.cuda.Event recorded after the device work
-        # Once issued: a non-blocking "all device/host work finished" predicate. A waiting
-        # caller polls it itself for a short window (runtime._spin) instead of sleeping until
-        # the completion pool tells it, which costs a thread wake-up or two.
-        self._ready: Callable[[], bool] | None = None
-        self._settle: Callable[[], bool] | None = None
-        # Hands the transfer to the completion pool without the pool's usual delay: called
-        # before a caller blocks on the future (see CompletionPool.expedite).
-        self._expedite: Callable[[], None] | None = None
-        self._seen_ready = False
-        # The p2p engine: a waiting caller drives it (reads the peers' headers, issues) rather
-        # than sleep until the engine's own thread wakes up to do it.
-        self._driver: Any = None
 
     @property
     def description(self) -> str:
@@ -225,9 +250,12 @@ class Transfer:
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
         """Calls ``fn(transfer)`` once done, on a completion-pool thread (at once, on this
         thread, if already done). Exceptions from ``fn`` are logged and ignored."""
-        with self._callbacks_lock:
+        with _GUARD:
             self._has_callbacks = True
-            self._outcome.add_done_callback(lambda _f: fn(self))
+        # Outside the guard: on a transfer done already, fn runs here and now, and may wait on
+        # another transfer, whose completion takes the guard. One that finishes in between
+        # finishes as one with callbacks (on a worker): fn then runs here, as it would later.
+        self._outcome.add_done_callback(lambda _f: fn(self))
         self._hand_over()  # nobody may poll it: the pool must, without its delay
 
     # ------------------------------------------------------------------ streams
@@ -333,7 +361,7 @@ class Transfer:
         """Completes the transfer successfully here unless user callbacks are registered
         (those must run on a completion-pool worker); returns whether it did. A callback
         added afterwards runs at once on its adder's thread, as for any finished future."""
-        with self._callbacks_lock:
+        with _GUARD:
             if self._has_callbacks:
                 return False
             self._finish(None)

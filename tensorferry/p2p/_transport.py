@@ -484,14 +484,16 @@ class Transport(abc.ABC):
         return None
 
     def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any
+        self, op: P2POp, stream: Any, caller_event: Any, caller_stream: Any = None
     ) -> tuple[PendingOps, Any] | None:
         """:meth:`start_lone` with the rest of the issue in the same step: ``stream``'s wait
         for ``caller_event`` (an event of the caller's work, or ``None``) before it, and a
         pooled completion event recorded after it (``runtime._events``), which it returns with
-        what it started. The calling thread's current device is the stream's. ``None``, having
-        done nothing, where it has no such way (the layer then waits, starts and records
-        itself). Default: none."""
+        what it started. Where ``caller_stream`` is given (a raw stream handle), the caller's
+        event is first recorded there (``runtime._events.to_record_on_current_stream``). The
+        calling thread's current device is the stream's. ``None``, having done nothing (the
+        caller's event still to be recorded), where it has no such way (the layer then
+        records, waits, starts and records itself). Default: none."""
         return None
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027

@@ -337,6 +337,52 @@ def test_transfer_outcome_is_set_once_and_calls_back_once(caplog):
     assert "a transfer's done callback raised" in caplog.text  # logged; the others still ran
 
 
+def test_a_latch_set_before_anyone_waits_makes_no_lock_and_a_late_waiter_returns():
+    import threading
+
+    from tensorferry.p2p._transfer import _Latch
+
+    latch = _Latch()
+    latch.set()
+    assert latch._lock is None  # nobody waited: no lock was made
+    assert latch.wait(0.0) and latch.wait(5.0)
+    # A waiter that made its lock just before the set (the set sees the lock) is released.
+    racing = _Latch()
+    assert not racing.wait(0.0) and racing._lock is not None
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(racing.wait(5.0)))
+    waiter.start()
+    racing.set()
+    waiter.join(5.0)
+    assert woke == [True]
+
+
+def test_a_done_callback_that_waits_on_another_transfers_completion_does_not_hang():
+    import threading
+    import time
+
+    from tensorferry.p2p._transfer import Transfer
+
+    deadline = time.monotonic() + 10
+    first = Transfer("send 1 tensor(s) to rank 1", deadline=deadline)
+    second = Transfer("send 1 tensor(s) to rank 1", deadline=deadline)
+    first._finish(None)
+    finished_elsewhere, hung = [], []
+
+    def waits_for_second(transfer):
+        # Completed on another thread, as the completion pool completes a transfer.
+        finisher = threading.Thread(
+            target=lambda: finished_elsewhere.append(second._finish_if_no_callbacks())
+        )
+        finisher.start()
+        finisher.join(5.0)
+        hung.append(finisher.is_alive())  # (an assert here would only be logged)
+
+    first.add_done_callback(waits_for_second)  # done already: runs here, now
+    assert hung == [False] and finished_elsewhere == [True] and second.done()
+    second.wait(1.0)
+
+
 def test_nccl_calls_setting(monkeypatch):
     from tensorferry import envs
     from tensorferry.p2p import _nccl_lib
