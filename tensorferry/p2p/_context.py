@@ -202,6 +202,13 @@ class P2PContext:
     # ------------------------------------------------------------------ issuing
     def issue(self, unit: Any) -> Any:
         """Starts a unit's transports (under the engine's lock); returns the CUDA done event."""
+        lane = unit.lane
+        if lane is not None and lane.cuda:  # a lone tensor whose transport is known already
+            op = unit.messages[0].op
+            stream = self.send_stream if op.kind == "send" else self.recv_stream
+            done = self._start_lone_between(lane.transport, op, stream, unit)
+            if done is not None:
+                return done
         messages = unit.messages
         if len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
             message = messages[0]

@@ -89,6 +89,10 @@ class _NativePair:
         # Its first message (the warm-up) connects the two ranks, a rendezvous: until that is
         # done, every NCCL call lets go of the GIL.
         self.connected = False
+        # What a lone message started: the same for every one (the completion event covers
+        # the work; ready() polls the communicator), so made once. A reference cycle, broken
+        # by abort() (every pair leaving the cache is aborted): nothing for the collector.
+        self.lone_pending: _NcclPending | None = _NcclPending([(self, None)], [])
 
     def may_hold_gil(self) -> bool:
         """Whether NCCL's calls that launch this pair's work may keep the GIL: the pair is
@@ -118,7 +122,7 @@ class _NativePair:
         if not tensor.numel():
             return _NcclPending([], [])
         self.move_alone(kind, tensor, handle)
-        return _NcclPending([(self, None)], [])
+        return self._lone_pending()
 
     def start_lone_between(
         self,
@@ -158,7 +162,8 @@ class _NativePair:
             self.may_hold_gil(),
         )
         if failure is None:
-            return _NcclPending([(self, None)], []), done
+            pending = self.lone_pending
+            return (pending if pending is not None else self._lone_pending()), done
         step, code = failure
         if step == "nccl":
             _events.recycle(done, index)
@@ -168,7 +173,7 @@ class _NativePair:
         _events.recycle(done, index)
         if step in ("caller", "wait"):
             return None  # nothing issued: the general way, with torch's calls now
-        return _NcclPending([(self, None)], []), _events.record_on_stream(stream)
+        return self._lone_pending(), _events.record_on_stream(stream)
 
     def move_alone(self, kind: str, buf: torch.Tensor, handle: int) -> None:
         """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
@@ -185,7 +190,12 @@ class _NativePair:
             raise TransportError(f"nccl: {error}")
         return True  # the device work itself is covered by the layer's completion event
 
+    def _lone_pending(self) -> _NcclPending:
+        pending = self.lone_pending
+        return pending if pending is not None else _NcclPending([(self, None)], [])  # aborted
+
     def abort(self) -> None:
+        self.lone_pending = None  # the cycle with it (in-flight messages keep theirs)
         if not self._aborted:
             self._aborted = True
             try:
@@ -282,6 +292,10 @@ class NcclTransport(Transport):
         # a non-static message's timeout not counted as matched on a static channel, every p2p
         # GPU step passes with it on (the tier, over sockets too, and the torchrun suite).
         self.static_speculates = envs.nccl_speculate(ctx.world_size)
+        # The pair of each (peer, kind) a lone tensor last went by (start_lone_between): its
+        # cache key is not worked out and looked up again until it is aborted (a fault, or
+        # the pair's eviction: both abort it).
+        self._lone_pairs: dict[tuple[int, str], _NativePair] = {}
 
     def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
         # ~20 µs per group call, ~350 GB/s for large messages (H200 NVLink, GPU.md).
@@ -417,11 +431,15 @@ class NcclTransport(Transport):
         native = _native.helper()
         if native is None:
             return None
-        pair = communicator_cache().get(self._direction_key(op.peer, op.kind))
-        if type(pair) is not _NativePair:
-            return None
+        kind = op.kind
+        pair = self._lone_pairs.get((op.peer, kind))
+        if pair is None or pair._aborted:
+            pair = communicator_cache().get(self._direction_key(op.peer, kind))
+            if type(pair) is not _NativePair:
+                return None
+            self._lone_pairs[(op.peer, kind)] = pair
         return pair.start_lone_between(
-            native, op.kind, op.tensors[0], stream, caller_event, caller_stream
+            native, kind, op.tensors[0], stream, caller_event, caller_stream
         )
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
@@ -547,4 +565,5 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         self._staging.clear()
+        self._lone_pairs.clear()
         self._evict_cached("shutdown")
