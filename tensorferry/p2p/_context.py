@@ -77,6 +77,7 @@ class P2PContext:
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.device_index = device.index  # read on every lone tensor's issue
         self.backend = backend
         self.timeout_s = timeout_s
         self.store = store
@@ -247,7 +248,7 @@ class P2PContext:
         and the completion event in the same step (``Transport.start_lone_between``): that
         event (the Transfer recycles it), or ``None``, having done nothing, where it has no such
         way or the calling thread is on another device (the general way then)."""
-        index = self.device.index
+        index = self.device_index
         if torch._C._cuda_getDevice() != index:
             return None
         started = transport.start_lone_between(op, stream, unit.caller_event, unit.caller_stream)

@@ -364,8 +364,14 @@ class Transfer:
         with _GUARD:
             if self._has_callbacks:
                 return False
-            self._finish(None)
-            return True
+            outcome = self._outcome
+            if not outcome._latch._flag:
+                outcome.set(None)  # runs no callback: none was added
+        # The rest outside the guard, which every transfer shares: dropping the closures frees
+        # the message (its tensors, objects of the caller's), and nothing of that may run
+        # while other threads' transfers wait for the guard.
+        self._finish(None)
+        return True
 
     def _timeout_left(self, timeout: float | None) -> float:
         if timeout is not None:
@@ -403,9 +409,11 @@ class Transfer:
         # Nothing can wait on or poll the completion event any more (whatever polls it holds
         # this transfer): it goes back to the pool, to be recorded again.
         event = self._done_event
-        if event is not None and self._outcome.done():
+        if event is not None and self._outcome._latch._flag:  # done (without two calls)
+            driver = self._driver
             try:  # noqa: SIM105 (contextlib.suppress: an object and two calls, per message)
-                recycle(event)
+                # The device's index from the engine's context: event.device makes an object.
+                recycle(event, driver.ctx.device.index if driver is not None else None)
             except Exception:  # at interpreter exit, say
                 pass
 
