@@ -520,6 +520,50 @@ def test_nccl_speculates_in_a_world_of_two_unless_told_otherwise(monkeypatch):
         speculates(2)
 
 
+def test_the_lone_way_keeps_a_directions_pair_until_it_is_aborted(monkeypatch):
+    # A lone tensor's issue looks its direction's pair up in the communicator cache only when
+    # the one it kept was aborted (a fault's eviction, a reset): never on a stale pair.
+    from types import SimpleNamespace
+
+    from tensorferry import _native
+    from tensorferry.p2p import _nccl
+    from tensorferry.p2p._transport import P2POp
+
+    class Library:  # stands in for NcclLibrary: aborting is all a pair asks of it here
+        def abort(self, comm):
+            pass
+
+    cache = {}
+    monkeypatch.setattr(_nccl, "communicator_cache", lambda: SimpleNamespace(get=cache.get))
+    monkeypatch.setattr(_native, "helper", lambda: "compiled")
+    used = []
+    monkeypatch.setattr(
+        _nccl._NativePair,
+        "start_lone_between",
+        lambda pair, native, kind, tensor, stream, event, caller_stream: (
+            used.append(pair) or ("started", pair.epoch)
+        ),
+    )
+    transport = _nccl.NcclTransport(ctx=SimpleNamespace(world_size=2, rank=0))
+    op = P2POp("send", 1, (torch.zeros(4),), None)
+    first = _nccl._NativePair(Library(), comm=1, other=1, epoch=0)
+    cache[("nccl", 0, 1)] = first
+    assert transport.start_lone_between(op, None, None) == ("started", 0)
+    del cache[("nccl", 0, 1)]  # no lookup while the kept pair lives
+    assert transport.start_lone_between(op, None, None) == ("started", 0)
+    first.abort()  # as every pair leaving the cache is
+    assert first.lone_pending is None  # its cycle with its pending handle is broken
+    assert transport.start_lone_between(op, None, None) is None  # none cached: general way
+    second = _nccl._NativePair(Library(), comm=2, other=1, epoch=1)
+    cache[("nccl", 0, 1)] = second
+    assert transport.start_lone_between(op, None, None) == ("started", 1)
+    assert used == [first, first, second]
+    cache[("nccl", 0, 1)] = SimpleNamespace(epoch=2)  # a ProcessGroupNCCL pair: not this way
+    second.abort()
+    assert transport.start_lone_between(op, None, None) is None
+    assert used == [first, first, second]
+
+
 def test_peer_ranks_take_any_integer_but_bools_and_floats():
     import numpy as np
 
