@@ -797,6 +797,61 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
         pool.shutdown(wait=False)
 
 
+@pytest.mark.parametrize("short_way_takes_it", [True, False])
+def test_a_calls_event_put_off_to_its_issue_is_recorded_before_submit_returns(
+    short_way_takes_it,
+):
+    """A CUDA call's event of its caller's work is recorded at issue (in the lone tensor's
+    compiled call). Where the short way does not issue the unit, ``submit`` records it before
+    the full step can issue it, on the caller's thread: never later, when the caller may have
+    queued more work on its stream."""
+    import threading
+    import time
+
+    from tensorferry.p2p._engine import Engine
+    from tensorferry.p2p._engine_state import Message, Unit
+    from tensorferry.p2p._spec import describe
+    from tensorferry.p2p._transfer import Transfer
+    from tensorferry.p2p._transport import P2POp
+
+    seen = []
+    engine = object.__new__(Engine)
+    engine._lock = threading.RLock()
+    engine._stopping, engine._short_path = False, True
+    engine._wakes_at, engine._watching_links = 0.0, True  # no wake-up of its thread
+    engine._selector = SimpleNamespace(select=lambda timeout: [])
+
+    def record_caller(unit):  # as P2PContext.record_caller
+        seen.append(("recorded", threading.current_thread().name))
+        unit.caller_stream = None
+
+    engine.ctx = SimpleNamespace(record_caller=record_caller)
+
+    def issue_short(unit):
+        seen.append(("short way", unit.caller_stream))
+        if short_way_takes_it:
+            unit.caller_stream = None  # recorded in its compiled issue
+        return short_way_takes_it
+
+    def step(events, accept=None):
+        seen.append(("full step", accept.caller_stream))
+        accept.state = "waiting"
+
+    engine._issue_short, engine._handle = issue_short, step
+    tensors = (torch.zeros(3),)
+    desc = describe(tensors)
+    message = Message(P2POp("send", 1, tensors, desc), "nccl", desc, True)
+    transfer = Transfer("send 1 tensor(s) to rank 1", deadline=time.monotonic() + 10)
+    unit = Unit([message], transfer, transfer._deadline, caller_event="event", caller_stream=7)
+    engine.submit(unit)
+    me = threading.current_thread().name
+    if short_way_takes_it:
+        assert seen == [("short way", 7)]
+    else:
+        assert seen == [("short way", 7), ("recorded", me), ("full step", None)]
+    assert unit.caller_stream is None
+
+
 def test_nccl_calls_keep_the_gil_only_on_a_connected_pair_with_few_transfers_in_flight(
     monkeypatch,
 ):
