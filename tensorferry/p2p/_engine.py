@@ -71,7 +71,7 @@ from tensorferry.errors import (
 from tensorferry.p2p import _link, _trace
 from tensorferry.p2p._engine_agreement import HeaderAgreement
 from tensorferry.p2p._engine_faults import PairFaults
-from tensorferry.p2p._engine_issue import Issuing
+from tensorferry.p2p._engine_issue import Issuing, Unwatched
 from tensorferry.p2p._engine_links import PeerLinks
 from tensorferry.p2p._engine_short import ShortWay
 from tensorferry.p2p._engine_state import Message, PeerState, Unit
@@ -134,6 +134,10 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         self._peers: dict[int, PeerState] = {}
         self._units: list[Unit] = []  # waiting units, in submission order
         self._issued: set[Unit] = set()
+        # Issued units whose completion their callers usually take (see Unwatched): what is
+        # left, the completion pool's poller hands to the pool.
+        self._unwatched = Unwatched(self._watch)
+        ctx.completions.add_sweeper(self._unwatched)
         self._commands: deque[Callable[[], None]] = deque()
         # Set by callers when they write a wake-up byte, cleared by the engine after draining
         # them: while set, a wake-up is already on its way and callers skip the syscall (which
@@ -270,6 +274,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
             done.result(timeout)
         finally:
             self._thread.join(timeout)
+            self.ctx.completions.remove_sweeper(self._unwatched)
             # A rendezvous told to stop (``TransportContext.stopping``) ends within
             # milliseconds, a store client being opened within seconds: let them leave native
             # code before the process may exit. Idle helpers end at once.

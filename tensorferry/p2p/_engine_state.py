@@ -61,8 +61,10 @@ class Unit:
     """Once issued: completes it now if nobody did yet (after ``ready`` said true); returns
     whether it did."""
     claim: Any = None
-    """Once issued: takes its completion from the completion pool, so that nobody else
-    completes it from then on (a fault about to fail it); returns whether it got it."""
+    """Once issued: takes its completion, so that nobody else completes it from then on (a
+    fault about to fail it); returns whether it got it."""
+    watched: Any = None
+    """Once the completion pool has its completion (``Issuing._watch``): the pool's handle."""
     caller_stream: Any = None
     """Where ``caller_event`` is still to be recorded: the raw handle of the caller's current
     stream (``runtime._events.to_record_on_current_stream``). The engine records it before
@@ -96,10 +98,11 @@ class Unit:
         return f"Unit({self.trace_text()}, {self.state})"
 
     def forget_completion(self) -> None:
-        """Drops ``ready``, ``settle`` and ``claim`` once the unit is done or failed: they
-        close over the unit itself, and kept, would leave it (and its transfer, messages and
-        completion) to the garbage collector. Readers take each into a local first."""
-        self.ready = self.settle = self.claim = None
+        """Drops ``ready``, ``settle``, ``claim`` and ``watched`` once the unit is done or
+        failed: they close over the unit itself (the pool's handle, over a function that does),
+        and kept, would leave it (and its transfer, messages and completion) to the garbage
+        collector. Readers take each into a local first."""
+        self.ready = self.settle = self.claim = self.watched = None
 
     @property
     def peers(self) -> set[int]:

@@ -19,6 +19,13 @@ and a delayed item that arrives meanwhile wakes nobody; it is polled at the next
 that stops waiting for its item itself hands it over with :meth:`expedite`. Only after
 ``_LINGER_S`` without delayed items does the poller sleep until the next item tells it.
 
+Sweepers (:meth:`add_sweeper`): a user of the pool whose work usually finishes under its
+caller's own eyes may keep it to itself and hand the pool only what is still unfinished a
+moment later. The poller asks each sweeper at every turn (``sweep()``, without the pool's
+lock), lingers while any has work (``has_work()``), and is woken by :meth:`nudge` from a sleep
+with no end. The p2p engine keeps its issued transfers so: adding each to the pool was most of
+what completing it cost the caller's call.
+
 Thread-safe: every method may be called from any thread.
 """
 
@@ -47,6 +54,8 @@ _POLL_MAX_S = 2e-4
 # last one (see the module docstring).
 _LINGER_TICK_S = 2e-3
 _LINGER_S = 0.2
+# When a poller that sleeps until told wakes (its _poller_wakes_at).
+_UNTIL_TOLD = float("inf")
 
 
 class _Item:
@@ -117,6 +126,9 @@ class CompletionPool:
         self._last_delayed = float("-inf")
         # True while the poller sleeps one linger tick with nothing pending.
         self._lingering = False
+        # Asked by the poller at every turn (see add_sweeper); replaced, never changed in place,
+        # so the poller reads it without the lock.
+        self._sweepers: tuple[Any, ...] = ()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._poller = threading.Thread(target=self._poll_loop, name=f"{name}-poller", daemon=True)
         self._poller.start()
@@ -254,6 +266,42 @@ class CompletionPool:
             event.query, then=then, owner=owner, timeout=timeout, description=description
         )
 
+    # ------------------------------------------------------------------ sweepers
+    def add_sweeper(self, sweeper: Any) -> None:
+        """Asks ``sweeper`` at every turn of the poller: ``sweeper.sweep()`` (without the pool's
+        lock; it may watch items), and ``sweeper.has_work()`` (under it: quick, taking no other
+        lock) to keep the poller looking every ``_LINGER_TICK_S`` while it has work. Whoever
+        gives a sweeper work calls :meth:`nudge` after."""
+        with self._lock:
+            self._sweepers = (*self._sweepers, sweeper)
+            self._lock.notify_all()
+
+    def remove_sweeper(self, sweeper: Any) -> None:
+        with self._lock:
+            self._sweepers = tuple(s for s in self._sweepers if s is not sweeper)
+
+    def nudge(self) -> None:
+        """Wakes the poller where it sleeps until told: a sweeper has work (see
+        :meth:`add_sweeper`). Called after the work was added: the poller marks its sleep with
+        no end before it asks the sweepers whether they have any, so one of the two sees the
+        other."""
+        if self._poller_wakes_at == _UNTIL_TOLD:
+            with self._lock:
+                self._lock.notify_all()
+
+    def _sweep(self) -> None:
+        for sweeper in self._sweepers:
+            try:
+                sweeper.sweep()
+            except Exception:
+                log.exception("completion pool: a sweeper failed")
+
+    def _sweepers_have_work(self) -> bool:
+        for sweeper in self._sweepers:  # noqa: SIM110 (a loop: polled every turn)
+            if sweeper.has_work():
+                return True
+        return False
+
     # ------------------------------------------------------------------ owners
     def pending(self, owner: Hashable | None = None) -> int:
         """Items of ``owner`` not yet finished (callbacks included), or all items still waiting."""
@@ -366,16 +414,22 @@ class CompletionPool:
     def _poll_loop(self) -> None:
         sleep_s = _POLL_MIN_S
         while True:
+            if self._sweepers:
+                self._sweep()
             with self._lock:
+                if self._shutdown:
+                    return
                 if not self._pending:
                     self._idle_wait_locked()
                     sleep_s = _POLL_MIN_S
-                if self._shutdown:
-                    return
+                    continue  # the sweepers first, then look again
                 now = time.monotonic()
                 items = [item for item in self._pending.values() if item.due <= now]
                 if not items:  # all delayed: sleep until the first is due (or a new item)
-                    self._wait_locked(min(i.due for i in self._pending.values()) - now)
+                    first = min(i.due for i in self._pending.values()) - now
+                    # With sweepers, no longer than a tick: a nudge wakes only a sleep with no
+                    # end, and their work must not wait for a distant item's time.
+                    self._wait_locked(min(first, _LINGER_TICK_S) if self._sweepers else first)
                     continue
                 self._poller_wakes_at = now + sleep_s  # told only about items due before that
             progressed = False
@@ -401,18 +455,25 @@ class CompletionPool:
                 sleep_s = min(sleep_s * 2, _POLL_MAX_S)
 
     def _idle_wait_locked(self) -> None:
-        while not self._pending and not self._shutdown:
-            if time.monotonic() < self._last_delayed + _LINGER_S:
-                self._lingering = True
-                try:
-                    self._wait_locked(_LINGER_TICK_S)
-                finally:
-                    self._lingering = False
-            else:
-                self._wait_locked(None)
+        """One sleep with nothing pending: a linger tick while delayed items keep coming or a
+        sweeper has work, else until told."""
+        # Marked a sleep with no end before the sweepers are asked: work given to one after
+        # this is seen by nudge(), and work given before by has_work().
+        self._poller_wakes_at = _UNTIL_TOLD
+        if self._pending or self._shutdown:
+            self._poller_wakes_at = 0.0
+            return
+        if self._sweepers_have_work() or time.monotonic() < self._last_delayed + _LINGER_S:
+            self._lingering = True
+            try:
+                self._wait_locked(_LINGER_TICK_S)
+            finally:
+                self._lingering = False
+        else:
+            self._wait_locked(None)
 
     def _wait_locked(self, timeout: float | None) -> None:
-        self._poller_wakes_at = float("inf") if timeout is None else time.monotonic() + timeout
+        self._poller_wakes_at = _UNTIL_TOLD if timeout is None else time.monotonic() + timeout
         self._lock.wait(timeout)
         self._poller_wakes_at = 0.0
 

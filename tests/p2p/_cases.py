@@ -463,6 +463,36 @@ def lane_calls(rank: int, world: int, steps: int, transport: str) -> dict | int:
     return {"lane": sum(taken), "raised": raised}
 
 
+def completed_unwaited(
+    rank: int, world: int, count: int, transport: str, static: bool
+) -> dict | int:
+    """Rank 0 sends ``count`` messages (``static`` ones, which its caller issues itself once
+    agreed; or plain ones) and then neither waits for nor polls any: each must still complete,
+    through the completion pool, which takes what the callers left (``Unwatched``). Rank 1
+    receives them all, checking every byte. Returns, on rank 0, how many transfers completed
+    (looking only at their outcomes, which completes nothing) and how many issued units nobody
+    took."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return -1
+    data = [payload(0, 1, 800 + i, (6,), torch.float32) for i in range(count)]
+    if rank == 1:
+        for i, want in enumerate(data):
+            buffer = poisoned((6,), torch.float32)
+            got = tf.recv(buffer, 0, static=static, transport=transport).result(T)
+            assert same_bytes(got, want), i
+        return {}
+    engine = _context.current().engine
+    sent = [tf.send(x, 1, static=static, transport=transport) for x in data]
+    deadline = time.monotonic() + T
+    while time.monotonic() < deadline and not all(t._outcome.done() for t in sent):
+        time.sleep(0.01)
+    done = sum(t._outcome.done() for t in sent)
+    assert all(t._outcome._exception is None for t in sent)
+    return {"done": done, "left": len(engine._unwatched.units)}
+
+
 @contextlib.contextmanager
 def _short_way_counted(engine):
     """Within it, each call of ``engine``'s short way appends whether it issued the message to

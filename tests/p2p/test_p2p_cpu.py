@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -489,6 +490,17 @@ def test_lone_static_calls_take_their_channels_lane_once_agreed(pool):
         assert pool.run("static_broken", transport)[:2] == ["shape", "shape"]
         sender, receiver = pool.run("lane_calls", 4, transport)[:2]
         assert sender["lane"] >= 4 and receiver["lane"] >= 4, (transport, sender, receiver)
+    assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]  # no agreement left behind
+
+
+def test_transfers_nobody_waits_for_or_polls_still_complete(pool):
+    # Their callers' calls leave their completion to whoever waits (Unwatched): the completion
+    # pool's poller takes what nobody took, with no call of the caller's to prompt it.
+    assert all(pool.run("register_speculating_gloo"))
+    for transport, static in itertools.product(("gloo", "gloo-spec"), (True, False)):
+        assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]
+        sender = pool.run("completed_unwaited", 12, transport, static)[0]
+        assert sender == {"done": 12, "left": 0}, (transport, static, sender)
     assert pool.run("reset_pair_01")[:2] == ["reset", "reset"]  # no agreement left behind
 
 

@@ -760,6 +760,7 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
 
     from tensorferry.errors import MismatchError
     from tensorferry.p2p._engine import Engine
+    from tensorferry.p2p._engine_issue import Unwatched
     from tensorferry.p2p._engine_state import Message, PeerState, Unit
     from tensorferry.p2p._spec import describe
     from tensorferry.p2p._transfer import Transfer
@@ -781,8 +782,10 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
         lambda: finished[0], lambda exc: None, deadline=time.monotonic() + 10, delay=5.0
     )
     unit.ready = lambda: finished[0]
-    unit.settle = lambda: engine._settle_seen(unit, handle)
-    unit.claim = lambda: pool.discard(handle)
+    unit.watched = handle  # the pool has its completion (Issuing._watch)
+    engine._unwatched = Unwatched(engine._watch)
+    unit.settle = lambda: engine._settle_seen(unit)
+    unit.claim = lambda: engine._take_completion(unit)
     transfer._mark_issued(None, unit.ready, unit.settle)
     engine._issued = {unit}
     try:

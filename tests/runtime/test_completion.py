@@ -346,3 +346,67 @@ def test_a_call_still_pending_at_shutdown_is_told(pool):
     assert isinstance(outcomes.only(), tf.CompletionPoolShutdownError)
     with pytest.raises(tf.CompletionPoolShutdownError):
         _call_when(pool, lambda: True)
+
+
+class _Sweeper:
+    """Work the poller takes at its turns (CompletionPool.add_sweeper): counts its sweeps."""
+
+    def __init__(self) -> None:
+        self.work: list[int] = []
+        self.taken: list[int] = []
+        self.sweeps = 0
+        self.holds = False  # leaves its work where it is
+
+    def has_work(self) -> bool:
+        return bool(self.work)
+
+    def sweep(self) -> None:
+        self.sweeps += 1
+        while self.work and not self.holds:
+            self.taken.append(self.work.pop())
+
+
+def test_a_sweeper_is_asked_at_the_pollers_turns_and_a_nudge_wakes_it_from_its_sleep(
+    pool, monkeypatch
+):
+    from tensorferry.runtime import _completion
+
+    monkeypatch.setattr(_completion, "_LINGER_S", 0.05)
+    sweeper = _Sweeper()
+    pool.add_sweeper(sweeper)
+    # Nothing pending, no work: the poller sleeps until told.
+    assert _wait_until(lambda: pool._poller_wakes_at == float("inf"))
+    time.sleep(0.05)  # (it marks its sleep so a moment before it asks the sweepers)
+    sweeps = sweeper.sweeps
+    sweeper.work.append(1)
+    time.sleep(0.1)
+    assert sweeper.taken == [] and sweeper.sweeps == sweeps  # not told: still asleep
+    pool.nudge()
+    assert _wait_until(lambda: sweeper.taken == [1])
+    # While a sweeper has work, the poller asks it again every tick, told or not.
+    sweeper.holds = True
+    sweeper.work.append(2)
+    pool.nudge()
+    sweeps = sweeper.sweeps
+    assert _wait_until(lambda: sweeper.sweeps >= sweeps + 5)
+    sweeper.holds = False
+    assert _wait_until(lambda: sweeper.taken == [1, 2])
+    pool.remove_sweeper(sweeper)
+    sweeper.work.append(99)
+    pool.nudge()
+    time.sleep(0.05)
+    assert 99 not in sweeper.taken  # removed: never asked again
+
+
+def test_a_sweeper_that_fails_is_logged_and_the_pool_goes_on(pool, caplog):
+    class Broken:
+        def has_work(self) -> bool:
+            return False
+
+        def sweep(self) -> None:
+            raise RuntimeError("a sweeper that fails (on purpose)")
+
+    pool.add_sweeper(Broken())
+    _, outcomes = _call_when(pool, lambda: True)
+    assert outcomes.only() is None
+    assert "a sweeper failed" in caplog.text
