@@ -64,7 +64,10 @@ class Unwatched:
         self._seen = 0
         self._active_until = 0.0
         self._watch = watch
-        self._older: list[Unit] = []  # the units there at the last turn
+        # The ids of the units there at the last turn: not the units, which would stay alive
+        # (their tensors with them) for a turn after their callers completed them. An id
+        # taken again by a new unit only hands that one over early.
+        self._older: set[int] = set()
         self._next_turn = 0.0
 
     def has_work(self) -> bool:
@@ -80,11 +83,12 @@ class Unwatched:
         if now < self._next_turn:
             return
         self._next_turn = now + max(_TURN_S, spin_window_s())
-        units = self.units
-        older, self._older = self._older, list(units)  # (list of a dict: one atomic step)
-        for unit in older:
-            if unit in units:  # nobody took it for a whole turn
-                self._watch(unit, 0.0)
+        older = self._older
+        now_there = list(self.units)  # (list of a dict: one atomic step)
+        self._older = {id(unit) for unit in now_there}
+        for unit in now_there:
+            if id(unit) in older:  # nobody took it for a whole turn
+                self._watch(unit, 0.0)  # (unless somebody took it just now)
 
 
 # A unit nobody took for this long (seconds; at least the callers' polling window) goes to
