@@ -73,10 +73,11 @@ class Unwatched:
     def has_work(self) -> bool:
         if self.units:
             return True
+        now = time.monotonic()
         if self.added != self._seen:
             self._seen = self.added
-            self._active_until = time.monotonic() + _ACTIVE_S
-        return time.monotonic() < self._active_until
+            self._active_until = now + _ACTIVE_S
+        return now < self._active_until
 
     def sweep(self) -> None:
         now = time.monotonic()

@@ -182,8 +182,8 @@ class Transfer:
     completion pool tells it, which costs a thread wake-up or two."""
     _settle: Callable[[], bool] | None = None
     _expedite: Callable[[], None] | None = None
-    """Hands the transfer to the completion pool without the pool's usual delay: called before
-    a caller blocks on the future (see ``CompletionPool.expedite``)."""
+    """Hands the transfer's completion to the completion pool, to poll at once: called before
+    a caller blocks on the future (the p2p engine's ``Issuing._watch``)."""
     _seen_ready = False
     _driver: Any = None
     """The p2p engine: a waiting caller drives it (reads the peers' headers, issues) rather than

@@ -458,11 +458,9 @@ class CompletionPool:
         """One sleep with nothing pending: a linger tick while delayed items keep coming or a
         sweeper has work, else until told."""
         # Marked a sleep with no end before the sweepers are asked: work given to one after
-        # this is seen by nudge(), and work given before by has_work().
+        # this is seen by nudge(), and work given before by has_work(). (Called by the poll
+        # loop with nothing pending and no shutdown, under the lock it has held since.)
         self._poller_wakes_at = _UNTIL_TOLD
-        if self._pending or self._shutdown:
-            self._poller_wakes_at = 0.0
-            return
         if self._sweepers_have_work() or time.monotonic() < self._last_delayed + _LINGER_S:
             self._lingering = True
             try:
