@@ -203,31 +203,32 @@ class P2PContext:
     # ------------------------------------------------------------------ issuing
     def issue(self, unit: Any) -> Any:
         """Starts a unit's transports (under the engine's lock); returns the CUDA done event."""
+        messages = unit.messages
         lane = unit.lane
         if lane is not None and lane.cuda:  # a lone tensor whose transport is known already
-            op = unit.messages[0].op
-            stream = self.send_stream if op.kind == "send" else self.recv_stream
-            done = self._start_lone_between(lane.transport, op, stream, unit)
+            transport = lane.transport
+        elif len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
+            transport = self.transport(messages[0].transport)
+        else:
+            return self._issue_several(unit, messages)
+        message = messages[0]
+        op = message.op
+        stream = self.send_stream if op.kind == "send" else self.recv_stream
+        if len(op.tensors) == 1:
+            done = self._start_lone_between(transport, op, stream, unit)
             if done is not None:
                 return done
-        messages = unit.messages
-        if len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
-            message = messages[0]
-            op = message.op
-            stream = self.send_stream if op.kind == "send" else self.recv_stream
-            transport = self.transport(message.transport)
-            if len(op.tensors) == 1:
-                done = self._start_lone_between(transport, op, stream, unit)
-                if done is not None:
-                    return done
-            self._after_caller(stream, unit)
-            pending = transport.start_lone(op, stream) if len(op.tensors) == 1 else None
-            if pending is None:
-                if not transport.makes_stream_current:
-                    return self._issue_on(stream, unit, {message.transport: [op]})
-                pending = transport.start([op], stream=stream)
-            unit.pending.append(pending)
-            return record_on_stream(stream)  # the Transfer recycles it
+        self._after_caller(stream, unit)
+        pending = transport.start_lone(op, stream) if len(op.tensors) == 1 else None
+        if pending is None:
+            if not transport.makes_stream_current:
+                return self._issue_on(stream, unit, {message.transport: [op]})
+            pending = transport.start([op], stream=stream)
+        unit.pending.append(pending)
+        return record_on_stream(stream)  # the Transfer recycles it
+
+    def _issue_several(self, unit: Any, messages: list[Any]) -> Any:
+        """:meth:`issue` of a unit of several messages, or of host tensors."""
         on_host: list[Any] = []
         cuda_groups: dict[str, list[Any]] = {}
         for message in messages:
@@ -293,7 +294,7 @@ class P2PContext:
     def _after_caller(self, stream: Any, unit: Any) -> None:
         """Makes ``stream`` wait for the caller's work (``unit``'s caller event), on the rank's
         device; once per unit."""
-        index = self.device.index
+        index = self.device_index
         if torch._C._cuda_getDevice() != index:
             self._own_thread_to_device()
         if unit.caller_stream is not None:
@@ -307,7 +308,7 @@ class P2PContext:
     def record_caller(self, unit: Any) -> None:
         """Records ``unit``'s caller event where it was put off to (``Unit.caller_stream``):
         on the caller's thread, before its call returns."""
-        record_when_issued(unit.caller_event, self.device.index, unit.caller_stream)
+        record_when_issued(unit.caller_event, self.device_index, unit.caller_stream)
         unit.caller_stream = None
 
     def _own_thread_to_device(self) -> None:

@@ -277,7 +277,7 @@ class Transfer:
         if stream is None:
             # Of the transfer's device, not the thread's current one: a thread the caller
             # started is on device 0 until it says otherwise.
-            current_stream_wait(self._driver.ctx.device.index, self._done_event)
+            current_stream_wait(self._driver.ctx.device_index, self._done_event)
         else:
             stream_wait(stream, self._done_event)
 
@@ -413,7 +413,7 @@ class Transfer:
             driver = self._driver
             try:  # noqa: SIM105 (contextlib.suppress: an object and two calls, per message)
                 # The device's index from the engine's context: event.device makes an object.
-                recycle(event, driver.ctx.device.index if driver is not None else None)
+                recycle(event, driver.ctx.device_index if driver is not None else None)
             except Exception:  # at interpreter exit, say
                 pass
 

@@ -244,21 +244,28 @@ def pooled_or_made(index: int, stream: torch.cuda.Stream) -> Any:
     return event if event is not None else _torch_record(index, stream)
 
 
+def _record_raw(event: torch.cuda.Event, index: int, raw_stream: Any) -> bool:
+    """Records ``event`` (its CUDA event created) on the raw stream handle ``raw_stream`` of
+    device ``index`` through the GIL-holding call: whether it did. Not where there is no such
+    call or the calling thread is on another device; a failed call gives the calls up."""
+    calls = _runtime()
+    if calls is None or not _on_current_device(index):
+        return False
+    if calls.record(event.cuda_event, raw_stream) == 0:
+        return True
+    give_up_calls("cudaEventRecord failed")
+    return False
+
+
 def _record_pooled(index: int, raw_stream: Any) -> Any:
     """A pooled event of device ``index`` recorded on the raw stream handle ``raw_stream``
     through the GIL-holding call, or ``None`` (no such call, the calling thread on another
     device, or no free event)."""
-    calls = _runtime()
-    if calls is None or not _on_current_device(index):
-        return None
     event = pooled(index)
-    if event is None:
+    if event is not None and not _record_raw(event, index, raw_stream):
+        recycle(event, index)
         return None
-    if calls.record(event.cuda_event, raw_stream) == 0:
-        return event
-    give_up_calls("cudaEventRecord failed")
-    recycle(event, index)
-    return None
+    return event
 
 
 def record_on_current_stream(index: int) -> torch.cuda.Event:
@@ -293,13 +300,9 @@ def to_record_on_current_stream(index: int) -> tuple[torch.cuda.Event, int | Non
 def record_when_issued(event: torch.cuda.Event, index: int, raw_stream: int) -> None:
     """Records ``event`` (of :func:`to_record_on_current_stream`) on the raw stream handle
     ``raw_stream`` of device ``index``: on the thread that got them, in the same call."""
-    calls = _runtime()
-    if calls is not None and _on_current_device(index):
-        if calls.record(event.cuda_event, raw_stream) == 0:
-            return
-        give_up_calls("cudaEventRecord failed")
-    # The same call on the same thread: the handle is still its current stream's.
-    event.record(torch.cuda.current_stream(index))
+    if not _record_raw(event, index, raw_stream):
+        # The same call on the same thread: the handle is still its current stream's.
+        event.record(torch.cuda.current_stream(index))
 
 
 def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -321,12 +324,8 @@ def _torch_record(index: int, stream: torch.cuda.Stream) -> torch.cuda.Event:
 def record_again(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
     """``event.record(stream)`` for an event its owner keeps and records use after use (the
     first record, through torch, creates the CUDA event)."""
-    calls = _runtime()
-    if calls is not None and event.cuda_event and _on_current_device(stream.device_index):
-        if calls.record(event.cuda_event, stream.cuda_stream) == 0:
-            return
-        give_up_calls("cudaEventRecord failed")
-    event.record(stream)
+    if not (event.cuda_event and _record_raw(event, stream.device_index, stream.cuda_stream)):
+        event.record(stream)
 
 
 def stream_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
