@@ -222,7 +222,7 @@ def _measure_answered(rank, x, short, rounds=40):
 _PHASES = (
     ("lane's call (Lanes.call, all)", "lanes", "call"),
     ("  lane's check (lone_of_layout)", "lanes_module", "lone_of_layout"),
-    ("  lane's caller event", "lanes_module", "record_on_current_stream"),
+    ("  lane's caller event (to record at issue)", "lanes_module", "to_record_on_current_stream"),
     ("validate (_api._message)", "api", "_message"),
     ("caller's event (_api._caller_event)", "api", "_caller_event"),
     ("Transfer()", "transfer", "__init__"),
@@ -238,6 +238,7 @@ _PHASES = (
     ("      lone start (ctx._start_lone_between)", "ctx", "_start_lone_between"),
     ("        pooled event (_events.pooled)", "events", "pooled"),
     ("        compiled call (issue_lone)", "native", "issue_lone"),
+    ("    caller's event recorded (ctx.record_caller)", "ctx", "record_caller"),
     ("    completion handed to the pool", "pool", "call_when"),
     ("    marked issued", "transfer", "_mark_issued"),
     ("      transport's start", "transport", "start"),

@@ -302,10 +302,12 @@ class NcclTransport(Transport):
         return 20e-6 + nbytes / 350e9
 
     def unsupported_reason(self, *, peer: int, tensors: Sequence[torch.Tensor]) -> str | None:
-        device = tensors[0].device  # a message's tensors share one device (validated)
-        if device.type != "cuda":
-            return f"nccl moves CUDA tensors, got a tensor on {device} (use transport='gloo')"
-        return None
+        # A message's tensors share one device (validated). is_cuda, not device.type: asked on
+        # every call, and the device's type costs a quarter of a microsecond to read.
+        if tensors[0].is_cuda:
+            return None
+        device = tensors[0].device
+        return f"nccl moves CUDA tensors, got a tensor on {device} (use transport='gloo')"
 
     def _key(self, src: int, dst: int) -> tuple[str, int, int]:
         return ("nccl", src, dst)

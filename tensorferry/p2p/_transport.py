@@ -425,7 +425,11 @@ class Transport(abc.ABC):
             tensors: the message's tensors (already validated: contiguous, all on one device,
                 ``ctx.device`` or the CPU).
         """
-        device = tensors[0].device  # a message's tensors share one device (validated)
+        tensor = tensors[0]  # a message's tensors share one device (validated)
+        # The flags first: the device's type costs a quarter of a microsecond to read.
+        if tensor.is_cuda if self.device_type == "cuda" else tensor.is_cpu:
+            return None
+        device = tensor.device
         if device.type != self.device_type:
             return f"{self.name} moves {self.device_type} tensors, got a tensor on {device}"
         return None
