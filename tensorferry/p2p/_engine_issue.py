@@ -70,6 +70,9 @@ class Unwatched:
         self._older: set[int] = set()
         self._next_turn = 0.0
 
+    def held(self) -> int:
+        return len(self.units)
+
     def has_work(self) -> bool:
         if self.units:
             return True

@@ -271,7 +271,8 @@ class CompletionPool:
         """Asks ``sweeper`` at every turn of the poller: ``sweeper.sweep()`` (without the pool's
         lock; it may watch items), and ``sweeper.has_work()`` (under it: quick, taking no other
         lock) to keep the poller looking every ``_LINGER_TICK_S`` while it has work. Whoever
-        gives a sweeper work calls :meth:`nudge` after."""
+        gives a sweeper work calls :meth:`nudge` after. ``sweeper.held()``: how many unfinished
+        items it keeps from the pool now (quick, no lock), counted by :meth:`waiting_hint`."""
         with self._lock:
             self._sweepers = (*self._sweepers, sweeper)
             self._lock.notify_all()
@@ -312,8 +313,13 @@ class CompletionPool:
 
     def waiting_hint(self) -> int:
         """How many items wait to finish, read without the lock: a hint, stale by the items
-        added or finished meanwhile on other threads."""
-        return len(self._pending)
+        added or finished meanwhile on other threads. Counts those the sweepers keep to
+        themselves for now (``sweeper.held()``): a burst of sends nobody waits for is
+        hundreds of them before the first sweep."""
+        count = len(self._pending)
+        for sweeper in self._sweepers:
+            count += sweeper.held()
+        return count
 
     def has_owners_in_flight(self) -> bool:
         """Whether any owned item is in flight (a lock-free hint: a false answer may be stale

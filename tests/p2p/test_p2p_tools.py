@@ -903,3 +903,29 @@ def test_nccl_calls_keep_the_gil_only_on_a_connected_pair_with_few_transfers_in_
         ("move", False),
         ("group", False),
     ]
+
+
+def test_transfers_nobody_took_yet_count_as_in_flight_for_the_gil(monkeypatch):
+    # An issued transfer waits in the engine's Unwatched until its caller or a sweep takes it:
+    # a burst of sends nobody waits for is hundreds of them before the first sweep, and NCCL's
+    # launches must let go of the GIL all the same once that many are in flight.
+    from tensorferry.p2p import _transport
+    from tensorferry.p2p._engine_issue import Unwatched
+    from tensorferry.runtime import CompletionPool
+
+    pool = CompletionPool(threads=1)
+    monkeypatch.setattr(_transport, "completion_pool", lambda: pool)
+    unwatched = Unwatched(watch=lambda unit, delay: None)  # sweeps hand nothing over
+    pool.add_sweeper(unwatched)
+    try:
+        assert _transport.few_in_flight()
+        units = [object() for _ in range(_transport.HOLD_GIL_BELOW)]
+        for unit in units[:-1]:
+            unwatched.units[unit] = None
+        assert _transport.few_in_flight()
+        unwatched.units[units[-1]] = None
+        assert not _transport.few_in_flight()
+        unwatched.units.clear()  # taken by their callers
+        assert _transport.few_in_flight()
+    finally:
+        pool.shutdown(wait=False)

@@ -357,6 +357,9 @@ class _Sweeper:
         self.sweeps = 0
         self.holds = False  # leaves its work where it is
 
+    def held(self) -> int:
+        return len(self.work)
+
     def has_work(self) -> bool:
         return bool(self.work)
 
@@ -398,8 +401,30 @@ def test_a_sweeper_is_asked_at_the_pollers_turns_and_a_nudge_wakes_it_from_its_s
     assert 99 not in sweeper.taken  # removed: never asked again
 
 
+def test_the_waiting_hint_counts_what_the_sweepers_hold_back(pool):
+    # What a sweeper keeps from the pool is in flight all the same: the hint is how the p2p
+    # layer judges whether a launch may find the device's queue full (few_in_flight).
+    _call_when(pool, lambda: False)
+    assert pool.waiting_hint() == 1
+    sweeper = _Sweeper()
+    sweeper.holds = True
+    sweeper.work.extend(range(5))
+    pool.add_sweeper(sweeper)
+    assert pool.waiting_hint() == 6
+    other = _Sweeper()
+    other.holds = True
+    other.work.append(7)
+    pool.add_sweeper(other)
+    assert pool.waiting_hint() == 7
+    pool.remove_sweeper(sweeper)
+    assert pool.waiting_hint() == 2
+
+
 def test_a_sweeper_that_fails_is_logged_and_the_pool_goes_on(pool, caplog):
     class Broken:
+        def held(self) -> int:
+            return 0
+
         def has_work(self) -> bool:
             return False
 
