@@ -134,6 +134,9 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         self._peers: dict[int, PeerState] = {}
         self._units: list[Unit] = []  # waiting units, in submission order
         self._issued: set[Unit] = set()
+        # Units with CUDA work queued, per transfer stream (see Issuing._room_for).
+        self._on_stream: dict[str, set[Unit]] = {"send": set(), "recv": set()}
+        self._awaiting_room = False
         # Issued units whose completion their callers usually take (see Unwatched): what is
         # left, the completion pool's poller hands to the pool.
         self._unwatched = Unwatched(self._watch)

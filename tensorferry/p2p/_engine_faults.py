@@ -74,6 +74,7 @@ class PairFaults:
         if unit in self._units:
             self._units.remove(unit)
         self._issued.discard(unit)
+        self._off_stream(unit)
         self._unwatched.units.pop(unit, None)  # failed here: nothing to hand the pool
         for rank in unit.peers:  # messages deferred until a peer answers our fault
             peer = self._peer(rank)

@@ -39,6 +39,33 @@ _RESTEP_S = 20e-6
 # What dict.pop answers for a unit that is not (or no longer) unwatched.
 _TAKEN = object()
 
+# Units with CUDA work queued on one transfer stream (a process's sends share one, and its
+# receives another) and not yet seen to end: more wait in the engine until some end. A stream
+# takes about a thousand kernels behind one that waits for its peer (1021 on the H100, whose
+# other streams launched on meanwhile: scripts/launch_queue_probe.py); the next launch then
+# waits in the launching call for room, holding the engine's lock, which the thread that
+# would see the peer die and abort the pair (ending that wait) needs. A burst of 1 MiB sends
+# to a peer that received none and died hung its sender so, for good. A unit launches a few
+# kernels at most (a packed message's copies, its NCCL call).
+ROOM_ON_STREAM = 256
+
+
+def _stream_of(unit: Unit) -> str | None:
+    """The transfer stream ``unit``'s CUDA work goes on, ``"send"`` or ``"recv"`` (as
+    ``P2PContext.issue`` chooses it), or ``None`` where it has none."""
+    messages = unit.messages
+    if len(messages) == 1:  # the commonest unit
+        op = messages[0].op
+        return op.kind if op.tensors[0].is_cuda else None
+    kinds = {m.op.kind for m in messages if m.op.tensors[0].is_cuda}
+    if not kinds:
+        return None
+    return "send" if "send" in kinds else "recv"
+
+
+def _nothing() -> None:
+    """An engine command that only makes the engine thread take a step."""
+
 
 class Unwatched:
     """Issued units whose completion is nobody's yet: their callers usually see them finish and
@@ -105,7 +132,34 @@ class Issuing:
     """Issuing units (whole, or in parts) once they may go, and completing them."""
 
     def _issuable(self, unit: Unit) -> bool:
-        return self._after_allows(unit) and self._may_go(unit.messages)
+        if not (self._after_allows(unit) and self._may_go(unit.messages)):
+            return False
+        stream = _stream_of(unit)
+        return stream is None or self._room_for(stream)
+
+    def _room_for(self, stream: str) -> bool:
+        """Whether one more unit may queue CUDA work on the transfer stream ``stream`` (see
+        ``ROOM_ON_STREAM``). Where not, the next unit to end there wakes the engine."""
+        queued = self._on_stream[stream]
+        if len(queued) < ROOM_ON_STREAM:
+            return True
+        # Said before the second look: a unit that ends in between sees it.
+        self._awaiting_room = True
+        return len(queued) < ROOM_ON_STREAM
+
+    def _off_stream(self, unit: Unit) -> None:
+        """``unit`` ended: its room on its transfer stream is free (any thread)."""
+        stream = unit.on_stream
+        if stream is None:
+            return
+        unit.on_stream = None
+        self._on_stream[stream].discard(unit)
+        if self._awaiting_room:
+            self._awaiting_room = False
+            # A command, not a bare wake-up: the engine thread looks for commands after it
+            # said it sleeps, and takes a step for them (which issues what waited for room).
+            self._commands.append(_nothing)
+            self._wake()
 
     def _after_allows(self, unit: Unit) -> bool:
         """Whether the unit ``unit`` waits for (a ring's previous step) lets it go; fails
@@ -217,6 +271,10 @@ class Issuing:
             err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
             return
+        stream = _stream_of(unit)
+        if stream is not None:  # CUDA work queued: it takes room on its stream
+            unit.on_stream = stream
+            self._on_stream[stream].add(unit)
         pending = list(unit.pending)
 
         messages = unit.messages
@@ -324,6 +382,8 @@ class Issuing:
         # Any thread, no engine hop (a wake-up per transfer): the engine drops done units from
         # its issued set itself (_progress).
         unit.state = "done"
+        if unit.on_stream is not None:
+            self._off_stream(unit)
         if _trace.ON:
             _trace.record("done", None, unit.trace_text())
         if not unit.transfer._finish_if_no_callbacks():

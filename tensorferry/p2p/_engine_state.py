@@ -70,6 +70,9 @@ class Unit:
     stream (``runtime._events.to_record_on_current_stream``). The engine records it before
     ``submit`` returns, in the issue's compiled call where it can; ``None`` once recorded (or
     where there is none)."""
+    on_stream: str | None = None
+    """Once issued with CUDA work: the transfer stream it is queued on, ``"send"`` or
+    ``"recv"`` (see ``Issuing._room_for``); ``None`` again once it ended."""
     lane: Any = None
     """The lane its lone static message came by (see :mod:`._lanes`): the short way takes its
     agreement's checks and header from there."""

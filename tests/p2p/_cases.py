@@ -1322,6 +1322,109 @@ def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto"
     raise AssertionError("no PeerLostError")
 
 
+def burst_to_doomed(rank: int, world: int, doomed: int, count: int, elements: int) -> dict:
+    """Rank 0 agrees a static channel to ``doomed`` (three messages), then sends it ``count``
+    more, of ``elements`` float32 values each, without waiting for any; ``doomed`` receives
+    none of them and is killed by the test meanwhile. Rank 0 then waits for every one: each
+    must fail with ``PeerLostError``, promptly. The kernels of sends nobody receives stay on
+    the device, and a stream takes about a thousand before a launch waits for room, in the
+    launching call: the engine must hold the rest back (``Issuing._room_for``), or that call
+    waits with the engine's lock held and nothing sees the peer die."""
+    if rank not in (0, doomed):
+        return {}
+    tf._api._reset_pair(doomed if rank == 0 else 0, timeout=T)  # earlier cases' agreements
+    shape = (elements,)
+    for step in range(3):
+        data = payload(0, doomed, 600 + step, shape, torch.float32)
+        if rank == 0:
+            tf.send(data, doomed, static=True).wait(T)
+        else:
+            got = tf.recv(tf.TensorSpec(shape), 0, static=True)
+            assert same_bytes(got.result(T), data), step
+    if rank == doomed:
+        return {}
+    x = torch.ones(shape, device=D())
+    t0 = time.monotonic()
+    handles, raised, longest = [], None, 0.0
+    for _ in range(count):
+        start = time.monotonic()
+        try:
+            handles.append(tf.send(x, doomed, static=True))
+        except PeerLostError as exc:  # a call after the loss was seen may fail at once
+            raised = type(exc).__name__
+            break
+        finally:
+            longest = max(longest, time.monotonic() - start)
+    outcomes: dict[str, int] = {}
+    for h in handles:
+        exc = h.exception(T)
+        name = "ok" if exc is None else type(exc).__name__
+        outcomes[name] = outcomes.get(name, 0) + 1
+    return {
+        "seconds": time.monotonic() - t0,
+        "issued": len(handles),
+        "raised": raised,
+        "longest_call_s": longest,
+        "outcomes": outcomes,
+    }
+
+
+def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed: bool) -> Any:
+    """Rank 0 sends rank 1 ``count`` messages at once over speculating gloo (issued ahead, as
+    NCCL's) with room for only ``room`` on a transfer stream (``Issuing._room_for``; gloo's
+    messages are counted as if they queued device work). Rank 1 receives them a moment later,
+    one by one, checking every byte; or, with ``doomed``, receives none and is killed by the
+    test. Rank 0 reports the most units ever queued, how many waited in the engine right after
+    its calls, and how each transfer ended."""
+    from tensorferry.p2p import _engine_issue, _engine_short
+
+    if rank > 1:
+        return "idle"
+    saved = (_engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM, _engine_short.ROOM_ON_STREAM)
+    _engine_issue._stream_of = lambda unit: unit.messages[0].op.kind
+    _engine_issue.ROOM_ON_STREAM = _engine_short.ROOM_ON_STREAM = room
+    try:
+        shape = (64,)
+        for step in range(3):  # the static agreement: later messages are issued ahead
+            data = payload(0, 1, 650 + step, shape, torch.float32)
+            if rank == 0:
+                tf.send(data, 1, static=True, transport="gloo-spec").wait(T)
+            else:
+                got = tf.recv(tf.TensorSpec(shape), 0, static=True, transport="gloo-spec")
+                assert same_bytes(got.result(T), data), step
+        engine = tf._context.current().engine
+        if rank == 1:
+            if doomed:
+                return "agreed"
+            time.sleep(0.3)  # rank 0's calls meet a peer that has not received yet
+            for i in range(count):
+                got = tf.recv(tf.TensorSpec(shape), 0, static=True, transport="gloo-spec")
+                if not same_bytes(got.result(T), payload(0, 1, 660 + i, shape, torch.float32)):
+                    raise AssertionError(f"message {i} arrived with wrong bytes")
+            return "ok"
+        t0 = time.monotonic()
+        handles, most = [], 0
+        for i in range(count):
+            data = payload(0, 1, 660 + i, shape, torch.float32)
+            handles.append(tf.send(data, 1, static=True, transport="gloo-spec"))
+            most = max(most, len(engine._on_stream["send"]))
+        held = sum(1 for h in handles if not h._issued.is_set())
+        outcomes: dict[str, int] = {}
+        for h in handles:
+            exc = h.exception(T)
+            name = "ok" if exc is None else type(exc).__name__
+            outcomes[name] = outcomes.get(name, 0) + 1
+        return {
+            "most": most,
+            "held": held,
+            "outcomes": outcomes,
+            "seconds": time.monotonic() - t0,
+            "left": len(engine._on_stream["send"]),
+        }
+    finally:
+        _engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM, _engine_short.ROOM_ON_STREAM = saved
+
+
 def prepare_with(rank: int, world: int, peers: list[int]) -> str:
     tf.prepare(peers)
     return "ok"

@@ -207,6 +207,26 @@ def test_no_rank_makes_a_context_on_another_device(pool):
     assert pool.run("contexts_on_other_devices") == [[], []]
 
 
+def test_a_burst_of_sends_to_a_peer_that_dies_fails_promptly(pool):
+    """Thousands of 1 MiB sends issued ahead to a peer that receives none and then dies (see
+    ``burst_to_doomed``): before the engine held back what a transfer stream has no room for,
+    the sender hung for good, its launching call waiting for room with the engine's lock."""
+    for rank in (0, 1):
+        pool._conns[rank].send(("burst_to_doomed", (1, 3000, 1 << 18)))
+    try:
+        status, result = pool._receive(1, 30)
+        assert status == "ok", result
+        time.sleep(1.0)
+        pool.kill(1)
+        status, result = pool._receive(0, 60)
+    finally:
+        pool.renew("rank 1 was killed on purpose")  # (a fresh world for the cases after it)
+    assert status == "ok", result
+    assert result["issued"] > 0 and set(result["outcomes"]) == {"PeerLostError"}, result
+    assert result["raised"] in (None, "PeerLostError"), result
+    assert result["seconds"] < 30.0, result
+
+
 def test_peer_killed_mid_transfer(pool):  # last: it kills rank 1
     pool._conns[0].send(("recv_from_doomed", (1,)))
     time.sleep(1.0)
