@@ -1322,6 +1322,31 @@ def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto"
     raise AssertionError("no PeerLostError")
 
 
+def burst_received(rank: int, world: int, count: int, elements: int) -> str:
+    """Rank 0 sends rank 1 ``count`` messages of ``elements`` float32 values at once on an
+    agreed static channel, more than a transfer stream takes (``Issuing._room_for``: the
+    rest wait in the engine and go as earlier ones end); rank 1 posts as many receives at
+    once, then checks every byte of every one."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    tf._api._reset_pair(peer, timeout=T)  # earlier cases' agreements
+    shape = (elements,)
+    data = [payload(0, 1, 3000 + i, shape, torch.float32) for i in range(count)]
+    if rank == 0:
+        handles = [tf.send(t, 1, static=True) for t in data]
+    else:
+        into = [poisoned(shape, torch.float32) for _ in range(count)]
+        handles = [tf.recv(t, 0, static=True) for t in into]
+    for h in handles:
+        h.wait(T)
+    if rank == 1:
+        for i, (got, want) in enumerate(zip(into, data, strict=True)):
+            if not same_bytes(got, want):
+                raise AssertionError(f"message {i} arrived with wrong bytes")
+    return "ok"
+
+
 def burst_to_doomed(rank: int, world: int, doomed: int, count: int, elements: int) -> dict:
     """Rank 0 agrees a static channel to ``doomed`` (three messages), then sends it ``count``
     more, of ``elements`` float32 values each, without waiting for any; ``doomed`` receives

@@ -207,6 +207,12 @@ def test_no_rank_makes_a_context_on_another_device(pool):
     assert pool.run("contexts_on_other_devices") == [[], []]
 
 
+def test_a_burst_beyond_a_streams_room_arrives_whole(pool):
+    # 600 messages of 256 KiB each way at once: 256 queue on each rank's transfer stream, the
+    # rest wait in the engine and go as those end.
+    assert pool.run("burst_received", 600, 1 << 16, timeout=120) == ["ok", "ok"]
+
+
 def test_a_burst_of_sends_to_a_peer_that_dies_fails_promptly(pool):
     """Thousands of 1 MiB sends issued ahead to a peer that receives none and then dies (see
     ``burst_to_doomed``): before the engine held back what a transfer stream has no room for,
