@@ -67,7 +67,7 @@ def main():
         for _ in range(n - 16):
             tiny(a)
         k, waited = steps_until_blocked(lambda: tiny(b), limit=2 * n)
-        print(f"other stream, stream A holding {n - 16}: launch {k} on B blocked for {waited:.2f} s")
+        print(f"other stream, A holding {n - 16}: launch {k} on B blocked for {waited:.2f} s")
         torch.cuda.synchronize()
 
 
