@@ -136,6 +136,7 @@ class Engine(PeerLinks, HeaderAgreement, Issuing, PairFaults, ShortWay):
         self._issued: set[Unit] = set()
         # Units with CUDA work queued, per transfer stream (see Issuing._room_for).
         self._on_stream: dict[str, set[Unit]] = {"send": set(), "recv": set()}
+        self._full_streams: set[str] = set()  # those with no room left: a hint, for the short way
         self._awaiting_room = False
         # Issued units whose completion their callers usually take (see Unwatched): what is
         # left, the completion pool's poller hands to the pool.

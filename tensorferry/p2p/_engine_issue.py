@@ -153,7 +153,12 @@ class Issuing:
         if stream is None:
             return
         unit.on_stream = None
-        self._on_stream[stream].discard(unit)
+        queued = self._on_stream[stream]
+        queued.discard(unit)
+        if len(queued) < ROOM_ON_STREAM:
+            # A stale answer here costs the short way a call (its look is a hint; the full
+            # step counts), or lets it queue a unit or two beyond the room: both harmless.
+            self._full_streams.discard(stream)
         if self._awaiting_room:
             self._awaiting_room = False
             # A command, not a bare wake-up: the engine thread looks for commands after it
@@ -271,10 +276,12 @@ class Issuing:
             err = exc if isinstance(exc, TensorFerryError) else TransportError(str(exc))
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
             return
-        stream = _stream_of(unit)
-        if stream is not None:  # CUDA work queued: it takes room on its stream
-            unit.on_stream = stream
-            self._on_stream[stream].add(unit)
+        if done_event is not None:  # CUDA work queued: it takes room on its stream
+            stream = unit.on_stream = _stream_of(unit)
+            queued = self._on_stream[stream]  # type: ignore[index]
+            queued.add(unit)
+            if len(queued) >= ROOM_ON_STREAM:
+                self._full_streams.add(stream)
         pending = list(unit.pending)
 
         messages = unit.messages

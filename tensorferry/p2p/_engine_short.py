@@ -12,7 +12,6 @@ import time
 
 from tensorferry.errors import MismatchError
 from tensorferry.p2p import _trace
-from tensorferry.p2p._engine_issue import ROOM_ON_STREAM
 from tensorferry.p2p._engine_state import ChannelState, Message, PeerState, Unit
 
 __all__ = ["ShortWay", "set_agreed_header"]
@@ -57,7 +56,7 @@ class ShortWay:
         if len(unit.messages) != 1 or unit.after is not None or self._stopping:
             return False
         message = unit.messages[0]
-        if len(self._on_stream[message.op.kind]) >= ROOM_ON_STREAM:
+        if self._full_streams and message.op.kind in self._full_streams:
             return False  # the full step holds it until there is room (Issuing._room_for)
         peer = self._peers.get(message.op.peer)
         if peer is None or peer.link is None:

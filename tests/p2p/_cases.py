@@ -1401,13 +1401,25 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
     one by one, checking every byte; or, with ``doomed``, receives none and is killed by the
     test. Rank 0 reports the most units ever queued, how many waited in the engine right after
     its calls, and how each transfer ended."""
-    from tensorferry.p2p import _engine_issue, _engine_short
+    from tensorferry.p2p import _context, _engine_issue
 
     if rank > 1:
         return "idle"
-    saved = (_engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM, _engine_short.ROOM_ON_STREAM)
+
+    class Queued:  # what a unit's completion event is to the engine: its work is "queued"
+        def query(self) -> bool:
+            return True
+
+    issue = _context.P2PContext.issue
+
+    def issue_queueing(ctx: Any, unit: Any) -> Any:
+        done = issue(ctx, unit)
+        return Queued() if done is None else done
+
+    saved = (issue, _engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM)
+    _context.P2PContext.issue = issue_queueing
     _engine_issue._stream_of = lambda unit: unit.messages[0].op.kind
-    _engine_issue.ROOM_ON_STREAM = _engine_short.ROOM_ON_STREAM = room
+    _engine_issue.ROOM_ON_STREAM = room
     try:
         shape = (64,)
         for step in range(3):  # the static agreement: later messages are issued ahead
@@ -1447,7 +1459,7 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
             "left": len(engine._on_stream["send"]),
         }
     finally:
-        _engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM, _engine_short.ROOM_ON_STREAM = saved
+        _context.P2PContext.issue, _engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM = saved
 
 
 def prepare_with(rank: int, world: int, peers: list[int]) -> str:
