@@ -39,28 +39,38 @@ _RESTEP_S = 20e-6
 # What dict.pop answers for a unit that is not (or no longer) unwatched.
 _TAKEN = object()
 
-# Units with CUDA work queued on one transfer stream (a process's sends share one, and its
-# receives another) and not yet seen to end: more wait in the engine until some end. A stream
-# takes about a thousand kernels behind one that waits for its peer (1021 on the H100, whose
-# other streams launched on meanwhile: scripts/launch_queue_probe.py); the next launch then
-# waits in the launching call for room, holding the engine's lock, which the thread that
-# would see the peer die and abort the pair (ending that wait) needs. A burst of 1 MiB sends
-# to a peer that received none and died hung its sender so, for good. A unit launches a few
-# kernels at most (a packed message's copies, its NCCL call).
+# Kernels queued on one transfer stream (a process's sends share one, and its receives
+# another) by units not yet seen to end, as _queued_work counts them: a unit that would queue
+# more waits in the engine until some end. A stream takes about a thousand kernels behind one
+# that waits for its peer (1021 on the H100, whose other streams launched on meanwhile:
+# scripts/launch_queue_probe.py); the next launch then waits in the launching call for room,
+# holding the engine's lock, which the thread that would see the peer die and abort the pair
+# (ending that wait) needs. A burst of 1 MiB sends to a peer that received none and died hung
+# its sender so, for good.
 ROOM_ON_STREAM = 256
 
 
-def _stream_of(unit: Unit) -> str | None:
-    """The transfer stream ``unit``'s CUDA work goes on, ``"send"`` or ``"recv"`` (as
-    ``P2PContext.issue`` chooses it), or ``None`` where it has none."""
+def _queued_work(unit: Unit) -> tuple[str, int] | None:
+    """Where ``unit``'s CUDA work goes and how many kernels it queues there, about: the
+    transfer stream (``"send"`` or ``"recv"``, as ``P2PContext.issue`` chooses it) and one per
+    message, two for one of several tensors (their copies into or out of its packed buffer:
+    a kernel per dtype); ``None`` where it has none. A group call of several peers' messages
+    launches a kernel per communicator."""
     messages = unit.messages
     if len(messages) == 1:  # the commonest unit
         op = messages[0].op
-        return op.kind if op.tensors[0].is_cuda else None
-    kinds = {m.op.kind for m in messages if m.op.tensors[0].is_cuda}
-    if not kinds:
+        if not op.tensors[0].is_cuda:
+            return None
+        return op.kind, 1 if len(op.tensors) == 1 else 2
+    kernels, sends = 0, False
+    for m in messages:
+        op = m.op
+        if op.tensors[0].is_cuda:
+            kernels += 1 if len(op.tensors) == 1 else 2
+            sends = sends or op.kind == "send"
+    if not kernels:
         return None
-    return "send" if "send" in kinds else "recv"
+    return ("send" if sends else "recv"), kernels
 
 
 def _nothing() -> None:
@@ -134,18 +144,30 @@ class Issuing:
     def _issuable(self, unit: Unit) -> bool:
         if not (self._after_allows(unit) and self._may_go(unit.messages)):
             return False
-        stream = _stream_of(unit)
-        return stream is None or self._room_for(stream)
+        work = _queued_work(unit)
+        return work is None or self._room_for(*work)
 
-    def _room_for(self, stream: str) -> bool:
-        """Whether one more unit may queue CUDA work on the transfer stream ``stream`` (see
-        ``ROOM_ON_STREAM``). Where not, the next unit to end there wakes the engine."""
+    def _room_for(self, stream: str, kernels: int) -> bool:
+        """Whether a unit may queue ``kernels`` more on the transfer stream ``stream`` (see
+        ``ROOM_ON_STREAM``; on an empty stream, any number). Where not, the next unit to end
+        there wakes the engine."""
         queued = self._on_stream[stream]
-        if len(queued) < ROOM_ON_STREAM:
+        if not queued or len(queued) + kernels <= ROOM_ON_STREAM:
             return True
         # Said before the second look: a unit that ends in between sees it.
         self._awaiting_room = True
-        return len(queued) < ROOM_ON_STREAM
+        return not queued or len(queued) + kernels <= ROOM_ON_STREAM
+
+    def _on_stream_add(self, unit: Unit, work: tuple[str, int]) -> None:
+        """``unit`` queued its work (under the engine's lock): ``unit`` itself stands for its
+        first kernel in the stream's set, ``(unit, i)`` for the others."""
+        stream, kernels = unit.on_stream, unit.kernels = work
+        queued = self._on_stream[stream]
+        queued.add(unit)
+        for i in range(1, kernels):
+            queued.add((unit, i))
+        if len(queued) >= ROOM_ON_STREAM:
+            self._full_streams.add(stream)
 
     def _off_stream(self, unit: Unit) -> None:
         """``unit`` ended: its room on its transfer stream is free (any thread)."""
@@ -155,6 +177,8 @@ class Issuing:
         unit.on_stream = None
         queued = self._on_stream[stream]
         queued.discard(unit)
+        for i in range(1, unit.kernels):  # (set.discard: each one atomic)
+            queued.discard((unit, i))
         if len(queued) < ROOM_ON_STREAM:
             # A stale answer here costs the short way a call (its look is a hint; the full
             # step counts), or lets it queue a unit or two beyond the room: both harmless.
@@ -277,11 +301,7 @@ class Issuing:
             self._fail_unit(unit, err, cascade=True, skip_peer=None)
             return
         if done_event is not None:  # CUDA work queued: it takes room on its stream
-            stream = unit.on_stream = _stream_of(unit)
-            queued = self._on_stream[stream]  # type: ignore[index]
-            queued.add(unit)
-            if len(queued) >= ROOM_ON_STREAM:
-                self._full_streams.add(stream)
+            self._on_stream_add(unit, _queued_work(unit))  # type: ignore[arg-type]
         pending = list(unit.pending)
 
         messages = unit.messages

@@ -73,6 +73,8 @@ class Unit:
     on_stream: str | None = None
     """Once issued with CUDA work: the transfer stream it is queued on, ``"send"`` or
     ``"recv"`` (see ``Issuing._room_for``); ``None`` again once it ended."""
+    kernels: int = 1
+    """How many kernels it queued there, as ``_engine_issue._queued_work`` counts them."""
     lane: Any = None
     """The lane its lone static message came by (see :mod:`._lanes`): the short way takes its
     agreement's checks and header from there."""

@@ -1416,9 +1416,9 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
         done = issue(ctx, unit)
         return Queued() if done is None else done
 
-    saved = (issue, _engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM)
+    saved = (issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM)
     _context.P2PContext.issue = issue_queueing
-    _engine_issue._stream_of = lambda unit: unit.messages[0].op.kind
+    _engine_issue._queued_work = lambda unit: (unit.messages[0].op.kind, 1)
     _engine_issue.ROOM_ON_STREAM = room
     try:
         shape = (64,)
@@ -1459,7 +1459,7 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
             "left": len(engine._on_stream["send"]),
         }
     finally:
-        _context.P2PContext.issue, _engine_issue._stream_of, _engine_issue.ROOM_ON_STREAM = saved
+        _context.P2PContext.issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM = saved
 
 
 def prepare_with(rank: int, world: int, peers: list[int]) -> str:

@@ -929,3 +929,63 @@ def test_transfers_nobody_took_yet_count_as_in_flight_for_the_gil(monkeypatch):
         assert _transport.few_in_flight()
     finally:
         pool.shutdown(wait=False)
+
+
+def test_a_units_queued_work_counts_a_kernel_per_message_and_one_for_packing():
+    from tensorferry.p2p._engine_issue import _queued_work
+
+    def message(kind, tensors, cuda=True):
+        tensor = SimpleNamespace(is_cuda=cuda)
+        return SimpleNamespace(op=SimpleNamespace(kind=kind, tensors=[tensor] * tensors))
+
+    def unit(*messages):
+        return SimpleNamespace(messages=list(messages))
+
+    assert _queued_work(unit(message("send", 1))) == ("send", 1)
+    assert _queued_work(unit(message("recv", 64))) == ("recv", 2)
+    assert _queued_work(unit(message("send", 1, cuda=False))) is None
+    # A unit with a send goes on the send stream (P2PContext.issue), host messages aside.
+    assert _queued_work(unit(message("recv", 1), message("recv", 3), message("send", 1))) == (
+        "send",
+        4,
+    )
+    assert _queued_work(unit(message("send", 2, cuda=False), message("recv", 1))) == ("recv", 1)
+
+
+def test_a_streams_room_counts_kernels_and_the_unit_that_ends_wakes_the_engine():
+    from tensorferry.p2p import _engine_issue
+    from tensorferry.p2p._engine_issue import ROOM_ON_STREAM, Issuing
+
+    woke = []
+    engine = SimpleNamespace(
+        _on_stream={"send": set(), "recv": set()},
+        _full_streams=set(),
+        _awaiting_room=False,
+        _commands=[],
+        _wake=lambda: woke.append(True),
+    )
+    room = lambda stream, kernels: Issuing._room_for(engine, stream, kernels)  # noqa: E731
+    assert room("send", ROOM_ON_STREAM + 5)  # an empty stream takes any unit
+
+    class Unit:  # hashable by identity, as the engine's units
+        on_stream = None
+        kernels = 1
+
+    units = [Unit() for _ in range(ROOM_ON_STREAM // 4)]
+    for u in units:
+        Issuing._on_stream_add(engine, u, ("send", 4))
+    assert len(engine._on_stream["send"]) == ROOM_ON_STREAM
+    assert engine._full_streams == {"send"}
+    assert room("recv", 1)  # the other stream has room of its own
+    assert not engine._awaiting_room
+    assert not room("send", 1)
+    assert engine._awaiting_room and not woke
+    Issuing._off_stream(engine, units[0])
+    assert len(engine._on_stream["send"]) == ROOM_ON_STREAM - 4
+    assert engine._full_streams == set() and woke == [True]
+    assert engine._commands == [_engine_issue._nothing]  # a step, not a bare wake-up
+    assert room("send", 4) and not room("send", 5)
+    for u in units[1:]:
+        Issuing._off_stream(engine, u)
+        Issuing._off_stream(engine, u)  # twice (a fault and a completion): no harm
+    assert engine._on_stream["send"] == set()
