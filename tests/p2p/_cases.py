@@ -1322,6 +1322,17 @@ def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto"
     raise AssertionError("no PeerLostError")
 
 
+def _outcomes(handles: list) -> dict[str, int]:
+    """How many of ``handles`` ended how: ``"ok"`` or their exception's class name (each
+    waited for up to ``T``)."""
+    outcomes: dict[str, int] = {}
+    for h in handles:
+        exc = h.exception(T)
+        name = "ok" if exc is None else type(exc).__name__
+        outcomes[name] = outcomes.get(name, 0) + 1
+    return outcomes
+
+
 def burst_received(rank: int, world: int, count: int, elements: int) -> str:
     """Rank 0 sends rank 1 ``count`` messages of ``elements`` float32 values at once on an
     agreed static channel, more than a transfer stream takes (``Issuing._room_for``: the
@@ -1380,17 +1391,12 @@ def burst_to_doomed(rank: int, world: int, doomed: int, count: int, elements: in
             break
         finally:
             longest = max(longest, time.monotonic() - start)
-    outcomes: dict[str, int] = {}
-    for h in handles:
-        exc = h.exception(T)
-        name = "ok" if exc is None else type(exc).__name__
-        outcomes[name] = outcomes.get(name, 0) + 1
     return {
         "seconds": time.monotonic() - t0,
         "issued": len(handles),
         "raised": raised,
         "longest_call_s": longest,
-        "outcomes": outcomes,
+        "outcomes": _outcomes(handles),
     }
 
 
@@ -1446,15 +1452,10 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
             handles.append(tf.send(data, 1, static=True, transport="gloo-spec"))
             most = max(most, len(engine._on_stream["send"]))
         held = sum(1 for h in handles if not h._issued.is_set())
-        outcomes: dict[str, int] = {}
-        for h in handles:
-            exc = h.exception(T)
-            name = "ok" if exc is None else type(exc).__name__
-            outcomes[name] = outcomes.get(name, 0) + 1
         return {
             "most": most,
             "held": held,
-            "outcomes": outcomes,
+            "outcomes": _outcomes(handles),
             "seconds": time.monotonic() - t0,
             "left": len(engine._on_stream["send"]),
         }
