@@ -1400,6 +1400,50 @@ def burst_to_doomed(rank: int, world: int, doomed: int, count: int, elements: in
     }
 
 
+class _Queued:
+    """What a unit's completion event is to the engine: its work counts as queued."""
+
+    def query(self) -> bool:
+        return True
+
+
+def _count_host_work_as_queued(room: int) -> tuple:
+    """Makes this process's engine count host transports' messages as kernels queued on a
+    transfer stream (one per message, the unit's stream by its kinds), with room for
+    ``room`` (``Issuing._room_for``): the room's holding back, on the CPU. Returns what
+    :func:`_uncount_host_work` puts back."""
+    from tensorferry.p2p import _context, _engine_issue
+
+    issue = _context.P2PContext.issue
+
+    def issue_queueing(ctx: Any, unit: Any) -> Any:
+        done = issue(ctx, unit)
+        return _Queued() if done is None else done
+
+    def queued_work(unit: Any) -> tuple[str, int]:
+        sends = any(m.op.kind == "send" for m in unit.messages)
+        return ("send" if sends else "recv"), len(unit.messages)
+
+    saved = (issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM)
+    _context.P2PContext.issue = issue_queueing
+    _engine_issue._queued_work = queued_work
+    _engine_issue.ROOM_ON_STREAM = room
+    return saved
+
+
+def _uncount_host_work(saved: tuple) -> None:
+    from tensorferry.p2p import _context, _engine_issue
+
+    _context.P2PContext.issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM = saved
+
+
+def count_host_work_as_queued(rank: int, world: int, room: int) -> bool:
+    """:func:`_count_host_work_as_queued` for the rest of this worker's life
+    (``scripts/random_traffic_probe.py --room``)."""
+    _count_host_work_as_queued(room)
+    return True
+
+
 def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed: bool) -> Any:
     """Rank 0 sends rank 1 ``count`` messages at once over speculating gloo (issued ahead, as
     NCCL's) with room for only ``room`` on a transfer stream (``Issuing._room_for``; gloo's
@@ -1407,25 +1451,9 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
     one by one, checking every byte; or, with ``doomed``, receives none and is killed by the
     test. Rank 0 reports the most units ever queued, how many waited in the engine right after
     its calls, and how each transfer ended."""
-    from tensorferry.p2p import _context, _engine_issue
-
     if rank > 1:
         return "idle"
-
-    class Queued:  # what a unit's completion event is to the engine: its work is "queued"
-        def query(self) -> bool:
-            return True
-
-    issue = _context.P2PContext.issue
-
-    def issue_queueing(ctx: Any, unit: Any) -> Any:
-        done = issue(ctx, unit)
-        return Queued() if done is None else done
-
-    saved = (issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM)
-    _context.P2PContext.issue = issue_queueing
-    _engine_issue._queued_work = lambda unit: (unit.messages[0].op.kind, 1)
-    _engine_issue.ROOM_ON_STREAM = room
+    saved = _count_host_work_as_queued(room)
     try:
         shape = (64,)
         for step in range(3):  # the static agreement: later messages are issued ahead
@@ -1460,7 +1488,7 @@ def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed:
             "left": len(engine._on_stream["send"]),
         }
     finally:
-        _context.P2PContext.issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM = saved
+        _uncount_host_work(saved)
 
 
 def prepare_with(rank: int, world: int, peers: list[int]) -> str:
@@ -1996,7 +2024,7 @@ def random_programs(
     for tags in list(handles):  # the waits left to the end, in call order
         handle, covers = handles.pop(tags)
         outcomes.update(_traffic_outcomes(handle, covers, wait))
-    if any("Timeout" in outcome for outcome in outcomes.values()):
+    if any("Timeout" in outcome or "wrong" in outcome for outcome in outcomes.values()):
         _keep_trace(rank, f"program{seed}")
     return outcomes
 
