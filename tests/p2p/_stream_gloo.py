@@ -36,16 +36,22 @@ _POLL_S = 1e-3
 class _Queued(PendingOps):
     """A unit's gloo work, started by its lane once the lane's previous unit finished."""
 
-    def __init__(self, begin: Callable[[], PendingOps]) -> None:
+    def __init__(self, begin: Callable[[], PendingOps], after: list[_Queued]) -> None:
         self._begin = begin
+        self._after = after
         self._inner: PendingOps | None = None
         self._error: BaseException | None = None
         self._aborted = False
         self._finished = threading.Event()
 
     def run(self) -> None:
-        """On the lane's thread: starts the work and returns once it finished or failed."""
+        """On the lane's thread: starts the work, once the units it comes ``after`` (on its
+        communicators) finished, and returns once it finished or failed."""
         try:
+            for unit in self._after:
+                while not (self._aborted or unit._finished.wait(_POLL_S)):
+                    pass
+            self._after = []  # (or every unit would keep the ones before it alive)
             if self._aborted:
                 return
             self._inner = self._begin()
@@ -85,6 +91,7 @@ class _Lane:
 
 _lanes: dict[str, _Lane] = {}
 _lanes_lock = threading.Lock()
+_last: dict[tuple[int, str], _Queued] = {}  # the last unit of each (peer, kind) direction
 
 
 def _lane(name: str) -> _Lane:
@@ -111,9 +118,17 @@ class StreamOrderedGloo(GlooTransport):
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
         # The stream P2PContext.issue would pick for a CUDA unit: one with a send goes on the
-        # send stream.
+        # send stream. NCCL also runs one communicator's work in the order it was issued,
+        # whatever streams it went on (a pair's direction is a communicator of its own): a
+        # unit starts only after the last one on each of its directions, as its posts are
+        # matched in that order.
         kind = "send" if any(op.kind == "send" for op in ops) else "recv"
-        unit = _Queued(lambda: GlooTransport.start(self, ops, stream=stream))
+        directions = {(op.peer, op.kind) for op in ops}
+        with _lanes_lock:
+            after = [_last[d] for d in directions if d in _last]
+            unit = _Queued(lambda: GlooTransport.start(self, ops, stream=stream), after)
+            for direction in directions:
+                _last[direction] = unit
         _lane(kind).submit(unit)
         return unit
 
