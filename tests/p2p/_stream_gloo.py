@@ -118,10 +118,12 @@ class StreamOrderedGloo(GlooTransport):
 
     def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
         # The stream P2PContext.issue would pick for a CUDA unit: one with a send goes on the
-        # send stream. NCCL also runs one communicator's work in the order it was issued,
-        # whatever streams it went on (a pair's direction is a communicator of its own): a
-        # unit starts only after the last one on each of its directions, as its posts are
-        # matched in that order.
+        # send stream. And a unit starts only after the last one on each of its directions (a
+        # pair's direction is a communicator of its own): gloo matches a direction's posts in
+        # the order they are made, and NCCL, as we understand its launches (each waits for its
+        # communicator's previous one, whatever the stream), runs a communicator's work in
+        # the order it was issued. Without this, a receive in a batch with a send (send lane)
+        # and the next lone receive from that peer (receive lane) took each other's bytes.
         kind = "send" if any(op.kind == "send" for op in ops) else "recv"
         directions = {(op.peer, op.kind) for op in ops}
         with _lanes_lock:
