@@ -120,10 +120,11 @@ class StreamOrderedGloo(GlooTransport):
         # The stream P2PContext.issue would pick for a CUDA unit: one with a send goes on the
         # send stream. And a unit starts only after the last one on each of its directions (a
         # pair's direction is a communicator of its own): gloo matches a direction's posts in
-        # the order they are made, and NCCL, as we understand its launches (each waits for its
-        # communicator's previous one, whatever the stream), runs a communicator's work in
-        # the order it was issued. Without this, a receive in a batch with a send (send lane)
-        # and the next lone receive from that peer (receive lane) took each other's bytes.
+        # the order they are made, and an NCCL communicator runs its operations in the order
+        # they were issued, whatever streams they went on (what tensorferry/graph/_nccl.py's
+        # one communicator per direction rests on too). Without this, a receive in a batch
+        # with a send (send lane) and the next lone receive from that peer (receive lane) took
+        # each other's bytes.
         kind = "send" if any(op.kind == "send" for op in ops) else "recv"
         directions = {(op.peer, op.kind) for op in ops}
         with _lanes_lock:
