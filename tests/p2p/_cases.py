@@ -1675,6 +1675,83 @@ def stream_ordering_when_agreed(rank: int, world: int) -> str:
     return "sent" if sender else "ok"
 
 
+def order_across_streams(
+    rank: int, world: int, first: str, static: bool, rounds: int, transport: str = "auto"
+) -> str:
+    """Two receives from one peer on two transfer streams: a batch with a send goes on the send
+    stream, a lone receive on the receive stream. The peer's messages must land in the order
+    both sides issued them, whichever kernel the device could start first (an NCCL
+    communicator runs its operations in issue order across streams: what the engine and
+    ``graph/_nccl.py`` rest on).
+
+    ``first="batch"``: rank 0 sends a message rank 1 takes only after a pause (the send
+    stream waits behind it), then a batch [send, receive], then a lone receive, already queued
+    on an idle stream when the peer's messages come. ``first="lone"``: rank 0's lone receive
+    waits for a message rank 1 sends after a pause, then a batch [send, receive] on the other,
+    idle stream. Random payloads, every byte checked, every round."""
+    if rank > 1:
+        return "idle"
+    tf._api._reset_pair(1 - rank, timeout=T)  # earlier cases' agreements
+    shape = (1 << 18,)  # one layout: a static channel keeps it
+    how = {"static": static, "transport": transport}
+    for r in range(rounds):
+        tags = [4000 + 10 * r + i for i in range(4)]
+        if rank == 0:
+            handles, got = _order_across_streams_0(first, how, tags, shape)
+        else:
+            time.sleep(0.5)  # rank 0 has queued everything by now
+            handles, got = _order_across_streams_1(first, how, tags, shape)
+        for h in handles:
+            h.wait(T)
+        for what, (tensor, tag) in got.items():
+            want = payload(1 - rank, rank, tag, tensor.shape, tensor.dtype)
+            if not same_bytes(tensor, want):
+                raise AssertionError(f"round {r}: {what} arrived with wrong bytes")
+    return "ok"
+
+
+def _order_across_streams_0(first: str, how: dict, tags: list, shape: tuple):
+    """Rank 0's side of ``order_across_streams``: (handles, {name: (buffer, tag)})."""
+    handles, got = [], {}
+    if first == "batch":
+        handles.append(tf.send(payload(0, 1, tags[0], shape, torch.float32), 1, **how))
+    else:
+        lone = poisoned(shape, torch.float32)
+        handles.append(tf.recv(lone, 1, **how))
+        got["the lone receive"] = (lone, tags[1])
+    in_batch = poisoned(shape, torch.float32)
+    with tf.batch(**how) as b:
+        b.send(payload(0, 1, tags[2], shape, torch.float32), 1)
+        b.recv(in_batch, 1)
+    handles.append(b)
+    got["the batch's receive"] = (in_batch, tags[3])
+    if first == "batch":
+        lone = poisoned(shape, torch.float32)
+        handles.append(tf.recv(lone, 1, **how))
+        got["the lone receive"] = (lone, tags[1])
+    return handles, got
+
+
+def _order_across_streams_1(first: str, how: dict, tags: list, shape: tuple):
+    """Rank 1's side: the same messages, issued in rank 0's order."""
+    handles, got = [], {}
+    if first == "batch":
+        first_one = poisoned(shape, torch.float32)
+        handles.append(tf.recv(first_one, 0, **how))
+        got["the first message"] = (first_one, tags[0])
+    else:
+        handles.append(tf.send(payload(1, 0, tags[1], shape, torch.float32), 0, **how))
+    in_batch = poisoned(shape, torch.float32)
+    with tf.batch(**how) as b:
+        b.recv(in_batch, 0)
+        b.send(payload(1, 0, tags[3], shape, torch.float32), 0)
+    handles.append(b)
+    got["the batch's receive"] = (in_batch, tags[2])
+    if first == "batch":
+        handles.append(tf.send(payload(1, 0, tags[1], shape, torch.float32), 0, **how))
+    return handles, got
+
+
 def _outcome(fn) -> str:
     """``fn()``'s result, or what it raised: ``mismatch:<field>`` or the error's type name."""
     try:

@@ -816,6 +816,17 @@ def test_messages_issued_ahead_to_several_peers_wait_behind_each_other_in_stream
     assert results == ["ok"] * 3
 
 
+@pytest.mark.parametrize("transport", ["gloo", "gloo-stream"])
+@pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
+@pytest.mark.parametrize("first", ["batch", "lone"])
+def test_two_receives_from_a_peer_on_two_lanes_land_in_issue_order(pool, first, static, transport):
+    """A batch's receive (send lane) and a lone receive (receive lane) from one peer, the one
+    issued first held up: each gets its own message (see ``order_across_streams``)."""
+    assert pool.run("register_stream_ordered_gloo") == [True] * WORLD
+    results = pool.run("order_across_streams", first, static, 2, transport, timeout=90)
+    assert results == ["ok", "ok", "idle"]
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
 def test_calls_from_many_threads_at_once_each_arrive_once_and_whole(pool, static):
     """Every rank sends and receives from six threads at once (two senders and one receiver

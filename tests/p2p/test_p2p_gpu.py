@@ -160,6 +160,15 @@ def test_stream_ordering_on_an_agreed_static_channel(pool):
     assert pool.run("stream_ordering_when_agreed") == ["sent", "ok"]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["headers", "static"])
+@pytest.mark.parametrize("first", ["batch", "lone"])
+def test_two_receives_from_a_peer_on_two_streams_land_in_issue_order(pool, first, static):
+    """A batch's receive (on the send stream) and a lone receive (on the receive stream) from
+    one peer, the one issued first held up: each gets its own message, as one NCCL
+    communicator runs its operations in issue order whatever their streams."""
+    assert pool.run("order_across_streams", first, static, 3, timeout=60) == ["ok", "ok"]
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("sender", [0, 1])
 def test_stream_ordering_from_threads_whose_current_device_is_another(pool, sender):
