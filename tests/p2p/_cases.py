@@ -1289,6 +1289,7 @@ def static_with(rank: int, world: int, other: int, transport: str) -> str:
     """Ranks 0 and ``other`` agree on a static channel ``other`` → 0 (three messages)."""
     if rank not in (0, other):
         return "idle"
+    tf._api._reset_pair(other if rank == 0 else 0, timeout=T)  # earlier cases' agreements
     for step in range(3):
         data = payload(other, 0, 700 + step, (1 << 16,), torch.float32)
         if rank == other:
@@ -1320,6 +1321,34 @@ def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto"
             "issued_ahead": issued_ahead,
         }
     raise AssertionError("no PeerLostError")
+
+
+def compute_behind_a_receive_from_doomed(rank: int, world: int, doomed: int, kernels: int) -> dict:
+    """Rank 0 receives from ``doomed`` on an agreed static channel (see :func:`static_with`:
+    issued ahead, so the receive is on the device at once), makes its current stream wait for
+    it there and queues ``kernels`` small kernels behind it: more than a stream takes, so the
+    caller's launching call waits for room until the receive ends. ``doomed`` sends nothing and
+    is killed by the test meanwhile. The library must still see the loss and end the receive
+    (aborting its communicator), from threads of its own: the caller's launches then go on,
+    its stream drains, and the receive fails with ``PeerLostError``."""
+    if rank != 0:
+        return {}
+    t0 = time.monotonic()
+    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, static=True, timeout=40.0)
+    issued_ahead = h._issued.is_set()  # before the sender's header could come
+    h.wait_stream()
+    counter = torch.zeros(16, device=D())
+    for _ in range(kernels):
+        counter.add_(1.0)
+    launched_s = time.monotonic() - t0
+    exc = h.exception(T)
+    torch.cuda.current_stream(D()).synchronize()
+    return {
+        "issued_ahead": issued_ahead,
+        "launched_s": launched_s,
+        "outcome": "ok" if exc is None else type(exc).__name__,
+        "every_kernel_ran": bool(torch.all(counter == kernels)),
+    }
 
 
 def _outcomes(handles: list) -> dict[str, int]:
