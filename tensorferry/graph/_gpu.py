@@ -55,6 +55,7 @@ from tensorferry.graph._gpu_host import (
     HostWrites,
     PinnedResults,
 )
+from tensorferry.graph._link_watch import LinkWatch
 from tensorferry.graph._plan import DRIVER, EdgeSpec, Operation, OpKind, TaskSpec
 
 if TYPE_CHECKING:
@@ -176,6 +177,7 @@ class GpuOps:
             self._anchor.record(self.compute_stream)
             self._anchor.synchronize()
             self._anchor_time = time.perf_counter()
+        self._watch = self._start_link_watch(runner.control)  # last: nothing fails after it
 
     # ------------------------------------------------------------------ profiling
     def _span_start(self, stream: Any) -> Any:
@@ -558,6 +560,24 @@ class GpuOps:
             time.sleep(EVENT_PAUSE_S * 10)
         return True
 
+    def _start_link_watch(self, control: Any) -> LinkWatch | None:
+        """A watch that aborts the links a method's thread, stuck behind a receive, cannot
+        (see :mod:`._link_watch`): for links whose ``close`` may run on any thread."""
+        watched = [o for o in self._link_owners if getattr(o, "closes_on_any_thread", False)]
+        if not watched:
+            return None
+
+        def abort() -> None:
+            for owner in watched:
+                owner.close()
+
+        return LinkWatch(control, abort, drain_s=_DRAIN_S, what=f"actor on {self.device}")
+
+    @property
+    def links_aborted_by_watch(self) -> bool:
+        """Whether the link watch aborted the links (the graph was ending)."""
+        return self._watch is not None and self._watch.fired
+
     def close(self, *, peer_died: bool = False) -> None:
         """Waits for this actor's GPU work, then closes its links.
 
@@ -566,6 +586,8 @@ class GpuOps:
         what ends it. So: no wait at all after a peer died, and at most :data:`_DRAIN_S`
         otherwise, before the links are closed either way.
         """
+        if self._watch is not None:
+            self._watch.finish()  # this thread closes the links now
         self._host.close()
         try:
             if not peer_died and self._drained(_DRAIN_S):

@@ -308,6 +308,11 @@ class DirectNcclLink:
         finally:
             lib.group_end()
 
+    closes_on_any_thread = True
+    """``close`` may run on a thread other than the actor's, even while that one is inside a
+    transfer call: NCCL's abort is made for a communicator an operation hangs on (see
+    :mod:`tensorferry.graph._link_watch`)."""
+
     def close(self) -> None:
         """Aborts every communicator (abort never waits for the peer, which may be gone);
         calling it again does nothing."""

@@ -315,6 +315,13 @@ class ScheduleRunner:
         except PeerDied:
             peer_died = True
             return "peer died"
+        except Exception:
+            if self.gpu is None or not self.gpu.links_aborted_by_watch:
+                raise
+            # The link watch aborted the links under a method held up behind a receive, as
+            # the graph ended (see graph/_link_watch.py): what failed since, failed for that.
+            peer_died = self.control.dead_index() is not None
+            return "peer died" if peer_died else "stopped"
         finally:
             if self._comm is not None:
                 self._comm.close()

@@ -231,6 +231,15 @@ class GpuCalc:
         assert t.device == self.device, (t.device, self.device)
         return (t * k).cpu()
 
+    def count_up(self, t: torch.Tensor, kernels: int) -> torch.Tensor:
+        """``t`` plus one, ``kernels`` times, a small kernel each: all queued behind ``t``'s
+        receive while that is on its way (a stream takes about a thousand, and the next launch
+        waits for room in the launching call)."""
+        out = t.clone()
+        for _ in range(kernels):
+            out.add_(1.0)
+        return out.cpu()
+
     def unpair(self, d: dict) -> torch.Tensor:
         assert d["b"][1] == "tag"
         return (d["a"] + d["b"][0]).cpu()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from graph_actors import GpuCalc, check_unsendable_results
 from killed_driver import kill_a_driver
+from one_gpu import ONE_GPU_ACTORS, spawn_on_gpu
 
 import tensorferry as tf
 from tensorferry.graph import InputNode, MultiOutputNode, actor
@@ -18,6 +19,13 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.timeout(180)
 needs_one = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
 needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
+# Two actors whose edges may be NCCL's: on two GPUs, or on one posing as two hosts (see
+# one_gpu.py). Tests of ce or nvlink edges, or of a second device itself, keep needs_two.
+two_devices = pytest.mark.gpu if ONE_GPU_ACTORS else pytest.mark.multigpu
+needs_two_or_posing = pytest.mark.skipif(
+    GPUS < 2 and not (ONE_GPU_ACTORS and GPUS == 1),
+    reason="needs two CUDA devices (or one, with TF_TEST_ONE_GPU_ACTORS=1)",
+)
 
 Gpu = actor(GpuCalc)
 
@@ -37,16 +45,16 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def pair():
-    if GPUS < 2:
+    if GPUS < 2 and not (ONE_GPU_ACTORS and GPUS == 1):
         pytest.skip("needs two CUDA devices")
-    handles = [Gpu.spawn(f"cuda:{i}", device=i, name=f"gpu{i}") for i in range(2)]
+    handles = [spawn_on_gpu(Gpu, i, name=f"gpu{i}") for i in range(2)]
     yield handles
     for handle in handles:
         handle.kill()
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 @pytest.mark.parametrize(
     "transport, overlap, max_inflight",
     [
@@ -54,9 +62,10 @@ def pair():
         ("nccl", False, 3),
         ("nccl", True, 1),
         ("nccl", True, 3),
-        ("ce", False, 1),  # the copy engine, through tensorferry.p2p
-        ("ce", True, 3),
-        ("nvlink", True, 3),  # copy kernels over symmetric memory, through tensorferry.p2p
+        pytest.param("ce", False, 1, marks=needs_two),  # the copy engine, through tensorferry.p2p
+        pytest.param("ce", True, 3, marks=needs_two),
+        # copy kernels over symmetric memory, through tensorferry.p2p
+        pytest.param("nvlink", True, 3, marks=needs_two),
     ],
 )
 def test_gpu_edge_results(pair, transport, overlap, max_inflight):
@@ -96,9 +105,9 @@ def test_a_result_on_another_gpu_than_its_actors_crosses_a_gpu_edge(pair, transp
         graph.teardown(kill_actors=False)
 
 
-@pytest.mark.multigpu
-@needs_two
-@pytest.mark.parametrize("transport", ["nccl", "ce"])
+@two_devices
+@needs_two_or_posing
+@pytest.mark.parametrize("transport", ["nccl", pytest.param("ce", marks=needs_two)])
 def test_a_kept_tensor_changed_by_the_next_execution_arrives_as_it_was_returned(pair, transport):
     """With overlap on, a send runs on its own stream while the actor's next methods run: a
     tensor the actor keeps and fills again in place arrived mixed with the next execution's
@@ -133,10 +142,16 @@ def test_nccl_and_copy_engine_edges_in_one_graph(pair):
         graph.teardown(kill_actors=False)
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 @pytest.mark.parametrize(
-    "transport, overlap", [("nccl", False), ("nccl", True), ("ce", True), ("nvlink", True)]
+    "transport, overlap",
+    [
+        ("nccl", False),
+        ("nccl", True),
+        pytest.param("ce", True, marks=needs_two),
+        pytest.param("nvlink", True, marks=needs_two),
+    ],
 )
 def test_conjugate_and_negative_views_cross_gpu_edges_as_their_values(pair, transport, overlap):
     """x.conj() keeps x's memory and a flag; GPU edges move bytes, so it has to be resolved
@@ -165,8 +180,8 @@ def test_conjugate_and_negative_views_cross_gpu_edges_as_their_values(pair, tran
         graph.teardown(kill_actors=False)
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 @pytest.mark.parametrize("overlap", [False, True])
 def test_nccl_structures_static_shapes_and_errors(pair, overlap):
     a, b = pair
@@ -198,8 +213,8 @@ def test_nccl_structures_static_shapes_and_errors(pair, overlap):
         graph.teardown(kill_actors=False)
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 @pytest.mark.parametrize("overlap, max_inflight", [(False, 1), (True, 1), (True, 3)])
 def test_static_nccl_edge_receives_posted_early_with_failures_in_flight(
     pair, overlap, max_inflight
@@ -224,8 +239,8 @@ def test_static_nccl_edge_receives_posted_early_with_failures_in_flight(
         graph.teardown(kill_actors=False)
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_gpu_result_that_cannot_be_sent_fails_its_execution_only(pair, overlap):
     a, b = pair
@@ -282,8 +297,8 @@ def test_direct_calls_and_spawn_hand_over_cuda_copies_not_the_senders_memory(cap
     assert_same(synced, torch.ones(4, device=synced.device), "a result kept after the actor")
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("max_inflight", [1, 3])
 def test_cuda_results_reach_the_driver_once_computed(pair, overlap, max_inflight):
@@ -320,11 +335,11 @@ def test_two_actors_on_one_gpu_use_shared_memory_with_auto():
         dag.compile()
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 def test_killed_gpu_actor_is_reported():
-    a = Gpu.spawn("cuda:0", device=0)
-    b = Gpu.spawn("cuda:1", device=1)
+    a = spawn_on_gpu(Gpu, 0)
+    b = spawn_on_gpu(Gpu, 1)
     with InputNode() as inp:
         dag = b.scale.bind(a.make.bind(inp).with_transport("nccl"), 1.0)
     graph = dag.compile(overlap_communication=True)
@@ -343,8 +358,8 @@ def announced_graph(method: str) -> tuple:
     """Two fresh actors, ``a.<method>(x, flag)`` → ``b.scale`` over a static NCCL edge, run
     twice with ``flag`` false: the next execution's send is announced (the receiver posts its
     receive when the sender's execution starts). Returns ``(a, b, graph, x)``."""
-    a = Gpu.spawn("cuda:0", device=0)
-    b = Gpu.spawn("cuda:1", device=1)
+    a = spawn_on_gpu(Gpu, 0)
+    b = spawn_on_gpu(Gpu, 1)
     with InputNode() as inp:
         sent = getattr(a, method).bind(inp[0], inp[1]).with_transport("nccl", static_shape=True)
         dag = b.scale.bind(sent, 1.0)
@@ -359,8 +374,8 @@ def announced_graph(method: str) -> tuple:
     return a, b, graph, x
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 def test_sender_dying_after_announcing_is_reported_and_torn_down():
     # The receiver has posted its receive on the announcement when the sender dies in its
     # method: the receive never completes, yet get() reports the death and teardown finishes.
@@ -375,8 +390,8 @@ def test_sender_dying_after_announcing_is_reported_and_torn_down():
     assert not a.is_alive() and not b.is_alive()
 
 
-@pytest.mark.multigpu
-@needs_two
+@two_devices
+@needs_two_or_posing
 def test_teardown_with_an_announced_send_that_never_comes():
     # The receiver posted its receive on the announcement; the sender's method never returns,
     # so teardown has to kill the sender. The receiver must still stop cleanly: its close
@@ -398,6 +413,46 @@ def test_teardown_with_an_announced_send_that_never_comes():
             assert torch.equal(again.execute(x).get(timeout=60), x)
     finally:
         b.kill()
+
+
+@two_devices
+@needs_two_or_posing
+def test_a_receiver_stuck_in_a_launch_behind_a_receive_from_a_killed_actor_stops():
+    """a's result is still being computed when a is killed; b, whose method already runs on
+    it, has queued more kernels behind its receive than a stream takes, so b's thread waits
+    inside a launch until the receive ends. The death is reported, teardown finishes in its
+    time, and b stops by itself, usable again, without being killed."""
+    a = spawn_on_gpu(Gpu, 0)
+    b = spawn_on_gpu(Gpu, 1)
+    with InputNode() as inp:
+        dag = b.count_up.bind(a.late.bind(inp[0], inp[1]).with_transport("nccl"), 3000)
+    graph = dag.compile(overlap_communication=True)
+    x = torch.randn(1000)
+    want = x * 3
+    for _ in range(3000):
+        want.add_(1.0)
+    try:
+        assert_same(graph.execute(x, 1000).get(timeout=60), want, "counted up")
+        ref = graph.execute(x, 10**10)  # seconds of GPU time before a's result exists
+        time.sleep(1.5)  # b is in its method by now, waiting inside a launch
+        os.kill(a.pid, signal.SIGKILL)
+        with pytest.raises(tf.ActorDiedError):
+            ref.get(timeout=60)
+    finally:
+        started = time.monotonic()
+        graph.teardown(timeout=20.0, kill_actors=False)
+        took = time.monotonic() - started
+    try:
+        assert took < 25.0, took
+        assert not a.is_alive()
+        assert b.is_alive(), "the receiver stopped by itself"
+        with InputNode() as inp:
+            again = b.scale.bind(b.make.bind(inp), 0.5).compile()
+        with again:
+            assert torch.equal(again.execute(x).get(timeout=60), x)
+    finally:
+        b.kill()
+        a.kill()
 
 
 @pytest.mark.multigpu
