@@ -100,6 +100,11 @@ class NetControl:
     def stopped(self) -> bool:
         return self._stop
 
+    @property
+    def driver_gone(self) -> bool:
+        """Never seen here: when the driver goes, Ray ends the actors (see ``watch_parent``)."""
+        return False
+
     def dead_index(self) -> int | None:
         return self._dead
 

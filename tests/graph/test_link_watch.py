@@ -81,3 +81,36 @@ def test_an_abort_that_raises_is_logged_and_the_watch_ends(caplog):
     watch.finish()
     assert watch.fired
     assert "the link watch's abort failed" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["shared memory", "ray"])
+def test_the_watch_reads_both_executors_control_blocks(kind):
+    """The local executor's shared-memory ``Control`` and the Ray executor's ``NetControl``
+    answer everything the watch reads (a missing one would end its thread at its first look)."""
+    import uuid
+
+    from tensorferry.graph._channel import Control, unlink_prefix
+    from tensorferry.graph._channel_net import NetControl
+
+    prefix = f"tftest{uuid.uuid4().hex[:8]}"
+    controls = []
+    for _ in range(2):
+        if kind == "ray":
+            controls.append(NetControl())
+        else:
+            controls.append(Control(f"{prefix}c{len(controls)}", create=True))
+    try:
+        stopping, dying = controls
+        stop_watch, stop_calls, stop_aborted = _watch(stopping, drain_s=0.3)
+        death_watch, death_calls, death_aborted = _watch(dying, drain_s=30.0)
+        time.sleep(0.2)
+        assert not stop_calls and not death_calls
+        stopping.stop()
+        dying.mark_dead(1)
+        assert stop_aborted.wait(5.0) and death_aborted.wait(5.0)
+        stop_watch.finish()
+        death_watch.finish()
+    finally:
+        for control in controls:
+            control.close()
+        unlink_prefix(prefix)
