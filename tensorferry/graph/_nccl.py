@@ -151,9 +151,12 @@ class TorchNcclLink:
     def recv(self, tensor: torch.Tensor, peer: int) -> Any:
         return self._dist.irecv(tensor, src=peer)
 
-    # Not watched (see graph/_link_watch.py): with the process group's calls, an actor held
-    # inside a launch behind a receive from an actor killed mid-send still died at teardown,
-    # watched or not (one H100, both actors on it); why is not known yet.
+    closes_on_any_thread = False
+    """Not watched (see :mod:`tensorferry.graph._link_watch`): an actor held inside a launch
+    behind a receive from an actor killed mid-send died at teardown over these links, watched
+    or not (one H100, both actors on it). ``ProcessGroupNCCL``'s own watchdog reported the
+    receive's remote error at once and the process was gone seconds later; its error handling
+    taking the process down is the likely reading, not a proven one."""
 
     def close(self) -> None:
         """Aborts the process group, as :meth:`DirectNcclLink.close` aborts its communicators:
