@@ -22,8 +22,9 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
 # Two actors whose edges may be NCCL's: on two GPUs, or on one posing as two hosts (see
 # one_gpu.py). Tests of ce or nvlink edges, or of a second device itself, keep needs_two.
 two_devices = pytest.mark.gpu if ONE_GPU_ACTORS else pytest.mark.multigpu
+CAN_PAIR = GPUS >= 2 or (ONE_GPU_ACTORS and GPUS == 1)
 needs_two_or_posing = pytest.mark.skipif(
-    GPUS < 2 and not (ONE_GPU_ACTORS and GPUS == 1),
+    not CAN_PAIR,
     reason="needs two CUDA devices (or one, with TF_TEST_ONE_GPU_ACTORS=1)",
 )
 
@@ -45,7 +46,7 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def pair():
-    if GPUS < 2 and not (ONE_GPU_ACTORS and GPUS == 1):
+    if not CAN_PAIR:
         pytest.skip("needs two CUDA devices")
     handles = [spawn_on_gpu(Gpu, i, name=f"gpu{i}") for i in range(2)]
     yield handles
