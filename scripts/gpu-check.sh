@@ -3,7 +3,7 @@
 # Usage: bash scripts/gpu-check.sh STEP...   (default: every step, in this order)
 #   runtime native lifecycle p2p p2p-nospeculate p2p-socket toy batch batch-torch batch-nospin batch-noshort ce-overlap ce-probe ce-tests trace
 #   trace-nospeculate trace-noshort trace-no-linger nvlink-configs nvlink-ceiling trace-graph
-#   trace-overlap graph graph-one-gpu graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
+#   trace-overlap graph graph-one-gpu graph-one-gpu-torch-calls graph-bench overlap overlap-early overlap-noearly demo sendrecv p2p-ranks p2p-ranks-nvlink p2p-ranks-ce
 #   p2p-one-gpu p2p-torch-calls p2p-one-gpu-torch-calls p2p-ranks-one-gpu p2p-ranks-one-gpu-nospeculate p2p-ranks-nospeculate allgather symm-pairs stream-probe profile-pingpong profile-graph send-floor send-overhead
 # profile-* sample every thread's Python stack with py-spy (from a wheel put in .whl/, no network
 # needed) and keep the collapsed stacks in the results: where host time goes.
@@ -21,7 +21,8 @@
 # graph-one-gpu runs the graph layer's GPU tier the same way: its NCCL edges between two actors on
 # one GPU, each posing as a host of its own (tests/graph/one_gpu.py).
 # *-torch-calls: the p2p tier with ProcessGroupNCCL pairs (TENSORFERRY_NCCL_CALLS=torch), the
-# NCCL transport's fallback where the NCCL library cannot be called directly.
+# NCCL transport's fallback where the NCCL library cannot be called directly; for the graph
+# tier, its NCCL edges over one ProcessGroupNCCL per graph (graph-one-gpu-torch-calls).
 # *-nospeculate: the same with TENSORFERRY_NCCL_SPECULATE=0 (with three ranks or more that is
 # the default, and the suite runs its two cases of messages issued ahead to several peers: see
 # torchrun_suite.py).
@@ -79,6 +80,8 @@ for s in $steps; do
     graph) step graph 240 python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-one-gpu) step graph-one-gpu 240 env TF_TEST_ONE_GPU_ACTORS=1 python3 -m pytest -q \
       -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
+    graph-one-gpu-torch-calls) step "$s" 240 env TF_TEST_ONE_GPU_ACTORS=1 TENSORFERRY_NCCL_CALLS=torch \
+      python3 -m pytest -q -p no:cacheprovider -rs tests/graph/test_gpu.py ;;
     graph-bench) step graph-bench 50 tensorferry bench graph --out "$R" ;;
     overlap) step overlap 240 tensorferry bench overlap --iters 20 --transports auto,ce --out "$R" ;;
     overlap-early | overlap-noearly)  # NCCL edges with and without early receives (an A/B)

@@ -16,10 +16,11 @@ when teardown asked every loop to end, or the driver is gone, it gives the actor
 actor's thread gets its launch back, its next transfer finds the links closed, and its loop
 ends as the graph's end would have ended it (see ``ScheduleRunner.run``).
 
-Only links whose ``close`` may run on any thread take part (``DirectNcclLink``: NCCL's abort
-is made for a communicator an operation hangs on). ``TorchNcclLink``, the fallback through
-``ProcessGroupNCCL``, does not (its process group is torch's global state); the ``ce``/``nvlink``
-links of the p2p layer see a lost peer and fail its transfers themselves.
+Only links whose ``close`` may run on any thread take part: ``DirectNcclLink`` (NCCL's abort
+is made for a communicator an operation hangs on) and ``TorchNcclLink``, the fallback through
+``ProcessGroupNCCL`` (aborting the group aborts its communicators; the aborted group is kept
+alive so that its destructor, which waits for torch's watchdog thread, does not run here). The
+``ce``/``nvlink`` links of the p2p layer see a lost peer and fail its transfers themselves.
 """
 
 from __future__ import annotations

@@ -151,17 +151,17 @@ class TorchNcclLink:
     def recv(self, tensor: torch.Tensor, peer: int) -> Any:
         return self._dist.irecv(tensor, src=peer)
 
-    closes_on_any_thread = False
-    """Not watched (see :mod:`tensorferry.graph._link_watch`): an actor held inside a launch
-    behind a receive from an actor killed mid-send died at teardown over these links, watched
-    or not (one H100, both actors on it). ``ProcessGroupNCCL``'s own watchdog reported the
-    receive's remote error at once and the process was gone seconds later; its error handling
-    taking the process down is the likely reading, not a proven one."""
+    closes_on_any_thread = True
+    """``close`` may run on the link watch's thread (see :mod:`tensorferry.graph._link_watch`)
+    while the actor's thread is inside a launch behind a receive: aborting the process group
+    aborts its communicators, which is what ends that receive. The group is torch's global
+    state, but the actor's thread only sends and receives on it, and fails at its next call
+    once the group is gone, which is how the graph's end reaches it there."""
 
     def close(self) -> None:
         """Aborts the process group, as :meth:`DirectNcclLink.close` aborts its communicators:
         destroying it waits for its work, a receive whose sender died included; calling it again
-        does nothing."""
+        does nothing. The group object is kept (:data:`_ABORTED_GROUPS`)."""
         dist = self._dist
         if not dist.is_initialized():
             return
@@ -169,10 +169,19 @@ class TorchNcclLink:
         if abort is None:  # a torch without it: the way that waits for the work
             dist.destroy_process_group()
             return
+        _ABORTED_GROUPS.append(dist.group.WORLD)
         try:
             abort()
         except Exception:
             log.warning("aborting the graph's NCCL process group failed", exc_info=True)
+
+
+_ABORTED_GROUPS: list[Any] = []
+"""Process groups :meth:`TorchNcclLink.close` aborted, kept until the process ends. Dropping
+the last reference runs ``ProcessGroupNCCL``'s destructor, which joins torch's watchdog thread;
+after a peer died mid-receive, that thread spends seconds on the failed operation (the Python
+stack it prints waited 8 s for cold imports on one H100). Run on the link watch's thread,
+the destructor held the actor past teardown's wait, and teardown killed it."""
 
 
 class _OnStream:

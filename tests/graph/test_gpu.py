@@ -424,12 +424,6 @@ def test_teardown_with_an_announced_send_that_never_comes():
 
 @two_devices
 @needs_two_or_posing
-@pytest.mark.xfail(
-    os.environ.get("TENSORFERRY_NCCL_CALLS") == "torch",
-    reason="over ProcessGroupNCCL (the fallback) the held actor still dies at teardown: no link "
-    "watch there (graph/_link_watch.py), and it died with one too",
-    strict=False,
-)
 def test_a_receiver_stuck_in_a_launch_behind_a_receive_from_a_killed_actor_stops():
     """a's result is still being computed when a is killed; b, whose method already runs on
     it, has queued more kernels behind its receive than a stream takes, so b's thread waits
