@@ -1,4 +1,5 @@
-"""The link watch (tensorferry.graph._link_watch) against a control block's flags."""
+"""The link watch (tensorferry.graph._link_watch) against a control block's flags, and how a
+schedule runner ends once the watch aborted its links under it."""
 
 from __future__ import annotations
 
@@ -114,3 +115,51 @@ def test_the_watch_reads_both_executors_control_blocks(kind):
         for control in controls:
             control.close()
         unlink_prefix(prefix)
+
+
+class _AbortedLinks:
+    """What ``ScheduleRunner.run`` reads of its GPU part: whether the watch aborted the links,
+    and how it was closed."""
+
+    def __init__(self, fired: bool) -> None:
+        self.links_aborted_by_watch = fired
+        self.closed_with: list[bool] = []
+
+    def close(self, *, peer_died: bool) -> None:
+        self.closed_with.append(peer_died)
+
+
+def _runner_failing_after(fired: bool, dead: int | None):
+    """A runner whose first method fails as one does after its links were aborted under it
+    (NCCL's error on the next transfer); only the parts ``run`` touches."""
+    from types import SimpleNamespace
+
+    from tensorferry.graph._runner import ScheduleRunner
+
+    runner = ScheduleRunner.__new__(ScheduleRunner)
+    flags = _Flags()
+    flags.dead = dead
+    runner.control = flags
+    runner.plan = SimpleNamespace(overlap=False)
+    runner.gpu = _AbortedLinks(fired)
+    runner._comm = None
+
+    def run_once(execution: int) -> None:
+        raise RuntimeError("NCCL error: invalid usage (the communicator was aborted)")
+
+    runner._run_once = run_once
+    return runner
+
+
+@pytest.mark.parametrize(("dead", "ended"), [(1, "peer died"), (None, "stopped")])
+def test_a_failure_after_the_watch_aborted_the_links_ends_the_loop_as_the_graph_ended(dead, ended):
+    runner = _runner_failing_after(fired=True, dead=dead)
+    assert runner.run() == ended
+    assert runner.gpu.closed_with == [dead is not None]
+
+
+def test_a_failure_the_watch_did_not_cause_is_raised():
+    runner = _runner_failing_after(fired=False, dead=1)
+    with pytest.raises(RuntimeError, match="communicator was aborted"):
+        runner.run()
+    assert runner.gpu.closed_with == [False]
