@@ -1535,6 +1535,22 @@ def after_loss(rank: int, world: int, doomed: int) -> str:
     return ring_among(rank, [r for r in range(world) if r != doomed])
 
 
+def rounds_after_loss(rank: int, world: int, doomed: int, rounds: int) -> list[float]:
+    """:func:`after_loss`, then ``rounds`` more rings among the survivors, half a second
+    apart: the seconds each took. A survivor whose library stalls for a while after the loss
+    (cleaning up the dead pair on a thread that transfers need) shows it here."""
+    took = []
+    for i in range(rounds + 1):
+        started = time.monotonic()
+        if i == 0:
+            after_loss(rank, world, doomed)
+        else:
+            ring_among(rank, [r for r in range(world) if r != doomed])
+        took.append(time.monotonic() - started)
+        time.sleep(0.5)
+    return took
+
+
 def ring_among(rank: int, ranks: list[int]) -> str:
     i = ranks.index(rank)
     right, left = ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]

@@ -31,9 +31,11 @@ def test_peer_killed_mid_transfer(pool):
     assert result["seconds"] < 8.0, "PeerLostError must come before the transfer timeout"
     assert f"rank {DOOMED}" in result["message"]
     assert ["gloo", 0, DOOMED] not in result["cache_keys"], "the dead pair was not evicted"
-    # Rank 1 learns of the loss too (its side channel to rank 2 closed); 0 and 1 still talk.
+    # Rank 1 learns of the loss too (its side channel to rank 2 closed); 0 and 1 still talk,
+    # each round quickly.
     time.sleep(0.3)
-    assert pool.run("after_loss", DOOMED, ranks=[0, 1]) == ["ok", "ok"]
+    took = pool.run("rounds_after_loss", DOOMED, 3, ranks=[0, 1])
+    assert max(max(t) for t in took) < 4.0, took
 
 
 def test_peer_killed_with_a_static_receive_issued_ahead():

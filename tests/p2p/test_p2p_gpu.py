@@ -264,6 +264,31 @@ def test_compute_queued_behind_a_receive_from_a_peer_that_dies_goes_on(pool):
     assert result["every_kernel_ran"] and result["launched_s"] < 30.0, result
 
 
+@pytest.mark.skipif(
+    GPUS < 3 and not ONE_GPU_RANKS,
+    reason="needs 3 CUDA devices (or one, with TF_TEST_ONE_GPU_RANKS=1)",
+)
+def test_a_peer_killed_mid_transfer_leaves_the_others_working_without_a_stall():
+    """Three ranks; rank 2 is killed while rank 0 waits for its message. Ranks 0 and 1 then
+    talk for ten seconds: every round is quick, while the dead pair's communicators are torn
+    down (over ProcessGroupNCCL pairs its watchdog spends seconds on the failed receive)."""
+    world, doomed = 3, 2
+    pool = WorkerPool(world, transfer_timeout=20.0, start_timeout=120)
+    try:
+        assert pool.run("ring_sendrecv", 1) == ["ok"] * world  # every pair's communicators
+        pool._conns[0].send(("recv_from_doomed", (doomed,)))
+        time.sleep(1.0)
+        pool.kill(doomed)
+        status, result = pool._receive(0, 30)
+        assert status == "ok", result
+        assert result["seconds"] < 8.0, result
+        took = pool.run("rounds_after_loss", doomed, 20, ranks=[0, 1], timeout=90)
+        print(f"seconds per round after the loss: {took}")
+        assert max(max(t) for t in took) < 4.0, took
+    finally:
+        pool.close()
+
+
 def test_peer_killed_mid_transfer(pool):  # last: it kills rank 1
     pool._conns[0].send(("recv_from_doomed", (1,)))
     time.sleep(1.0)
