@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
+from tensorferry.p2p._torch_groups import errors_left_to_us
 from tensorferry.runtime._communicators import abort_together
 
 __all__ = [
@@ -120,14 +122,15 @@ class TorchNcclLink:
 
         self._dist = dist
         timeout = datetime.timedelta(seconds=setup.timeout_s)
-        dist.init_process_group(
-            "nccl",
-            store=_driver_store(setup),
-            rank=setup.rank,
-            world_size=setup.world_size,
-            timeout=timeout,
-            device_id=device,
-        )
+        with errors_left_to_us():  # or torch ends the actor after a peer's death
+            dist.init_process_group(
+                "nccl",
+                store=_driver_store(setup),
+                rank=setup.rank,
+                world_size=setup.world_size,
+                timeout=timeout,
+                device_id=device,
+            )
         self._warm_up(setup, device)
 
     def _warm_up(self, setup: NcclSetup, device: torch.device) -> None:
@@ -161,7 +164,8 @@ class TorchNcclLink:
     def close(self) -> None:
         """Aborts the process group, as :meth:`DirectNcclLink.close` aborts its communicators:
         destroying it waits for its work, a receive whose sender died included; calling it again
-        does nothing. The group object is kept (:data:`_ABORTED_GROUPS`)."""
+        does nothing. The aborted group is let go on a thread of its own (see
+        :func:`_let_go_elsewhere`)."""
         dist = self._dist
         if not dist.is_initialized():
             return
@@ -169,19 +173,22 @@ class TorchNcclLink:
         if abort is None:  # a torch without it: the way that waits for the work
             dist.destroy_process_group()
             return
-        _ABORTED_GROUPS.append(dist.group.WORLD)
+        group = [dist.group.WORLD]  # the last reference once torch's own are gone
         try:
             abort()
         except Exception:
             log.warning("aborting the graph's NCCL process group failed", exc_info=True)
+        _let_go_elsewhere(group)
 
 
-_ABORTED_GROUPS: list[Any] = []
-"""Process groups :meth:`TorchNcclLink.close` aborted, kept until the process ends. Dropping
-the last reference runs ``ProcessGroupNCCL``'s destructor, which joins torch's watchdog thread;
-after a peer died mid-receive, that thread spends seconds on the failed operation (the Python
-stack it prints waited 8 s for cold imports on one H100). Run on the link watch's thread,
-the destructor held the actor past teardown's wait, and teardown killed it."""
+def _let_go_elsewhere(box: list[Any]) -> None:
+    """Drops the last reference to an aborted process group (``box``'s only item) on a daemon
+    thread. ``ProcessGroupNCCL``'s destructor joins torch's watchdog thread, which after a peer
+    died mid-receive spends seconds on the failed operation (the Python stack it prints waited
+    7 s for cold imports on one H100). Dropped on the link watch's thread, the group held the
+    actor past teardown's wait, and teardown killed it
+    (``benchmarks/results/session38_2026-11-25.md``)."""
+    threading.Thread(target=box.clear, name="tf-process-group-release", daemon=True).start()
 
 
 class _OnStream:

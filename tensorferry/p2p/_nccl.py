@@ -50,6 +50,7 @@ from tensorferry.p2p._nccl_lib import UINT8, NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
 from tensorferry.p2p._staging import Staging, StagingCache, layout_plan
+from tensorferry.p2p._torch_groups import errors_left_to_us
 from tensorferry.p2p._transport import (
     P2POp,
     PendingOps,
@@ -365,7 +366,9 @@ class NcclTransport(Transport):
 
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.ctx.timeout + datetime.timedelta(seconds=_WATCHDOG_MARGIN_S)
-                pair = _GroupPair(dist.ProcessGroupNCCL(store, me, 2, options), 1 - me, epoch)
+                with errors_left_to_us():
+                    group = dist.ProcessGroupNCCL(store, me, 2, options)
+                pair = _GroupPair(group, 1 - me, epoch)
             # Warm-up message: NCCL connects the two ranks at their first send/recv, a
             # rendezvous; here on this helper thread rather than in the first real transfer.
             stream = torch.cuda.Stream(device)

@@ -424,11 +424,15 @@ def test_teardown_with_an_announced_send_that_never_comes():
 
 @two_devices
 @needs_two_or_posing
-def test_a_receiver_stuck_in_a_launch_behind_a_receive_from_a_killed_actor_stops():
+def test_a_receiver_stuck_in_a_launch_behind_a_receive_from_a_killed_actor_stops(monkeypatch):
     """a's result is still being computed when a is killed; b, whose method already runs on
     it, has queued more kernels behind its receive than a stream takes, so b's thread waits
     inside a launch until the receive ends. The death is reported, teardown finishes in its
     time, and b stops by itself, usable again, without being killed."""
+    # Over ProcessGroupNCCL (the fallback), torch's default error handling ended b once its
+    # watchdog had waited for a debug dump after the failed receive (p2p/_torch_groups.py);
+    # with that wait cut to 3 s, such an end comes before b is checked (below).
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "3000")
     a = spawn_on_gpu(Gpu, 0)
     b = spawn_on_gpu(Gpu, 1)
     with InputNode() as inp:
@@ -443,12 +447,17 @@ def test_a_receiver_stuck_in_a_launch_behind_a_receive_from_a_killed_actor_stops
         ref = graph.execute(x, 10**10)  # seconds of GPU time before a's result exists
         time.sleep(1.5)  # b is in its method by now, waiting inside a launch
         os.kill(a.pid, signal.SIGKILL)
+        killed = time.monotonic()
         with pytest.raises(tf.ActorDiedError):
             ref.get(timeout=60)
     finally:
         started = time.monotonic()
         graph.teardown(timeout=20.0, kill_actors=False)
         took = time.monotonic() - started
+    if os.environ.get("TENSORFERRY_NCCL_CALLS") == "torch":
+        # Past the time torch's watchdog took a process down, when it did: 17 s after the
+        # failure with the wait cut to 3 s (scripts/torch_group_error_probe.py, one H100).
+        time.sleep(max(0.0, killed + 25.0 - time.monotonic()))
     check_stopped_by_itself(b, x)
     assert took < 25.0, took
     assert not a.is_alive()

@@ -1551,6 +1551,13 @@ def rounds_after_loss(rank: int, world: int, doomed: int, rounds: int) -> list[f
     return took
 
 
+def timed_shutdown(rank: int, world: int) -> float:
+    """Seconds ``tf.shutdown()`` took (the worker's own shutdown at the end does nothing)."""
+    started = time.monotonic()
+    tf.shutdown()
+    return time.monotonic() - started
+
+
 def ring_among(rank: int, ranks: list[int]) -> str:
     i = ranks.index(rank)
     right, left = ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
