@@ -7,10 +7,11 @@ promise that the survivor goes on: its transfers with other peers, its next grap
 
 torch's default error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` unset: 3) breaks that
 promise. A receive from a peer that was killed fails with ``ncclRemoteError``; the group's
-watchdog thread then waits for a debug dump (60 s by default) and takes the whole process
-down, aborted group or not. Measured on one H100 with torch 2.11: a graph actor that stopped
-cleanly after its peer's death was gone 60 s after the error
-(``benchmarks/results/session38_2026-11-25.md``). With 0, the watchdog only reports.
+watchdog thread then waits for a debug dump (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 60 s
+by default) and takes the whole process down, aborted group or not: a graph actor that had
+stopped cleanly after its peer's death was seen gone about a minute after the error (one H100,
+torch 2.11; ``scripts/torch_group_error_probe.py`` measures it, setting by setting). With 0,
+the watchdog only reports.
 
 ``ProcessGroupNCCL`` reads the variable when a group is made, so :func:`errors_left_to_us`
 sets it around the making only, where the environment does not set it: a user's explicit
