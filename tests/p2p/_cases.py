@@ -2902,3 +2902,133 @@ def nothing_left_for_the_collector(rank: int, world: int, rounds: int) -> dict[s
         gc.garbage.clear()
         gc.enable()
     return left_over
+
+
+# ---------------------------------------------------------------------- reliability
+def _bytes_of(rank_from: int, rank_to: int, tag: int) -> torch.Tensor:
+    return payload(rank_from, rank_to, tag, (256,), torch.float32)
+
+
+def _which_message(got: torch.Tensor, src: int, dst: int, tags: list[int]) -> str:
+    for tag in tags:
+        if same_bytes(got, _bytes_of(src, dst, tag)):
+            return f"message {tag}"
+    return "other bytes"
+
+
+def batch_with_a_gone_peer_then_more(rank: int, world: int, gone: int) -> list[str]:
+    """Rank ``gone`` has shut down. Rank 0 batches a send to rank 1 (message 1) with a send to
+    ``gone``, which fails; then sends messages 2 and 3 to rank 1. Rank 1 receives three times
+    and says what each receive got: a receive that succeeds must hold the message it matched,
+    never the next one."""
+    if rank == gone:
+        return ["gone"]
+    if rank == 0:
+        outcome = "batch ok"
+        try:
+            with tf.batch() as b:
+                b.send(_bytes_of(0, 1, 1), 1)
+                b.send(_bytes_of(0, gone, 1), gone)
+            b.wait(T)
+        except TensorFerryError as exc:
+            outcome = f"batch failed: {type(exc).__name__}"
+        for tag in (2, 3):
+            tf.send(_bytes_of(0, 1, tag), 1).wait(T)
+        return [outcome]
+    seen = []
+    for _ in range(3):
+        into = poisoned((256,), torch.float32)
+        try:
+            tf.recv(into, 0, timeout=5.0).wait()
+            seen.append(_which_message(into, 0, 1, [1, 2, 3]))
+        except TensorFerryError as exc:
+            seen.append(type(exc).__name__)
+    return seen
+
+
+def shut_down(rank: int, world: int) -> str:
+    tf.shutdown()
+    return "shut down"
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def faults_leave_nothing_behind(rank: int, world: int, faults: int) -> dict:
+    """Rank 0 lets ``faults`` receives from rank 1 time out (each a fault of the pair: rank 1
+    sends nothing meanwhile); then both exchange one message. Returns how many file descriptors
+    and threads rank 0 gained over the faults."""
+    first = ring_among(rank, list(range(world)))  # the pair exists before counting
+    assert first == "ok"
+    time.sleep(0.5)
+    fds, threads = _open_fds(), threading.active_count()
+    if rank == 0:
+        for _ in range(faults):
+            with contextlib.suppress(TransferTimeoutError):
+                tf.recv(torch.empty(16), 1, timeout=0.05).wait(T)
+    tf_barrier_after_faults(rank)
+    assert ring_among(rank, list(range(world))) == "ok"
+    time.sleep(1.0)  # what the faults let go of has gone by now
+    return {"fds": _open_fds() - fds, "threads": threading.active_count() - threads}
+
+
+def tf_barrier_after_faults(rank: int) -> None:
+    """Rank 1 waits for rank 0 to finish its faults without a transfer of the pair: through a
+    file both see (the store belongs to the layer)."""
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"tf-faults-done-{os.getppid()}")
+    if rank == 0:
+        with open(path, "w") as f:
+            f.write("done")
+        return
+    deadline = time.monotonic() + 4 * T
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "rank 0 never finished its faults"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    os.unlink(path)
+
+
+def wait_with_busy_callbacks(rank: int, world: int, slow: int, slow_s: float) -> float | str:
+    """Rank 1 receives ``slow`` messages whose done-callbacks each sleep ``slow_s`` (taking
+    every completion thread), then one more with a callback of its own: the seconds its
+    ``wait()`` took once the message had been sent."""
+    if rank == 0:
+        for tag in range(slow + 1):
+            tf.send(_bytes_of(0, 1, tag), 1).wait(T)
+        return "sent"
+    handles = []
+    for _ in range(slow):
+        h = tf.recv(poisoned((256,), torch.float32), 0)
+        h.add_done_callback(lambda _t: time.sleep(slow_s))
+        handles.append(h)
+    for h in handles:
+        h.wait(T)
+    time.sleep(0.2)  # every callback has started by now, each holding a completion thread
+    into = poisoned((256,), torch.float32)
+    last = tf.recv(into, 0)
+    last.add_done_callback(lambda _t: None)
+    started = time.monotonic()
+    last.wait(T)
+    took = time.monotonic() - started
+    assert same_bytes(into, _bytes_of(0, 1, slow))
+    return took
+
+
+def store_host_dies_before_a_pair_is_made(rank: int, world: int) -> tuple:
+    """Rank 0 hosts the world's store and dies at once; ranks 1 and 2 have never talked and
+    then do: what each gets (error type, seconds, message)."""
+    if rank == 0:
+        os._exit(3)
+    time.sleep(1.0)  # rank 0 is gone by now
+    started = time.monotonic()
+    try:
+        if rank == 1:
+            tf.send(_bytes_of(1, 2, 0), 2, timeout=6.0).wait()
+        else:
+            tf.recv(poisoned((256,), torch.float32), 1, timeout=6.0).wait()
+    except Exception as exc:
+        return (type(exc).__name__, time.monotonic() - started, str(exc))
+    return ("ok", time.monotonic() - started, "")
