@@ -5,8 +5,8 @@ copy engine and signals completion with a word the device writes, instead of exc
 through threads. This tool measures what such a route can reach on a machine, with nothing of
 the library in the way, beside ``torch.distributed`` (NCCL) timed the same way in the same run:
 
-- the receiver's buffers are mapped into the sender once (CUDA IPC, through torch's own
-  ``reduce_tensor``);
+- the receiver's buffers are mapped into the sender once (CUDA IPC: each allocation's handle,
+  opened in the sender's own device context with peer access);
 - the sender's stream copies (``cudaMemcpyAsync``) and then writes the message's number into a
   word of pinned, shared host memory (``cuStreamWriteValue32``) that both processes map;
 - each side is done when its host sees that word reach the number (a plain memory read).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import mmap
 import os
 import pickle
@@ -95,16 +96,58 @@ def write_word(stream: int, address: int, value: int) -> None:
     )
 
 
-def mapped_from(rank: int, tensors: list[torch.Tensor], store, key: str) -> list[int]:
-    """Rank 1 publishes its tensors; rank 0 gets their addresses mapped into itself."""
-    from torch.multiprocessing.reductions import reduce_tensor
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 
+
+_opened: dict[bytes, int] = {}
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    cu = ctypes.CDLL("libcuda.so.1")
+    u64p, handle = ctypes.POINTER(ctypes.c_uint64), _IpcHandle
+    cu.cuMemGetAddressRange_v2.argtypes = [u64p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    cu.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(handle), ctypes.c_uint64]
+    cu.cuIpcOpenMemHandle_v2.argtypes = [u64p, handle, ctypes.c_uint]
+    return cu
+
+
+def export(t: torch.Tensor) -> bytes:
+    """The CUDA IPC handle of ``t``'s allocation and ``t``'s offset in it."""
+    cu = _driver()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    ptr = ctypes.c_uint64(t.data_ptr())
+    ok = cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    assert ok == 0, f"cuMemGetAddressRange: {ok}"
+    handle = _IpcHandle()
+    ok = cu.cuIpcGetMemHandle(ctypes.byref(handle), base)
+    assert ok == 0, f"cuIpcGetMemHandle: {ok}"
+    raw = ctypes.string_at(ctypes.addressof(handle), ctypes.sizeof(handle))
+    return pickle.dumps((raw, t.data_ptr() - base.value))
+
+
+def open_exported(blob: bytes) -> int:
+    """The address, in this process's current device's context, of an exported tensor."""
+    raw, offset = pickle.loads(blob)
+    if raw in _opened:  # an allocation is opened once per process
+        return _opened[raw] + offset
+    handle = _IpcHandle.from_buffer_copy(raw)
+    ptr = ctypes.c_uint64()
+    lazy_peer_access = 0x1
+    ok = _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, lazy_peer_access)
+    assert ok == 0, f"cuIpcOpenMemHandle: {ok}"
+    _opened[raw] = ptr.value
+    return ptr.value + offset
+
+
+def mapped_from(rank: int, tensors: list[torch.Tensor], store, key: str) -> list[int]:
+    """Rank 1 publishes its tensors; rank 0 gets their addresses mapped into itself (``rank``
+    is the caller's rank, or the other's to map the other way)."""
     if rank == 1:
-        store.set(key, pickle.dumps([reduce_tensor(t) for t in tensors]))
+        store.set(key, pickle.dumps([export(t) for t in tensors]))
         return []
-    peers = [fn(*args) for fn, args in pickle.loads(store.get(key))]
-    globals().setdefault("_keep", []).append(peers)  # the mappings live as long as the run
-    return [p.data_ptr() for p in peers]
+    return [open_exported(blob) for blob in pickle.loads(store.get(key))]
 
 
 def fill(t: torch.Tensor, it: int) -> None:
@@ -121,14 +164,15 @@ def expect(t: torch.Tensor, it: int, what: str) -> None:
 
 def timed(rank: int, iters: int, step) -> list[float]:
     """Runs ``step(it)`` after a barrier; each returns (start_ns or None, done_ns). Returns the
-    microseconds of each iteration: the later side's done minus the sender's start."""
+    microseconds of each iteration: the later side's done minus the earliest start given (the
+    sender's, or for a pulled message whichever side began first)."""
     out = []
     for it in range(iters):
         dist.barrier()
         start, done = step(it)
         got = [None, None]
         dist.all_gather_object(got, (start, done))
-        t0 = next(s for s, _ in got if s is not None)
+        t0 = min(s for s, _ in got if s is not None)  # the earlier start where both start
         out.append((max(d for _, d in got) - t0) / 1e3)
     return out
 
@@ -145,20 +189,58 @@ def main() -> None:
     store = dist.distributed_c10d._get_default_store()
     stream = torch.cuda.Stream()
     raw = stream.cuda_stream
-    from cuda.bindings import runtime as rt
-
-    rt.cudaDeviceEnablePeerAccess(1 - rank, 0)  # an error here means it was on already
-    words = SharedWords(f"tf-ceiling-{os.environ['MASTER_PORT']}", 8, create=rank == 0)
-    dist.barrier()
+    name = f"tf-ceiling-{os.environ['MASTER_PORT']}"
     if rank == 0:
+        words = SharedWords(name, 8, create=True)
         words.reset()
+    dist.barrier()
+    if rank == 1:
+        words = SharedWords(name, 8, create=False)
     dist.barrier()
     results: dict[str, list[float]] = {}
     counter = [0]  # the next message number, both ranks alike
 
-    def one_way(name: str, sizes: list[int], iters: int, posted: bool, sock=None) -> None:
+    lanes = [torch.cuda.Stream() for _ in range(3)]  # more copy engines for split messages
+    joins = [torch.cuda.Event() for _ in lanes]
+
+    def one_way(
+        name: str,
+        sizes: list[int],
+        iters: int,
+        posted: bool,
+        sock=None,
+        streams: int = 1,
+        pull: bool = False,
+    ) -> None:
+        """``streams`` > 1: the copies (a lone buffer cut into that many pieces) go round robin
+        over that many streams, joined on the first before the word is written."""
         bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
-        remote = mapped_from(rank, bufs, store, f"bufs/{name}")
+        if pull:  # the receiver maps the sender's buffers and copies them in itself
+            remote = mapped_from(1 - rank, bufs, store, f"bufs/{name}")
+            pairs = zip(remote or [0] * len(bufs), bufs, strict=True)
+            pieces = [(b.data_ptr(), src, b.numel()) for src, b in pairs]
+        else:
+            remote = mapped_from(rank, bufs, store, f"bufs/{name}")
+            pairs = zip(bufs, remote or [0] * len(bufs), strict=True)
+            pieces = [(d, b.data_ptr(), b.numel()) for b, d in pairs]
+        if streams > 1 and len(bufs) == 1:
+            d, src, size = pieces[0]
+            step = size // streams
+            pieces = [(d + i * step, src + i * step, step) for i in range(streams)]
+        on = [raw] + [lane.cuda_stream for lane in lanes[: streams - 1]]
+
+        def issue() -> None:
+            if streams > 1:  # the extra streams start after the first's earlier work
+                start = torch.cuda.Event()
+                start.record(stream)
+                for lane in lanes[: streams - 1]:
+                    lane.wait_event(start)
+            for i, (d, src, size) in enumerate(pieces):
+                copy_async(d, src, size, on[i % streams])
+            for lane, join in zip(lanes[: streams - 1], joins, strict=False):
+                join.record(lane)
+                stream.wait_event(join)
+            write_word(raw, words.device, counter[0])
 
         def step(it: int):
             counter[0] += 1
@@ -172,13 +254,21 @@ def main() -> None:
                     b.fill_(0xA5)
                 torch.cuda.synchronize()
             dist.barrier()
+            if pull:
+                start = time.perf_counter_ns()
+                if rank == 1:
+                    issue()
+                words.wait_at_least(0, n)
+                done = time.perf_counter_ns()
+                if rank == 1:
+                    for b in bufs:
+                        expect(b, it, name)
+                return start, done  # either side may start first: the earlier counts
             if rank == 0:
                 start = time.perf_counter_ns()
                 if not posted:
                     sock.recv(8)
-                for src, dst in zip(bufs, remote, strict=True):
-                    copy_async(dst, src.data_ptr(), src.numel(), raw)
-                write_word(raw, words.device, n)
+                issue()
                 words.wait_at_least(0, n)
                 return start, time.perf_counter_ns()
             if not posted:
@@ -194,13 +284,9 @@ def main() -> None:
     def round_trip(name: str, nbytes: int, iters: int) -> None:
         mine = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        # Each rank maps the other's receive buffer: rank 1 first publishes, then rank 0.
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        store.set(f"rt/{name}/{rank}", pickle.dumps(reduce_tensor(mine)))
-        fn, a = pickle.loads(store.get(f"rt/{name}/{1 - rank}"))
-        peer = fn(*a)
-        globals().setdefault("_keep", []).append(peer)
+        # Each rank maps the other's receive buffer.
+        store.set(f"rt/{name}/{rank}", export(mine))
+        peer = open_exported(store.get(f"rt/{name}/{1 - rank}"))
 
         def step(it: int):
             counter[0] += 1
@@ -211,18 +297,19 @@ def main() -> None:
             dist.barrier()
             if rank == 0:
                 start = time.perf_counter_ns()
-                copy_async(peer.data_ptr(), out.data_ptr(), nbytes, raw)
+                copy_async(peer, out.data_ptr(), nbytes, raw)
                 write_word(raw, words.device + 4, n)
                 words.wait_at_least(2, n)
                 done = time.perf_counter_ns()
                 expect(mine, it, name)
                 return start, done
             words.wait_at_least(1, n)
-            copy_async(peer.data_ptr(), out.data_ptr(), nbytes, raw)
+            copy_async(peer, out.data_ptr(), nbytes, raw)
             write_word(raw, words.device + 8, n)
             words.wait_at_least(2, n)
+            done = time.perf_counter_ns()
             expect(mine, it, name)
-            return None, time.perf_counter_ns()
+            return None, done
 
         results[name] = timed(rank, iters, step)
 
@@ -280,16 +367,27 @@ def main() -> None:
     one_way("one-sided 4 KiB one way, buffer known", [4 * KIB], args.iters, posted=True)
     one_way("one-sided 4 KiB one way, posted per message", [4 * KIB], args.iters, False, sock)
     round_trip("one-sided 4 KiB round trip", 4 * KIB, args.iters)
-    one_way("one-sided 64 x 2 MiB as 64 copies", [2 * MIB] * 64, args.big_iters, posted=True)
-    one_way("one-sided 128 MiB as one copy", [128 * MIB], args.big_iters, posted=True)
-    one_way("one-sided 1 GiB", [GIB], args.big_iters, posted=True)
+    big = args.big_iters
+    one_way("one-sided 64 x 2 MiB as 64 copies", [2 * MIB] * 64, big, posted=True)
+    one_way("one-sided 64 x 2 MiB, 64 copies on 2 streams", [2 * MIB] * 64, big, True, streams=2)
+    one_way("one-sided 64 x 2 MiB, 64 copies on 4 streams", [2 * MIB] * 64, big, True, streams=4)
+    one_way("one-sided 128 MiB as one copy", [128 * MIB], big, posted=True)
+    one_way("one-sided 128 MiB, 4 pieces on 4 streams", [128 * MIB], big, True, streams=4)
+    one_way("one-sided 1 GiB", [GIB], big, posted=True)
+    one_way("one-sided 1 GiB, 2 pieces on 2 streams", [GIB], big, True, streams=2)
+    one_way("one-sided 1 GiB, 4 pieces on 4 streams", [GIB], big, True, streams=4)
+    one_way("pulled 4 KiB one way, buffer known", [4 * KIB], args.iters, True, pull=True)
+    one_way("pulled 64 x 2 MiB as 64 copies", [2 * MIB] * 64, big, True, pull=True)
+    one_way("pulled 128 MiB as one copy", [128 * MIB], big, True, pull=True)
+    one_way("pulled 1 GiB", [GIB], big, True, pull=True)
     if rank == 0:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)} x2")
         print(f"{'row':<48} {'median us':>10} {'p10':>8} {'p90':>8}")
         for row, us in results.items():
             us = sorted(us[len(us) // 10 :])  # the first tenth is warm-up
             p10, p90 = us[len(us) // 10], us[(9 * len(us)) // 10]
-            extra = f"  {GIB / (statistics.median(us) * 1e3):.0f} GB/s" if "1 GiB" in row else ""
+            size = GIB if "1 GiB" in row else 128 * MIB if "MiB" in row else 0
+            extra = f"  {size / (statistics.median(us) * 1e3):.0f} GB/s" if size else ""
             print(f"{row:<48} {statistics.median(us):>10.1f} {p10:>8.1f} {p90:>8.1f}{extra}")
         os.unlink(words.path)
     dist.barrier()
