@@ -1,11 +1,12 @@
-"""The process's p2p context: ``init``/``shutdown``, transports, streams, issuing.
+"""The process's p2p context: ``init``/``shutdown``, its pairs and its routes.
 
 One process per device: the CUDA device is the local rank's when CUDA is present (else the
-CPU). The context holds a :class:`tensorferry.Client` for its ``send``/``recv`` streams (exclusive
-streams from the runtime's pool, not ``torch.cuda.Stream()``'s shared round-robin ones), the
-world store, the transports made so far and the issuing :class:`~._engine.Engine`.
+CPU). The context holds the world store, the control links (:mod:`._links`), one
+:class:`~._pair.Pair` per peer (made on first use) and one route per transport name:
+``ce`` (one host, CUDA: one-sided copy-engine writes), ``nccl`` and ``gloo`` (two-sided), and
+any transport registered with :func:`~._transport.register_transport` (two-sided).
 
-Thread-safety: ``init``/``shutdown`` hold a module lock; the context's transport table has its
+Thread-safety: ``init``/``shutdown`` hold a module lock; the pair and route tables have their
 own lock; everything else is read-only after ``init``.
 """
 
@@ -24,34 +25,23 @@ import torch
 
 from tensorferry import _native, envs
 from tensorferry._seconds import checked_seconds
-from tensorferry.p2p import _link, _piece_copy, _trace
-from tensorferry.p2p._spec import Descriptor, describe
-from tensorferry.p2p._transport import (
-    Transport,
-    TransportContext,
-    registered_transports,
-    registry_version,
-)
+from tensorferry.errors import TensorFerryError
+from tensorferry.p2p import _link
+from tensorferry.p2p._links import Links
+from tensorferry.p2p._pair import Pair
+from tensorferry.p2p._transport import Transport, TransportContext, registered_transports
+from tensorferry.p2p._two_sided import TwoSidedRoute
 from tensorferry.runtime._devices import cuda_device_count
-from tensorferry.runtime._events import (
-    record_on_stream,
-    record_when_issued,
-    recycle,
-    stream_wait,
-)
-from tensorferry.runtime._stream_switch import on_stream
 
 __all__ = ["P2PContext", "init", "shutdown", "current", "get_rank", "get_world_size"]
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
-# Modules of transports built beside this layer; imported at init so they register themselves
-# (and take part in transport="auto"). A module that is missing or fails to import is skipped.
-OPTIONAL_TRANSPORT_MODULES = [
-    "tensorferry.p2p.nvlink.transport",
-    "tensorferry.p2p.copy_engine.transport",
-]
+ONE_SIDED = "ce"
+# Modules of transports built beside this layer; imported at init so they register themselves.
+# A module that is missing or fails to import is skipped.
+OPTIONAL_TRANSPORT_MODULES = ["tensorferry.p2p.nvlink.transport"]
 
 _lock = threading.Lock()
 _context: P2PContext | None = None
@@ -72,85 +62,84 @@ class P2PContext:
         timeout_s: float,
         master_addr: str | None,
     ) -> None:
-        from tensorferry.runtime import Client, completion_pool
-
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.device_index = device.index  # read on every lone tensor's issue
         self.backend = backend
         self.timeout_s = timeout_s
         self.store = store
-        # Read once: transport="auto" consults it for every message.
-        self.auto_transports = envs.auto_transports()
-        self._rankings: dict[tuple, tuple[str, ...]] = {}  # see choose()
         self.host = _link.advertised_host(master_addr)
-        self.completions = completion_pool()
-        self.client = Client(devices=[device]) if device.type == "cuda" else None
-        self.send_stream = self.client.stream(device, "send") if self.client else None
-        self.recv_stream = self.client.stream(device, "recv") if self.client else None
-        self._transports: dict[str, Transport] = {}
-        self._transports_lock = threading.Lock()
-        from tensorferry.p2p._engine import Engine
-
-        _trace.configure(envs.p2p_trace_events())
-        self.engine = Engine(self)
+        self._lock = threading.Lock()
+        self._pairs: dict[int, Pair] = {}
+        self._routes: dict[str, Any] = {}
+        self._same_host: dict[int, bool] = {}
         self.transport_ctx = TransportContext(
             rank=rank,
             world_size=world_size,
             device=device,
             store=store,
             timeout=datetime.timedelta(seconds=timeout_s),
-            epoch_of=lambda peer: self.engine._peer(peer).epoch,
+            epoch_of=lambda peer: self.pair(peer).epoch,
         )
+        self.links = Links(rank, self.host, store, self._incoming)
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
-        self.store.set(f"addr/{self.rank}", self.engine.address)
-        self.engine.start()
+        self.links.start()
 
     def bind_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def peer_address(self, rank: int) -> str:
-        # Own client connection: this wait must not queue behind a pair's rendezvous.
-        store = self.store.clone() if hasattr(self.store, "clone") else self.store
-        return store.get(f"addr/{rank}").decode()
+    def _incoming(self, peer: int, link: Any) -> None:
+        if 0 <= peer < self.world_size and peer != self.rank:
+            self.pair(peer).attach_incoming(link)
+        else:
+            link.close()
 
-    # ------------------------------------------------------------------ transports
-    def transport(self, name: str) -> Transport:
-        """The process's instance of transport ``name`` (made on first use).
+    # ------------------------------------------------------------------ pairs and routes
+    def pair(self, peer: int) -> Pair:
+        pair = self._pairs.get(peer)
+        if pair is None:
+            with self._lock:
+                pair = self._pairs.get(peer)
+                if pair is None:
+                    pair = self._pairs[peer] = Pair(self, peer)
+        return pair
+
+    def route(self, name: str) -> Any:
+        """The route of transport ``name`` (made on first use).
 
         Raises:
-            ValueError: ``name`` is not registered.
+            ValueError: ``name`` is not a known transport.
         """
-        transport = self._transports.get(name)  # made already: no lock (several per call)
-        if transport is not None:
-            return transport
-        with self._transports_lock:
-            transport = self._transports.get(name)
-            if transport is not None:
-                return transport
-            factory = registered_transports().get(name)
-            if factory is None:
-                known = ", ".join(["auto", *registered_transports()])
-                raise ValueError(f"unknown transport {name!r}; registered: {known}")
-            transport = factory(self.transport_ctx)
-            if not isinstance(transport, Transport):
-                raise TypeError(f"transport factory {name!r} returned {type(transport).__name__}")
-            self._transports[name] = transport
-            return transport
+        route = self._routes.get(name)
+        if route is not None:
+            return route
+        with self._lock:
+            route = self._routes.get(name)
+            if route is None:
+                route = self._routes[name] = self._make_route(name)
+        return route
 
-    def choose(
-        self,
-        requested: str,
-        peer: int,
-        tensors: Sequence[torch.Tensor],
-        desc: Descriptor | None = None,
-    ) -> str:
-        """The transport for one message (on the caller's thread, before anything moves);
-        ``desc`` is the tensors' descriptor, when the caller has it.
+    def _make_route(self, name: str) -> Any:
+        if name == ONE_SIDED:
+            if self.device.type != "cuda":
+                raise ValueError("transport 'ce' moves CUDA tensors, and this rank has no GPU")
+            from tensorferry.p2p.copy_engine.one_sided import OneSidedRoute
+
+            return OneSidedRoute(self.device)
+        factory = registered_transports().get(name)
+        if factory is None:
+            known = ", ".join(["auto", ONE_SIDED, *registered_transports()])
+            raise ValueError(f"unknown transport {name!r}; known: {known}")
+        transport = factory(self.transport_ctx)
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport factory {name!r} returned {type(transport).__name__}")
+        return TwoSidedRoute(transport)
+
+    def choose(self, requested: str, peer: int, tensors: Sequence[torch.Tensor]) -> str:
+        """The route for one message (on the caller's thread, before anything moves).
 
         Raises:
             TypeError: ``requested`` is not a string.
@@ -158,200 +147,80 @@ class P2PContext:
         """
         if not isinstance(requested, str):
             raise TypeError(f"transport must be a str, got {type(requested).__name__}")
-        device_type = tensors[0].device.type
-        if requested != "auto":
-            transport = self.transport(requested)
-            reason = transport.unsupported_reason(peer=peer, tensors=tensors)
-            if reason is not None:
-                raise ValueError(f"transport {requested!r} cannot carry this message: {reason}")
+        cuda = tensors[0].is_cuda
+        if requested == "auto":
+            return self.default_route(peer) if cuda else "gloo"
+        route = self.route(requested)
+        if route.one_sided:
+            if not cuda:
+                raise ValueError(
+                    f"transport 'ce' cannot carry this message: it moves CUDA tensors, got a "
+                    f"tensor on {tensors[0].device} (use transport='gloo')"
+                )
             return requested
-        # Estimates are pure functions of (peer, size, count): rank the candidates once per
-        # layout, then only ask the front runners whether they can carry this message. Keyed
-        # by the descriptor, which remembers its hash, rather than by a sum over the tensors.
-        if desc is None:
-            desc = describe(tensors)
-        shape = (peer, device_type, desc, registry_version())
-        ranking = self._rankings.get(shape)
-        if ranking is None:
-            nbytes = sum(t.nbytes for t in tensors)
-            ranking = self._rank(peer, device_type, nbytes, len(tensors))
-            if len(self._rankings) < 4096:
-                self._rankings[shape] = ranking
-        reasons = []
-        for name in ranking:
-            reason = self.transport(name).unsupported_reason(peer=peer, tensors=tensors)
-            if reason is None:
-                return name
-            reasons.append(f"{name}: {reason}")
-        detail = "; ".join(reasons) or f"none registered for {device_type} tensors"
-        raise ValueError(f"no transport can carry this message ({detail})")
+        reason = route.transport.unsupported_reason(peer=peer, tensors=tensors)
+        if reason is not None:
+            raise ValueError(f"transport {requested!r} cannot carry this message: {reason}")
+        return requested
 
-    def _rank(self, peer: int, device_type: str, nbytes: int, count: int) -> tuple[str, ...]:
-        """Auto candidates for this device type, fastest estimate first."""
-        timed = []
-        for order, name in enumerate(registered_transports()):
-            if name not in self.auto_transports:
-                continue
-            transport = self.transport(name)
-            if transport.device_type != device_type:
-                continue
-            estimate = transport.estimate_seconds(peer=peer, nbytes=nbytes, num_tensors=count)
-            if estimate is not None:
-                timed.append((estimate, order, name))
-        return tuple(name for _, _, name in sorted(timed))
+    def default_route(self, peer: int) -> str:
+        """What ``transport="auto"`` picks for CUDA tensors with ``peer``: the copy engine
+        between GPUs of one host, NCCL otherwise (both sides pick alike)."""
+        if self.device.type != "cuda":
+            return "gloo"
+        return ONE_SIDED if self._on_this_host(peer) else "nccl"
 
-    # ------------------------------------------------------------------ issuing
-    def issue(self, unit: Any) -> Any:
-        """Starts a unit's transports (under the engine's lock); returns the CUDA done event."""
-        messages = unit.messages
-        lane = unit.lane
-        if lane is not None and lane.cuda:  # a lone tensor whose transport is known already
-            transport = lane.transport
-        elif len(messages) == 1 and messages[0].op.tensors[0].is_cuda:  # the commonest unit
-            transport = self.transport(messages[0].transport)
-        else:
-            return self._issue_several(unit, messages)
-        message = messages[0]
-        op = message.op
-        stream = self.send_stream if op.kind == "send" else self.recv_stream
-        if len(op.tensors) == 1:
-            done = self._start_lone_between(transport, op, stream, unit)
-            if done is not None:
-                return done
-        self._after_caller(stream, unit)
-        pending = transport.start_lone(op, stream) if len(op.tensors) == 1 else None
-        if pending is None:
-            if not transport.makes_stream_current:
-                return self._issue_on(stream, unit, {message.transport: [op]})
-            pending = transport.start([op], stream=stream)
-        unit.pending.append(pending)
-        return record_on_stream(stream)  # the Transfer recycles it
+    def _on_this_host(self, peer: int) -> bool:
+        same = self._same_host.get(peer)
+        if same is None:
+            try:
+                address = bytes(self.store.get(f"addr/{peer}")).decode()
+            except Exception as exc:
+                raise TensorFerryError(
+                    f"cannot read rank {peer}'s address from the rendezvous store: {exc}"
+                ) from None
+            _, _, unix = address.partition(" unix=")
+            here = _link.local_host_id()
+            same = self._same_host[peer] = bool(here) and unix.partition("/")[0] == here
+        return same
 
-    def _issue_several(self, unit: Any, messages: list[Any]) -> Any:
-        """:meth:`issue` of a unit of several messages, or of host tensors."""
-        on_host: list[Any] = []
-        cuda_groups: dict[str, list[Any]] = {}
-        for message in messages:
-            if message.op.tensors[0].is_cuda:
-                cuda_groups.setdefault(message.transport, []).append(message.op)
-            else:
-                on_host.append(message)
-        if on_host:
-            self.issue_on_host(unit, on_host)
-        if not cuda_groups:
-            return None
-        has_send = any(op.kind == "send" for ops in cuda_groups.values() for op in ops)
-        stream = self.send_stream if has_send else self.recv_stream
-        return self._issue_on(stream, unit, cuda_groups)
+    def prepare(self, peer: int, name: str) -> None:
+        """Makes the pair with ``peer`` for route ``name`` now (blocking)."""
+        route = self.route(name)
+        pair = self.pair(peer)
+        with pair.lock:
+            pair.connect()
+        if not route.one_sided:
+            route.prepare(pair)
 
-    def _start_lone_between(self, transport: Transport, op: Any, stream: Any, unit: Any) -> Any:
-        """``unit``'s one tensor started by ``transport`` with the stream's wait for the caller
-        and the completion event in the same step (``Transport.start_lone_between``): that
-        event (the Transfer recycles it), or ``None``, having done nothing, where it has no such
-        way or the calling thread is on another device (the general way then)."""
-        index = self.device_index
-        if torch._C._cuda_getDevice() != index:
-            return None
-        started = transport.start_lone_between(op, stream, unit.caller_event, unit.caller_stream)
-        if started is None:
-            return None
-        pending, done = started
-        recycle(unit.caller_event, index)  # recorded and waited for: free to record again
-        unit.caller_event = unit.caller_stream = None
-        unit.pending.append(pending)
-        return done
-
-    def issue_on_host(self, unit: Any, messages: list[Any]) -> None:
-        """Starts ``messages`` of ``unit`` (all of them, or one peer's part) that travel on
-        host transports: no stream, no event."""
-        groups: dict[str, list[Any]] = {}
-        for message in messages:
-            groups.setdefault(message.transport, []).append(message.op)
-        for name, ops in groups.items():
-            unit.pending.append(self.transport(name).start(ops, stream=None))
-
-    def _issue_on(self, stream: Any, unit: Any, cuda_groups: dict[str, list[Any]]) -> Any:
-        """Starts the CUDA transports of ``unit`` on ``stream``, after the caller's event;
-        returns the event recorded after them."""
-        self._after_caller(stream, unit)
-        # Loops, not a comprehension and all() of a generator: each of those is a call, and
-        # nearly every unit has one transport.
-        transports = []
-        switch = False
-        for name, ops in cuda_groups.items():
-            transport = self.transport(name)
-            transports.append((transport, ops))
-            switch = switch or not transport.makes_stream_current
-        if not switch:
-            for transport, ops in transports:
-                unit.pending.append(transport.start(ops, stream=stream))
-        else:
-            with on_stream(stream):
-                for transport, ops in transports:
-                    unit.pending.append(transport.start(ops, stream=stream))
-        return record_on_stream(stream)  # the Transfer recycles it (Transfer.__del__)
-
-    def _after_caller(self, stream: Any, unit: Any) -> None:
-        """Makes ``stream`` wait for the caller's work (``unit``'s caller event), on the rank's
-        device; once per unit."""
-        index = self.device_index
-        if torch._C._cuda_getDevice() != index:
-            self._own_thread_to_device()
-        if unit.caller_stream is not None:
-            self.record_caller(unit)
-        event = unit.caller_event
-        if event is not None:
-            stream_wait(stream, event)
-            recycle(event, index)  # the wait is enqueued: free to record again
-            unit.caller_event = None
-
-    def record_caller(self, unit: Any) -> None:
-        """Records ``unit``'s caller event where it was put off to (``Unit.caller_stream``):
-        on the caller's thread, before its call returns."""
-        record_when_issued(unit.caller_event, self.device_index, unit.caller_stream)
-        unit.caller_stream = None
-
-    def _own_thread_to_device(self) -> None:
-        """Makes this rank's device current on a thread of the library's own that issues
-        transfers with another device current (the completion pool's poller, when it drives
-        the engine: a thread starts on device 0).
-
-        Issued from there, the stream switch goes to the device and back on every issue, and
-        the event calls take torch's way, which on the second GPU made a CUDA context on device
-        0 in rank 1's process (hundreds of MiB of another rank's GPU; most of a second with the
-        GIL held). A user's thread keeps its current device: that is the caller's to choose.
-        """
-        if threading.current_thread().name.startswith("tensorferry-"):
-            torch.cuda.set_device(self.device)
+    def evict_routes(self, pair: Pair, *, reason: str) -> None:
+        """A fault or a lost peer: every route lets go of the pair's resources."""
+        for route in list(self._routes.values()):
+            try:
+                route.evict(pair, reason)
+            except Exception:
+                log.exception("p2p: a route failed to let go of the pair with %d", pair.peer)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        # A rendezvous still waiting for its peer on a helper thread gives up now (see
-        # TransportContext.meet); the helpers are daemons, left to end with the process.
         self.transport_ctx.stopping.set()
-        try:
-            self.engine.stop()
-        finally:
-            with self._transports_lock:
-                transports = list(self._transports.values())
-                self._transports.clear()
-            for transport in transports:
-                try:
-                    transport.close()
-                except Exception:
-                    log.exception("p2p: closing transport %s failed", transport.name)
-            if self.client is not None:
-                try:
-                    self.client.close()
-                except Exception:
-                    log.exception("p2p: closing the client failed")
-            # The context sits in reference cycles (engine, transfers) that only the cyclic
-            # collector frees: its store, with its connections (and, on the rank that serves
-            # it, its server), stayed open until that ran, about ten descriptors per init and
-            # shutdown. The store is kept, but only the last world's (see _keep_store).
-            _keep_store(self.store)
-            self.transport_ctx.drop_store_clients()
-            self.store = self.transport_ctx.store = None
+        reason = TensorFerryError("tf.shutdown() was called")
+        for pair in list(self._pairs.values()):
+            try:
+                pair.close(reason)
+            except Exception:
+                log.exception("p2p: closing the pair with rank %d failed", pair.peer)
+        self.links.close()
+        for route in list(self._routes.values()):
+            try:
+                route.close()
+            except Exception:
+                log.exception("p2p: closing route %s failed", route.name)
+        self._routes.clear()
+        # The store stays referenced (see _keep_store): other ranks may still need it.
+        _keep_store(self.store)
+        self.transport_ctx.drop_store_clients()
+        self.store = self.transport_ctx.store = None
 
 
 # The last world's store, kept after tf.shutdown: the other ranks may still need it (to make
@@ -501,8 +370,6 @@ def init(
             master_addr=master_addr,
         )
         context.bind_device()
-        if device.type == "cuda":
-            _piece_copy.prepare(device.index)  # the packed messages' copy kernel, compiled ahead
         context.start()
         _context = context
         log.info("p2p: rank %d of %d on %s (%s)", rank, world_size, device, backend)

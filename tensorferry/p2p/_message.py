@@ -1,0 +1,84 @@
+"""One message: the tensors of one call (or batch entry) to or from one peer, and its state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tensorferry.p2p._spec import Descriptor
+from tensorferry.p2p._transport import P2POp
+
+if TYPE_CHECKING:
+    from tensorferry.p2p._transfer import Transfer
+
+__all__ = ["Message", "WAITING", "ISSUED", "ENDED"]
+
+# A message's life: numbered and waiting for its peer's frame (or its route's making), issued
+# (its device or gloo work runs), ended (done, or failed with ``error``).
+WAITING, ISSUED, ENDED = "waiting", "issued", "ended"
+
+
+class Message:
+    """A send or receive of one call, to one peer. Fields are guarded by its pair's lock.
+
+    Attributes:
+        kind: ``"send"`` or ``"recv"``.
+        op: what the route moves (peer, tensors, layout).
+        route: the name of the route (transport) that carries it.
+        transfer: the :class:`Transfer` it belongs to.
+        caller_event: a CUDA event of the caller's stream at the call (``None`` on the CPU).
+        seq, epoch: its number in its direction of the pair, and the pair's epoch then.
+        state: ``WAITING``, ``ISSUED`` or ``ENDED``.
+        pending: the route's handle of the issued work.
+        answered: a two-sided send: the receiver's answer (accepted or mismatched) came.
+        error: why it failed (set once it is known; it ends with it).
+        done_event: a CUDA event after its device work, for ``Transfer.wait_stream``.
+    """
+
+    __slots__ = (
+        "answered",
+        "caller_event",
+        "done_event",
+        "epoch",
+        "error",
+        "kind",
+        "op",
+        "pending",
+        "route",
+        "seq",
+        "state",
+        "transfer",
+    )
+
+    def __init__(
+        self, op: P2POp, route: str, transfer: Transfer | None, caller_event: Any = None
+    ) -> None:
+        self.kind = op.kind
+        self.op = op
+        self.route = route
+        self.transfer = transfer
+        self.caller_event = caller_event
+        self.seq = -1
+        self.epoch = -1
+        self.state = WAITING
+        self.pending: Any = None
+        self.answered = False
+        self.error: BaseException | None = None
+        self.done_event: Any = None
+
+    @property
+    def peer(self) -> int:
+        return self.op.peer
+
+    @property
+    def desc(self) -> Descriptor:
+        return self.op.layout
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.op.tensors
+
+    def describe(self) -> str:
+        way = "to" if self.kind == "send" else "from"
+        return f"{self.kind} {len(self.op.tensors)} tensor(s) {way} rank {self.peer}"

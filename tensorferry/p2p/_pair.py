@@ -1,0 +1,404 @@
+"""A pair of ranks seen from one side: numbering, frames, issue, completion and faults.
+
+Messages are numbered per direction and epoch in the order of this rank's calls. The k-th send
+from A to B in an epoch meets the k-th receive B posts from A in that epoch. Frames (small
+JSON dicts on the control links, :mod:`._links`) say what each side posted:
+
+=========  ==============  =====================================================================
+frame      from            meaning
+=========  ==============  =====================================================================
+``h``      sender          header of message n of a two-sided route: layout and route
+``a``      receiver        message n of a two-sided route matched; its receive is issued
+``p``      receiver        post of message n of a one-sided route: layout, route, where it goes
+``m``      the comparer    message n did not match (``dir``: whose message the frame is about)
+``f``      either          a fault: every open message of epoch ``e`` fails; both move on
+``bye``    either          ``tf.shutdown()``: the pair ends
+=========  ==============  =====================================================================
+
+Whoever issues the data movement compares the two layouts: the receiver of a two-sided route
+(nccl, gloo: the sender issues at once, and after a mismatch the receiver takes its bytes into
+scratch, so that nothing waits), the sender of a one-sided route (ce: it writes into the
+receiver's posted buffers). Messages of a direction are issued in number order.
+
+A fault (a deadline passed, a route failed) fails every open message of the pair on both sides,
+aborts the pair's route resources and moves both sides to the next epoch, numbers back at 0.
+Frames carry their epoch; those of an epoch left behind are dropped. Nothing is owed across
+epochs, so a fault never shifts a later message, and other pairs never hear of it.
+
+Thread-safety: every method runs under the pair's re-entrant lock; callers' threads, the
+acceptor thread (attaching the peer's link) and the completion pool's poller (transfers with
+callbacks) take it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from tensorferry.errors import (
+    MismatchError,
+    PeerLostError,
+    TensorFerryError,
+    TransferTimeoutError,
+    TransportError,
+)
+from tensorferry.p2p._message import ENDED, ISSUED, WAITING, Message
+from tensorferry.p2p._spec import compare, descriptor_from_text, descriptor_text
+
+if TYPE_CHECKING:
+    from tensorferry.p2p._context import P2PContext
+
+__all__ = ["Pair"]
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
+
+
+class Pair:
+    """This rank's side of its pair with ``peer``."""
+
+    def __init__(self, ctx: P2PContext, peer: int) -> None:
+        self.ctx = ctx
+        self.peer = peer
+        self.lock = threading.RLock()
+        self.epoch = 0
+        self._next = {"send": 0, "recv": 0}
+        self._open: dict[str, dict[int, Message]] = {"send": {}, "recv": {}}
+        self._frames: dict[str, dict[int, dict]] = {"h": {}, "p": {}}  # came before their call
+        self._out: Any = None  # our link to the peer (we write)
+        self._in: Any = None  # the peer's link to us (we read)
+        self._early_in: list = []  # links that came while the pair was being made
+        self.lost: BaseException | None = None
+        self.streams: dict[str, Any] = {}  # CUDA: one send and one receive stream per pair
+        self._client: Any = None
+
+    # ------------------------------------------------------------------ calls
+    def submit(self, message: Message) -> None:
+        """Numbers ``message`` and moves it as far as it goes now."""
+        with self.lock:
+            if self.lost is not None:
+                self._end(message, self.lost)
+                return
+            kind = message.kind
+            message.seq = self._next[kind]
+            message.epoch = self.epoch
+            self._next[kind] += 1
+            self._open[kind][message.seq] = message
+            route = self.ctx.route(message.route)
+            try:
+                if route.one_sided and kind == "recv":
+                    frame = route.post(self, message)
+                    self._send({"k": "p", **self._head(message), **frame})
+                    message.state = ISSUED
+                elif not route.one_sided and kind == "send":
+                    self._send({"k": "h", **self._head(message)})
+            except TensorFerryError as exc:
+                self._end(message, exc)
+                return
+            self._pump()
+            self._advance()
+
+    def progress(self) -> None:
+        """Reads the peer's frames, ends what passed its deadline, issues what can go and
+        completes what finished."""
+        with self.lock:
+            self._pump()
+            self._check_deadlines()
+            self._advance()
+
+    def attach_incoming(self, link: Any) -> None:
+        """The acceptor thread hands over the link the peer made to us."""
+        with self.lock:
+            if self._in is not None and not self._in.closed:
+                self._in.close()  # a peer that made a new link: the old one is done
+            self._in = link
+
+    def connect(self) -> None:
+        """Makes our link to the peer, if not yet made (blocking, bounded by the timeout).
+
+        Raises:
+            PeerLostError: the peer cannot be reached.
+        """
+        if self.lost is not None:
+            raise self.lost
+        if self._out is None:
+            self._out = self.ctx.links.connect(self.peer, self.ctx.timeout_s)
+
+    def reset(self) -> None:
+        """Moves the pair to a fresh epoch, its route resources let go (both ranks call it at
+        the same point of their programs, with nothing in flight between them)."""
+        with self.lock:
+            self._fault(TransportError("the pair was reset"), False)
+
+    def stream(self, kind: str) -> Any:
+        """The CUDA stream this pair's messages of ``kind`` run on."""
+        stream = self.streams.get(kind)
+        if stream is None:
+            from tensorferry.runtime import Client
+
+            if self._client is None:
+                self._client = Client(devices=[self.ctx.device])
+            stream = self.streams[kind] = self._client.stream(self.ctx.device, kind)
+        return stream
+
+    # ------------------------------------------------------------------ frames
+    def _head(self, message: Message) -> dict:
+        return {
+            "e": message.epoch,
+            "n": message.seq,
+            "d": descriptor_text(message.desc),
+            "r": message.route,
+        }
+
+    def _send(self, frame: dict) -> None:
+        """Writes ``frame`` to the peer, connecting first if need be.
+
+        Raises:
+            PeerLostError: the peer cannot be reached (the pair is then lost).
+        """
+        self.connect()
+        try:
+            self._out.send(frame)
+        except OSError as exc:
+            self._lose(PeerLostError(f"rank {self.peer} is gone ({exc})"))
+            raise self.lost from None  # type: ignore[misc]
+
+    def _pump(self) -> None:
+        """Handles every frame the peer sent so far; notices a peer that is gone."""
+        if self.lost is not None:
+            return
+        if self._in is not None:
+            frames = self._in.receive()
+            if frames is None:
+                self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+                return
+            for frame in frames:
+                self._on_frame(frame)
+                if self.lost is not None:
+                    return
+        if self._out is not None and self._out.receive() is None:  # never written to: EOF
+            self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+
+    def _on_frame(self, frame: dict) -> None:
+        kind = frame.get("k")
+        if kind == "bye":
+            self._lose(PeerLostError(f"rank {self.peer} shut down (tf.shutdown())"))
+            return
+        if frame.get("e") != self.epoch:
+            return  # of an epoch this side has left: its messages have failed already
+        if kind == "f":
+            cls = _ERRORS.get(frame.get("err", ""), TransportError)
+            self._fault(cls(f"rank {self.peer} reset the pair: {frame.get('why', '')}"), False)
+            return
+        seq = frame["n"]
+        if kind in ("h", "p"):
+            self._frames[kind][seq] = frame  # taken by its message (see _advance)
+            return
+        if kind == "a":
+            message = self._open["send"].get(seq)
+            if message is not None:
+                message.answered = True
+            return
+        if kind == "m":
+            message = self._open["send" if frame.get("dir") == "send" else "recv"].get(seq)
+            if message is not None:
+                error = MismatchError(frame.get("why", "mismatch"), field=frame.get("field"))
+                if message.kind == "send":  # a two-sided send: the receiver takes its bytes
+                    message.error, message.answered = error, True  # into scratch: it goes on
+                else:
+                    self._end(message, error)
+
+    # ------------------------------------------------------------------ issue
+    def _advance(self) -> None:
+        if self._frames["h"] or self._frames["p"]:
+            self._find_route_mismatches()
+        for kind in ("send", "recv"):
+            for message in list(self._open[kind].values()):
+                if message.state == WAITING and not self._try_issue(message):
+                    break  # later messages of this direction wait for it
+            for message in list(self._open[kind].values()):
+                if message.state == ISSUED:
+                    self._poll(message)
+            if self.lost is not None:
+                return
+
+    def _find_route_mismatches(self) -> None:
+        """A header for a one-sided receive, or a post for a two-sided send: the two sides
+        chose different routes for one message."""
+        for kind, frame_kind, one_sided in (("recv", "h", True), ("send", "p", False)):
+            for seq, frame in list(self._frames[frame_kind].items()):
+                message = self._open[kind].get(seq)
+                if message is not None and self.ctx.route(message.route).one_sided == one_sided:
+                    self._route_mismatch(message, frame)
+                    return
+
+    def _try_issue(self, message: Message) -> bool:
+        """Issues ``message`` if it can go now; returns whether it left ``WAITING``."""
+        route = self.ctx.route(message.route)
+        kind, seq = message.kind, message.seq
+        try:
+            if route.one_sided:  # a send: the receiver's post says where its bytes go
+                post = self._frames["p"].pop(seq, None)
+                if post is None:
+                    return False
+                if self._agrees(message, post):
+                    route.write(self, message, post)
+                    message.state = ISSUED
+                return True
+            if not route.prepared(self, kind):
+                return False
+            if kind == "send":
+                route.start(self, message)
+                message.state = ISSUED
+                return True
+            header = self._frames["h"].pop(seq, None)
+            if header is None:
+                return False
+            if self._agrees(message, header):
+                self._send({"k": "a", "e": self.epoch, "n": seq})
+                route.start(self, message)
+            elif message.state == ENDED:  # the routes differ: the pair faulted
+                return True
+            else:  # take the sender's bytes into scratch: its send then ends, nothing waits
+                route.start(self, message, into=descriptor_from_text(header["d"]))
+            message.state = ISSUED
+            return True
+        except TensorFerryError as exc:
+            if self.lost is None and message.state != ENDED:
+                self._fault(exc, True, cause=message)
+            return True
+
+    def _agrees(self, message: Message, frame: dict) -> bool:
+        """Compares ``message`` with the peer's frame for it. On a difference, tells the peer
+        and (for a send, or a one-sided message) fails ``message``; returns whether they agree."""
+        if frame.get("r") != message.route:
+            self._route_mismatch(message, frame)
+            return False
+        theirs = descriptor_from_text(frame["d"])
+        sending = message.kind == "send"
+        try:
+            sender, receiver = (message.desc, theirs) if sending else (theirs, message.desc)
+            src, dst = (self.ctx.rank, self.peer) if sending else (self.peer, self.ctx.rank)
+            compare(sender, receiver, src=src, dst=dst)
+            return True
+        except MismatchError as exc:
+            about = "recv" if sending else "send"  # the peer's message the frame is about
+            self._send(
+                {
+                    "k": "m",
+                    "e": self.epoch,
+                    "n": message.seq,
+                    "dir": about,
+                    "why": str(exc),
+                    "field": exc.field,
+                }
+            )
+            if sending:
+                self._end(message, exc)
+            else:
+                message.error = exc  # a two-sided receive: ends once the scratch receive did
+            return False
+
+    def _route_mismatch(self, message: Message, frame: dict) -> None:
+        error = MismatchError(
+            f"rank {self.ctx.rank} and rank {self.peer} chose different transports for message "
+            f"{message.seq} ({message.route!r} here, {frame.get('r')!r} there)",
+            field="transport",
+        )
+        self._fault(error, True, cause=message)
+
+    # ------------------------------------------------------------------ completion
+    def _poll(self, message: Message) -> None:
+        route = self.ctx.route(message.route)
+        try:
+            if not route.finished(self, message):
+                return
+        except TensorFerryError as exc:
+            self._fault(exc, True, cause=message)
+            return
+        if message.kind == "send" and not route.one_sided and not message.answered:
+            return  # the receiver has not said yet whether it matched
+        self._end(message, message.error)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for kind in ("send", "recv"):
+            for message in self._open[kind].values():
+                if message.transfer is not None and now > message.transfer.deadline:
+                    why = (
+                        "no matching call within the transfer timeout"
+                        if message.state == WAITING
+                        else "the transfer did not finish within its timeout"
+                    )
+                    error = TransferTimeoutError(f"{message.describe()}: timed out ({why})")
+                    self._fault(error, True, cause=message)
+                    return
+
+    def _end(self, message: Message, error: BaseException | None) -> None:
+        if message.state == ENDED:
+            return
+        message.state = ENDED
+        message.error = error
+        self._open[message.kind].pop(message.seq, None)
+        if message.transfer is not None:
+            message.transfer._message_ended(message)
+
+    # ------------------------------------------------------------------ faults
+    def _fault(self, error: BaseException, notify: bool, *, cause: Message | None = None) -> None:
+        """Fails every open message (``cause`` with ``error``, the others with a note of it),
+        aborts the pair's route resources and moves to the next epoch; with ``notify`` the
+        peer is told (it does the same)."""
+        epoch = self.epoch
+        log.info("p2p: pair with rank %d: fault in epoch %d: %s", self.peer, epoch, error)
+        self.epoch += 1
+        self._next = {"send": 0, "recv": 0}
+        self._frames = {"h": {}, "p": {}}
+        opened, self._open = self._open, {"send": {}, "recv": {}}
+        self.ctx.evict_routes(self, reason=str(error))
+        for messages in opened.values():
+            for message in messages.values():
+                self._end(message, error if message is cause else _sibling(error, self.peer))
+        if notify:
+            frame = {"k": "f", "e": epoch, "why": str(error), "err": type(error).__name__}
+            with contextlib.suppress(TensorFerryError):
+                self._send(frame)
+
+    def _lose(self, error: BaseException) -> None:
+        """The peer is gone: every open message fails with ``error``, and so does every later
+        one."""
+        if self.lost is not None:
+            return
+        self.lost = error
+        for link in (self._in, self._out):
+            if link is not None:
+                link.close()
+        opened, self._open = self._open, {"send": {}, "recv": {}}
+        self.ctx.evict_routes(self, reason=str(error))
+        for messages in opened.values():
+            for message in messages.values():
+                self._end(message, error)
+
+    def close(self, reason: BaseException) -> None:
+        """``tf.shutdown()``: tells the peer, fails what is open, lets go of everything."""
+        with self.lock:
+            if self.lost is None and self._out is not None:
+                with contextlib.suppress(OSError):
+                    self._out.send({"k": "bye"})
+            self._lose(reason)
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+def _sibling(error: BaseException, peer: int) -> BaseException:
+    """The error of a message that failed because another message of its pair faulted."""
+    text = f"the pair with rank {peer} was reset: {error}"
+    if isinstance(error, MismatchError):
+        return MismatchError(text, field=error.field)
+    if isinstance(error, (TransferTimeoutError, PeerLostError)):
+        return type(error)(text)
+    return TransportError(text)

@@ -1,0 +1,147 @@
+"""The few CUDA driver calls the one-sided route makes, through ``ctypes`` on ``libcuda``.
+
+Each is one foreign call (about a microsecond), with no Python wrapper objects to build: the
+route makes several per message. They act in the calling thread's current context: callers
+make the rank's device current first (``torch.cuda.device``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from tensorferry.errors import TransportError
+
+__all__ = [
+    "IPC_HANDLE_BYTES",
+    "allocation_of",
+    "host_register",
+    "host_unregister",
+    "ipc_handle",
+    "ipc_open",
+    "memcpy_async",
+    "wait_value32",
+    "write_value32",
+]
+
+IPC_HANDLE_BYTES = 64
+_RANGE_START, _RANGE_SIZE, _BUFFER_ID = 11, 12, 7  # CUpointer_attribute
+_LAZY_ENABLE_PEER_ACCESS = 0x1
+_HOST_REGISTER_PORTABLE_DEVICEMAP = 0x1 | 0x2
+_WAIT_GEQ = 0x0
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+def _symbol(lib: ctypes.CDLL, *names: str) -> ctypes._CFuncPtr:
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            return fn
+    raise TransportError(f"libcuda has none of {names}")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise TransportError(f"the copy-engine route needs libcuda: {exc}") from None
+    u64, u64p, c_uint = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint
+    lib.cuPointerGetAttributes.argtypes = [
+        c_uint,
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(ctypes.c_void_p),
+        u64,
+    ]
+    lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), u64]
+    _symbol(lib, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle").argtypes = [u64p, _IpcHandle, c_uint]
+    lib.cuMemcpyAsync.argtypes = [u64, u64, ctypes.c_size_t, ctypes.c_void_p]
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, c_uint]
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, c_uint]
+    _symbol(lib, "cuMemHostRegister_v2", "cuMemHostRegister").argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        c_uint,
+    ]
+    _symbol(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer").argtypes = [
+        u64p,
+        ctypes.c_void_p,
+        c_uint,
+    ]
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _lib().cuGetErrorName(result, ctypes.byref(name))
+        text = name.value.decode() if name.value else str(result)
+        raise TransportError(f"{what} failed: {text}")
+
+
+def allocation_of(address: int) -> tuple[int, int, int]:
+    """``(buffer id, base, size)`` of the device allocation holding ``address``: the id is
+    unique for the process's life, so a freed and remade allocation at the same address is
+    told apart."""
+    base, size, ident = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    attrs = (ctypes.c_int * 3)(_BUFFER_ID, _RANGE_START, _RANGE_SIZE)
+    data = (ctypes.c_void_p * 3)(
+        ctypes.addressof(ident), ctypes.addressof(base), ctypes.addressof(size)
+    )
+    _check(_lib().cuPointerGetAttributes(3, attrs, data, address), "cuPointerGetAttributes")
+    return ident.value, base.value, size.value
+
+
+def ipc_handle(base: int) -> bytes:
+    """The IPC handle of the allocation starting at ``base``."""
+    handle = _IpcHandle()
+    _check(_lib().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+
+
+def ipc_open(handle: bytes) -> int:
+    """Maps another process's allocation into the current context (peer access enabled)."""
+    ptr = ctypes.c_uint64()
+    fn = _symbol(_lib(), "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")
+    raw = _IpcHandle.from_buffer_copy(handle)
+    _check(fn(ctypes.byref(ptr), raw, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+    return ptr.value
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    _check(_lib().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def write_value32(stream: int, address: int, value: int) -> None:
+    """After the stream's earlier work (and a memory fence), stores ``value`` at ``address``."""
+    fn = _symbol(_lib(), "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+    _check(fn(stream, address, value, 0), "cuStreamWriteValue32")
+
+
+def wait_value32(stream: int, address: int, value: int) -> None:
+    """The stream's later work waits until the word at ``address`` is at least ``value``."""
+    fn = _symbol(_lib(), "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+    _check(fn(stream, address, value, _WAIT_GEQ), "cuStreamWaitValue32")
+
+
+def host_register(address: int, nbytes: int) -> int:
+    """Pins host memory for the device; returns its device address."""
+    lib = _lib()
+    register = _symbol(lib, "cuMemHostRegister_v2", "cuMemHostRegister")
+    _check(register(address, nbytes, _HOST_REGISTER_PORTABLE_DEVICEMAP), "cuMemHostRegister")
+    device = ctypes.c_uint64()
+    pointer = _symbol(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+    _check(pointer(ctypes.byref(device), address, 0), "cuMemHostGetDevicePointer")
+    return device.value
+
+
+def host_unregister(address: int) -> None:
+    _lib().cuMemHostUnregister(address)
