@@ -150,6 +150,43 @@ def test_doctor_prints_where_static_nccl_messages_go_ahead(capsys, monkeypatch):
     assert f"(TENSORFERRY_NCCL_SPECULATE)\n  {expected}\n" in out
 
 
+def test_doctor_says_it_builds_the_compiled_helper_only_when_it_does(capsys, monkeypatch):
+    import tensorferry.cli.doctor as doctor
+
+    monkeypatch.setattr(doctor, "native_report", lambda: "loaded")
+    for coming in (True, False):
+        monkeypatch.setattr(doctor, "native_build_coming", lambda coming=coming: coming)
+        assert main(["doctor"]) == 0
+        captured = capsys.readouterr()
+        note = "building the compiled helper (once, ~12 s)…"
+        assert (note in captured.err) == coming, captured.err
+        assert note not in captured.out  # stderr: --json keeps stdout to the JSON object
+
+
+def test_a_build_is_coming_when_the_helper_is_neither_loaded_built_nor_failed(
+    tmp_path, monkeypatch
+):
+    from tensorferry import _native
+    from tensorferry.cli.doctor import native_build_coming
+
+    built = tmp_path / "helper.so"
+    monkeypatch.setattr(_native, "_built_path", lambda: built)
+    monkeypatch.setattr(_native, "_loaded", None)
+    monkeypatch.delenv("TENSORFERRY_NATIVE", raising=False)
+    assert native_build_coming()
+    monkeypatch.setenv("TENSORFERRY_NATIVE", "0")
+    assert not native_build_coming()
+    monkeypatch.delenv("TENSORFERRY_NATIVE")
+    built.with_suffix(".failed").write_text("an earlier build failed")
+    assert not native_build_coming()
+    built.with_suffix(".failed").unlink()
+    built.write_bytes(b"")
+    assert not native_build_coming()
+    built.unlink()
+    monkeypatch.setattr(_native, "_loaded", sys)  # loaded in this process already
+    assert not native_build_coming()
+
+
 def test_doctor_json_explains_unusable_transports(capsys):
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

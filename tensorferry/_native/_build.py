@@ -22,13 +22,19 @@ from pathlib import Path
 BUILD_TIMEOUT_S = 300.0
 
 
+def build_needed(output: Path) -> bool:
+    """Whether :func:`build` would compile ``output``: it is not built yet, and no earlier
+    build failed (a failed one is not retried until its ``.failed`` file is deleted)."""
+    return not output.exists() and not output.with_suffix(".failed").exists()
+
+
 def build(output: Path, command: list[str]) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     failed = output.with_suffix(".failed")
     temporary = Path(command[command.index("-o") + 1])
     with open(output.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait for it
-        if output.exists() or failed.exists():
+        if not build_needed(output):
             return
         try:
             done = subprocess.run(

@@ -13,6 +13,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 
 __all__ = [
     "add_arguments",
@@ -21,6 +22,7 @@ __all__ = [
     "link_matrix",
     "node_layout",
     "native_report",
+    "native_build_coming",
 ]
 
 _MULTICAST_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
@@ -178,6 +180,21 @@ def speculation_report() -> str:
     return f"{where}; in this world of {world}: {here}"
 
 
+def native_build_coming() -> bool:
+    """Whether loading the compiled helper (``tensorferry/_native``) compiles it first, which
+    takes seconds: not loaded in this process, not built on this host, no earlier build failed,
+    and ``TENSORFERRY_NATIVE`` is not ``0``."""
+    from tensorferry import _native, envs
+    from tensorferry._native._build import build_needed
+
+    try:
+        if envs.native_mode() == "0" or _native.helper() is not None:
+            return False
+        return build_needed(_native._built_path())
+    except Exception:  # an unknown setting or an unreadable source: native_report says why
+        return False
+
+
 def native_report(timeout_s: float = 300.0) -> str:
     """Whether the compiled validation loop is used here (``tensorferry/_native``): loads it,
     building it first if need be (once per torch and Python version)."""
@@ -276,6 +293,10 @@ def _collect() -> dict:
     ]
     info["transports"] = transport_report()
     info["side_channel"] = side_channel_report()
+    if native_build_coming():
+        # Otherwise the doctor says nothing for the compiler's seconds (stderr: --json keeps
+        # stdout to the JSON object).
+        print("building the compiled helper (once, ~12 s)…", file=sys.stderr, flush=True)
     info["native"] = native_report()
     info["piece_copy"] = piece_copy_report(cuda)
     info["event_calls"] = event_calls_report()

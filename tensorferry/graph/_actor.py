@@ -100,6 +100,78 @@ def _unimportable(cls: type) -> str | None:
     )
 
 
+_GUARD = 'if __name__ == "__main__":'
+
+
+def _importing_main() -> bool:
+    """Whether this process is an actor process still importing the driver's main module (a
+    spawned process runs it again, as ``__mp_main__``, before it starts its work)."""
+    return bool(getattr(multiprocessing.process.current_process(), "_inheriting", False))
+
+
+def _has_main_guard(path: str) -> bool:
+    """Whether the script at ``path`` has an ``if __name__ == "__main__":`` block at its top
+    level; ``True`` when that cannot be told (then nothing is claimed about it)."""
+    import ast
+
+    try:
+        with open(path, "rb") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.comparators) == 1:
+            sides = (test.left, test.comparators[0])
+            names = {side.id for side in sides if isinstance(side, ast.Name)}
+            texts = {side.value for side in sides if isinstance(side, ast.Constant)}
+            if names == {"__name__"} and texts == {"__main__"}:
+                return True
+    return False
+
+
+def _main_import_hint(exitcode: int | None) -> str | None:
+    """Why an actor process that ended before it answered its start most likely did, or
+    ``None``. It ended by itself (an exit code, not a signal) before running any of
+    tensorferry's code, which answers every failure of its own: the usual cause is the import
+    of the driver's main module, which every actor process runs again."""
+    if exitcode is None or exitcode < 0:  # still running, or killed: not a failed import
+        return None
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    if not _has_main_guard(path):
+        return (
+            f"every actor process imports the driver's script {path} again, and that script has "
+            f"no `{_GUARD}` guard, so the import ran the whole script (starting actors of its "
+            f"own) and failed. Put the code that starts actors and graphs under `{_GUARD}` and "
+            "keep actor classes at the top level of the script"
+        )
+    return (
+        f"it most likely failed to import the driver's script {path} again, as every actor "
+        "process does (its traceback is on standard error): top-level code of that script runs "
+        f"in every actor process. Keep what only the driver does under `{_GUARD}`, and actor "
+        "classes at the top level of the script"
+    )
+
+
+def _class_lookup_hint(cls: type, remote_traceback: str) -> str | None:
+    """What to change when the actor process could not find ``cls`` by name, or ``None``."""
+    if "in resolve_class" not in remote_traceback:
+        return None
+    lines = remote_traceback.strip().splitlines()
+    if lines and lines[-1].startswith("AttributeError"):
+        return (
+            f"the actor process imports {cls.__module__}.{cls.__qualname__} by name and did not "
+            f"find it there: define actor classes at the top level of their module, not under "
+            f"`{_GUARD}` or inside another block"
+        )
+    return (
+        f"the actor process could not import {cls.__module__}, the module of "
+        f"{cls.__qualname__}: it must be importable there too (installed, or on PYTHONPATH)"
+    )
+
+
 def actor(cls: type) -> ActorClass:
     """Makes ``cls`` an actor class; usable as a decorator or as ``tf.actor(Worker)``.
 
@@ -193,6 +265,13 @@ class ActorClass:
         given = [key for key, value in ray_only.items() if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to Ray actors (executor='ray')")
+        if _importing_main():
+            # Said here, in the actor process's traceback on standard error; the driver's
+            # error names the same cause (see _main_import_hint).
+            raise RuntimeError(
+                f"{self.cls.__qualname__}.spawn() ran while an actor process imported the "
+                f"driver's main module: code that starts actors belongs under `{_GUARD}`"
+            )
         problem = _unimportable(self.cls)
         if problem is not None:
             raise TypeError(problem)
@@ -321,12 +400,20 @@ class ActorHandle:
                 "constructor included) and was stopped; a constructor that takes longer (loading "
                 "a model, say) needs a larger start_timeout"
             ) from None
+        except ActorDiedError as exc:
+            self._process.join(2.0)  # it is ending: its exit code tells a failed import apart
+            hint = _main_import_hint(self._process.exitcode)
+            self.kill(timeout=1.0)
+            if hint is None:
+                raise
+            raise ActorDiedError(f"{exc}: {hint}") from None
         except BaseException:
             self.kill(timeout=1.0)
             raise
         if reply[0] == "error":
             self.kill(timeout=1.0)
-            raise ActorError(f"{self.name}: {reply[1]}")
+            hint = _class_lookup_hint(self.actor_class, reply[1])
+            raise ActorError(f"{self.name}: {reply[1]}" + (f"\n{hint}" if hint else ""))
 
     def _receive(self, timeout: float, *, what: str) -> tuple:
         """The actor's answer to the last request. The actor answers every request in order,
