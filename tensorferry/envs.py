@@ -15,13 +15,8 @@ __all__ = [
     "visualize_schedule",
     "log_level",
     "auto_table_path",
-    "auto_transports",
     "spin_us",
     "nccl_calls",
-    "nccl_speculate",
-    "p2p_short_path",
-    "p2p_local_links",
-    "p2p_trace_events",
     "graph_early_receives",
     "native_mode",
 ]
@@ -84,17 +79,6 @@ def auto_table_path() -> str | None:
     return os.environ.get("TENSORFERRY_AUTO_TABLE") or None
 
 
-def auto_transports() -> tuple[str, ...]:
-    """Transports that ``transport="auto"`` may pick (``TENSORFERRY_AUTO_TRANSPORTS``,
-    comma-separated; default ``nccl,gloo``; read at ``tf.init``). Others are used only when
-    named explicitly."""
-    raw = os.environ.get("TENSORFERRY_AUTO_TRANSPORTS", "nccl,gloo")
-    names = tuple(name.strip() for name in raw.split(",") if name.strip())
-    if not names:
-        raise ValueError("TENSORFERRY_AUTO_TRANSPORTS names no transport")
-    return names
-
-
 def spin_us() -> float:
     """How long a waiting thread busy-polls before it sleeps (``TENSORFERRY_SPIN_US``).
 
@@ -134,38 +118,6 @@ def _switch(name: str, default: bool) -> bool:
     return raw == "1"
 
 
-def nccl_speculate(world_size: int) -> bool:
-    """Whether the NCCL transport issues the messages of an agreed static channel before the
-    peer's header, in a world of ``world_size`` ranks (``TENSORFERRY_NCCL_SPECULATE``: ``1``
-    always, ``0`` never; unset or empty: only where the world has two ranks). Read when the
-    transport is made (``tf.init``).
-
-    Why not with more ranks by default: a process's NCCL sends share one stream, and so do its
-    receives. A message issued ahead to one peer holds that stream until the peer calls, and
-    messages with other peers queue behind it; a program in which that peer's call waits for
-    one of those can then wait until the transfer timeout (``docs/transfers.md``, "Sends and
-    receives issued ahead, with several peers"). With two ranks every message on a stream is
-    with the one peer, in the order that peer takes them, so none can wait behind another's."""
-    raw = os.environ.get("TENSORFERRY_NCCL_SPECULATE", "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"TENSORFERRY_NCCL_SPECULATE={raw!r} must be 0 or 1 (or unset)")
-    return raw == "1" if raw else world_size <= 2
-
-
-def p2p_trace_events() -> int:
-    """How many of the p2p engine's last events each process keeps for a hang's diagnosis
-    (``TENSORFERRY_P2P_TRACE``, default 0: none; see ``tensorferry.p2p.recent_events``). Read
-    at ``tf.init``."""
-    return _int("TENSORFERRY_P2P_TRACE", 0, zero_ok=True)
-
-
-def p2p_short_path() -> bool:
-    """Whether a lone message that keeps its static channel's agreement is issued the short
-    way, without a full step of the p2p engine (``TENSORFERRY_P2P_SHORT_PATH``: ``1``, the
-    default, or ``0``). Read at ``tf.init``."""
-    return _switch("TENSORFERRY_P2P_SHORT_PATH", True)
-
-
 def native_mode() -> str:
     """Whether the compiled helpers are used (``TENSORFERRY_NATIVE``): ``auto`` (the default:
     built on first use in the background, Python meanwhile), ``wait`` (built before ``tf.init``
@@ -176,13 +128,6 @@ def native_mode() -> str:
     if raw not in ("auto", "wait", "1"):
         raise ValueError(f"TENSORFERRY_NATIVE={raw!r} must be auto, wait or 0")
     return "auto" if raw == "1" else raw
-
-
-def p2p_local_links() -> bool:
-    """Whether two ranks on one host (same kernel, same network namespace) talk over a Unix
-    socket rather than TCP on loopback (``TENSORFERRY_P2P_LOCAL_LINKS``: ``1``, the default,
-    or ``0``). Read at ``tf.init``."""
-    return _switch("TENSORFERRY_P2P_LOCAL_LINKS", True)
 
 
 def graph_early_receives() -> bool:

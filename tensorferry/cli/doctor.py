@@ -132,12 +132,7 @@ def transport_report() -> dict[str, str | None]:
         symm_reason = None
     except Exception as exc:
         symm_reason = f"symmetric memory unavailable ({exc})"
-    from tensorferry.p2p.copy_engine import _streamops
-
-    streamops_reason = (
-        None if _streamops.available() else "cuda-python (cuda.bindings) is not installed"
-    )
-    report["ce"] = peer_reason or symm_reason or streamops_reason
+    report["ce"] = None if cuda else "needs a CUDA device"
     if _version("triton") is None:
         triton_reason = "Triton is not installed (pip install 'tensorferry[triton]')"
     else:
@@ -150,34 +145,14 @@ def transport_report() -> dict[str, str | None]:
 
 
 def side_channel_report() -> str:
-    """How this process's p2p ranks would carry headers to each other (see ``p2p._link``)."""
-    from tensorferry import envs
+    """How this process's p2p ranks carry their control frames to each other (``p2p._link``)."""
     from tensorferry.p2p import _link
 
-    if not envs.p2p_local_links():
-        return "tcp to every rank (TENSORFERRY_P2P_LOCAL_LINKS=0)"
     listener = _link.open_local_listener()
     if listener is None:
         return "tcp to every rank (no abstract Unix sockets here)"
     listener.close()
     return "unix socket to ranks of this host, tcp to other hosts"
-
-
-def speculation_report() -> str:
-    """Where agreed static NCCL messages are issued ahead of the peer's header (see
-    ``envs.nccl_speculate``), and whether in this torchrun world."""
-    from tensorferry import envs
-
-    try:
-        two, more = envs.nccl_speculate(2), envs.nccl_speculate(3)
-    except ValueError as error:
-        return f"unusable setting: {error}"
-    where = "in any world" if more else "in a world of two ranks" if two else "never"
-    world = os.environ.get("WORLD_SIZE", "")
-    if not world.isdigit():
-        return where
-    here = "yes" if envs.nccl_speculate(int(world)) else "no"
-    return f"{where}; in this world of {world}: {here}"
 
 
 def native_build_coming() -> bool:
@@ -301,7 +276,6 @@ def _collect() -> dict:
     info["piece_copy"] = piece_copy_report(cuda)
     info["event_calls"] = event_calls_report()
     info["nccl_calls"] = nccl_calls_report(cuda)
-    info["speculation"] = speculation_report()
     info["env"] = {name: os.environ.get(name) for name in _MULTICAST_ENV}
     return info
 
@@ -332,15 +306,11 @@ def run(args: argparse.Namespace) -> int:
     print("transports")
     for name, reason in info["transports"].items():
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
-    print(f"p2p side channel (headers, fault notices)\n  {info['side_channel']}")
+    print(f"p2p control links (message frames, fault notices)\n  {info['side_channel']}")
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
     print(f"packed messages' copies (CUDA)\n  {info['piece_copy']}")
     print(f"CUDA event calls of each transfer\n  {info['event_calls']}")
     print(f"NCCL calls (TENSORFERRY_NCCL_CALLS)\n  {info['nccl_calls']}")
-    print(
-        "static NCCL messages issued ahead of the peer's header (TENSORFERRY_NCCL_SPECULATE)\n"
-        f"  {info['speculation']}"
-    )
     layout = info["layout"]
     if layout is not None:
         print(f"torchrun layout: {layout['world_size']} ranks on {len(layout['nodes'])} node(s)")

@@ -12,17 +12,16 @@
         b.recv(z, 1)
     b.wait(timeout=10)
 
-Transports (``_transport.py`` holds the contract): ``nccl`` for CUDA tensors, ``gloo`` for CPU
-tensors, and any registered with :func:`register_transport`; ``transport="auto"`` picks by
-device and size. See :class:`Transfer` for the stream-ordering rules.
+Routes: ``ce`` between GPUs of one host (the copy engine writes into the receiver's buffers),
+``nccl`` between GPUs of different hosts, ``gloo`` for CPU tensors, and any transport registered
+with :func:`register_transport` (``_transport.py`` holds its contract); ``transport="auto"``
+picks by device and host. See :class:`Transfer` for the stream-ordering rules.
 """
 
 from tensorferry.p2p._api import Batch, batch, prepare, recv, ring_all_gather, send, sendrecv
 from tensorferry.p2p._context import get_rank, get_world_size, init, is_initialized, shutdown
-from tensorferry.p2p._gloo import GlooTransport
 from tensorferry.p2p._nccl import NcclTransport
 from tensorferry.p2p._spec import TensorSpec
-from tensorferry.p2p._trace import recent_events
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import (
     P2POp,
@@ -35,7 +34,6 @@ from tensorferry.p2p._transport import (
 )
 
 register_transport("nccl", NcclTransport, replace=True)
-register_transport("gloo", GlooTransport, replace=True)
 
 __all__ = [
     # set-up
@@ -52,7 +50,6 @@ __all__ = [
     "batch",
     "Batch",
     "ring_all_gather",
-    "recent_events",
     "Transfer",
     "TensorSpec",
     # transports

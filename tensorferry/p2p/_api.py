@@ -21,7 +21,6 @@ from tensorferry._seconds import checked_seconds
 from tensorferry.p2p import _context
 from tensorferry.p2p._message import Message
 from tensorferry.p2p._spec import (
-    TensorSpec,
     as_recv_list,
     as_tensor_list,
     check_peer,
@@ -311,7 +310,7 @@ class _Ring(Transfer):
         self._next_step()
 
     def _next_step(self) -> None:
-        ctx, world, rank = self._ctx, self._ctx.world_size, self._ctx.rank
+        _ctx, world, rank = self._ctx, self._ctx.world_size, self._ctx.rank
         self._step += 1
         step = self._step
         send_row, recv_row = (rank - step) % world, (rank - step - 1) % world

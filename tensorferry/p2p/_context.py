@@ -129,9 +129,13 @@ class P2PContext:
             from tensorferry.p2p.copy_engine.one_sided import OneSidedRoute
 
             return OneSidedRoute(self.device)
+        if name == "gloo":
+            from tensorferry.p2p._gloo import GlooRoute
+
+            return GlooRoute(self.transport_ctx)
         factory = registered_transports().get(name)
         if factory is None:
-            known = ", ".join(["auto", ONE_SIDED, *registered_transports()])
+            known = ", ".join(["auto", ONE_SIDED, "gloo", *registered_transports()])
             raise ValueError(f"unknown transport {name!r}; known: {known}")
         transport = factory(self.transport_ctx)
         if not isinstance(transport, Transport):
@@ -156,6 +160,13 @@ class P2PContext:
                 raise ValueError(
                     f"transport 'ce' cannot carry this message: it moves CUDA tensors, got a "
                     f"tensor on {tensors[0].device} (use transport='gloo')"
+                )
+            return requested
+        if route.name == "gloo":
+            if cuda:
+                raise ValueError(
+                    f"transport 'gloo' cannot carry this message: it moves CPU tensors, got a "
+                    f"tensor on {tensors[0].device}"
                 )
             return requested
         reason = route.transport.unsupported_reason(peer=peer, tensors=tensors)

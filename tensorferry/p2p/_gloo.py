@@ -1,323 +1,289 @@
-"""The gloo transport: CPU tensors over TCP, one ``ProcessGroupGloo`` per pair of ranks.
+"""The CPU route: CPU tensors over gloo, one ``ProcessGroupGloo`` per pair of ranks and epoch.
 
-Each pair's group is made directly on a per-pair ``PrefixStore`` of the world store (rank 0/1
-within the pair), so only the two ranks take part — ``torch.distributed.new_group`` would be
-collective over the whole world. It lives in the runtime's communicator cache under
-``("gloo", lo, hi)``, shared by both directions.
+Two-sided (see :mod:`._pair`): the sender's call issues its gloo send at once; the receiver
+issues its receive once the sender's header matched (or, after a mismatch, into scratch).
+Each pair's group is made directly on a per-pair prefix of the world store (rank 0/1 within
+the pair), so only the two ranks take part.
 
-Packing: gloo pays ~15–40 µs of fixed cost per message on loopback, so tensors smaller than
-:data:`PACK_BELOW` of one message travel packed into one byte buffer (measured on the 2-core CI
-machine: 64 × 4 KiB took 0.9–4.1 ms as separate gloo sends, 0.4–1.4 ms packed). Larger tensors
-go alone (packing would add a copy for no gain).
+Completion: a gloo send or receive ends only through its work's ``wait()``, which blocks. A
+send ends only once the peer posted its receive, which the peer does only after reading the
+header: a caller blocked in a send's wait could hold up frames its peer waits for, so a thread
+per pair waits for its sends in order (the caller polls what it finds). A receive's bytes come
+from a send issued already, so ``Transfer.wait`` waits in a receive's ``wait()`` itself, as
+``torch.distributed``'s callers do; a receive nobody waits for that way (a done-callback,
+``done()`` polled) goes to a thread of the pair's too.
 
-Completion: a gloo send/recv ``Work`` only completes through ``wait()``, so a waiter thread per
-pair and direction waits on each start's works in order and flags the pending handle (see
-``_Waiter`` for why not one per pair).
-
-Exit: nothing cuts such a wait short (neither the group's ``abort()`` nor its destruction ends
-it; only its timeout does, or the peer closing the connection). A fault can leave one waiting
-for a message the peer never sends. A waiter that comes out of torch's wait after the
-interpreter began finalizing kills the process as it tries to take the GIL back ("terminate
-called without an active exception", exit code -6), however cleanly the program ended. So at
-exit, before finalizing, the process lets such waits end (see :func:`_wait_for_waiters`), and a
-pair given up on (aborted, closed) waits no more than a moment for each of its later transfers.
-An aborted pair's group is kept until ``tf.shutdown()``: dropped at once, it would close the
-connection, and the peer's transfers on it would fail as if the peer were gone
-(``PeerLostError``) before the fault's notice told it why.
+Packing: gloo pays tens of microseconds per operation, so the small tensors of a message travel
+packed into one byte buffer; large ones go alone, with no copy.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import datetime
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorferry.errors import PeerLostError, TransportError
+from tensorferry.errors import PeerLostError, TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
-from tensorferry.p2p._transport import P2POp, PendingOps, Transport, cached_pair
-from tensorferry.runtime import communicator_cache
+from tensorferry.p2p._transport import TransportContext
+from tensorferry.p2p._two_sided import scratch_for
 
-__all__ = ["GlooTransport", "PACK_BELOW"]
+if TYPE_CHECKING:
+    from tensorferry.p2p._message import Message
+    from tensorferry.p2p._pair import Pair
+
+__all__ = ["GlooRoute", "PACK_BELOW"]
 
 log = logging.getLogger(__name__)
 
 PACK_BELOW = 256 << 10
-_TAG = 0
-# Aborted pairs, kept referenced so that no daemon thread destroys a group at exit.
-_graveyard: list[_GlooPair] = []
-# Waiters whose thread runs (see the module docstring, "Exit"); guarded by _waiters_lock.
-_waiters: set[_Waiter] = set()
-_waiters_lock = threading.Lock()
+_TAG = 0  # messages of a direction are issued in number order: gloo matches them in order
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
-# How long the waiter still waits for each work of a pair given up on (aborted, closed, or the
-# process exiting): the ones done by then finish, the others fail (gloo's pending operations
-# hold a work's buffer only weakly: dropping an unfinished work is safe).
-_GIVEN_UP_WAIT = datetime.timedelta(milliseconds=1)
-# How long an exiting process waits, at most, for a gloo wait still under way (see the module
-# docstring, "Exit"). One that would go on longer is left: the peer is alive and keeps its side
-# open, so it seldom ends in the moment the interpreter finalizes; a peer exiting too closes
-# its side, which ends the wait at once, well within this.
-_EXIT_WAIT_S = 10.0
+_MAKING = "making"
 
 
-class _GlooPending(PendingOps):
-    def __init__(self, parts: int) -> None:
-        self._left = parts
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
+class _Works:
+    """A message's gloo works, waited for by one thread (its direction's waiter, or the caller
+    of ``Transfer.wait``); ``finished`` once they ended (its fields are set before it)."""
 
-    def part_done(self, error: BaseException | None) -> None:
-        with self._lock:
-            self._left -= 1
-            if error is not None and self._error is None:
-                self._error = error
+    __slots__ = ("claimed", "error", "finished", "keep", "peer", "to_unpack", "works")
 
-    def ready(self) -> bool:
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            return self._left <= 0
+    def __init__(self, works: list, to_unpack: list, keep: Any, peer: int) -> None:
+        self.works, self.to_unpack, self.keep, self.peer = works, to_unpack, keep, peer
+        self.claimed = threading.Lock()  # held by the one thread that waits for the works
+        self.finished = False
+        self.error: BaseException | None = None
 
-    def abort(self) -> None:
-        pass  # the pair's group is aborted by evict(); the waiter thread then errors out
-
-
-class _Waiter:
-    """Waits on one direction's works of a pair, in the order they were started, and flags
-    each start's pending handle.
-
-    One per direction: a gloo send completes only once the peer posted the matching receive,
-    and the peer's program may post it only after a receive of its own completed (two ranks
-    that each send twice ahead, then receive one message at a time). Behind one waiter for
-    both directions, that receive's completion would wait for the send, and each rank for the
-    other. Within a direction, messages match in the order they were posted, so waiting in
-    that order holds nothing up."""
-
-    def __init__(self, pair: _GlooPair, direction: str) -> None:
-        self.pair: _GlooPair | None = pair
-        self.peer = pair.peer
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # When the wait the waiter is in ends at the latest (monotonic seconds; 0: none).
-        self.waits_until = 0.0
-        self._thread = threading.Thread(
-            target=self._wait_loop, name=f"tensorferry-gloo-{pair.peer}-{direction}", daemon=True
-        )
-        with _waiters_lock:
-            _waiters.add(self)
-        self._thread.start()
-
-    def submit(self, works: list[Any], to_unpack: list[Any], pending: _GlooPending) -> None:
-        self._jobs.put((works, to_unpack, pending))
-
-    def _wait_loop(self) -> None:
+    def wait(self, until: float) -> None:
+        """Waits for the works until monotonic ``until`` at the latest (then they fail)."""
         try:
-            while True:
-                job = self._jobs.get()
-                if job is None:
-                    return
-                works, to_unpack, pending = job
-                pending.part_done(self._wait_for(works, to_unpack))
-        finally:
-            with _waiters_lock:
-                _waiters.discard(self)
-            self.pair = None  # the pair holds its waiters: no cycle for the collector
-
-    def _wait_for(self, works: list[Any], to_unpack: list[Any]) -> BaseException | None:
-        """Waits for one start's works; returns the transfer's error, or ``None``."""
-        try:
-            for work in works:
-                timeout = _GIVEN_UP_WAIT if self.pair.given_up else self.pair.timeout
-                self.waits_until = time.monotonic() + timeout.total_seconds()
-                work.wait(timeout)
-            for packed, targets in to_unpack:
+            for work in self.works:
+                left = max(0.001, until - time.monotonic())
+                work.wait(_timedelta(left))
+            for packed, targets in self.to_unpack:
                 unpack(packed, targets)
         except Exception as exc:
             text = str(exc)
             if any(hint in text for hint in _LOST_HINTS):
-                return PeerLostError(f"gloo: rank {self.peer} is gone ({text.strip()})")
-            return TransportError(f"gloo transfer with rank {self.peer} failed: {text}")
-        finally:
-            self.waits_until = 0.0
-        return None
+                self.error = PeerLostError(f"gloo: rank {self.peer} is gone ({text.strip()})")
+            elif time.monotonic() >= until:
+                self.error = TransferTimeoutError(f"gloo: with rank {self.peer}: {text.strip()}")
+            else:
+                self.error = TransportError(f"gloo: transfer with rank {self.peer} failed: {text}")
+        self.works = []  # dropped: a group given up on holds its buffers only weakly
+        self.finished = True
 
-    def still_waiting(self) -> bool:
-        return self._thread.is_alive() and self.waits_until > 0.0
 
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+class _Group:
+    """A pair's process group for one epoch, and its waiter threads (one per direction)."""
+
+    def __init__(self, pg: Any, other: int, epoch: int) -> None:
+        self.pg, self.other, self.epoch = pg, other, epoch
+        self._waiters: dict[str, queue.SimpleQueue] = {}
+
+    def waiter(self, kind: str) -> queue.SimpleQueue:
+        jobs = self._waiters.get(kind)
+        if jobs is None:
+            jobs = self._waiters[kind] = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=_wait_loop, args=(jobs,), name=f"tensorferry-gloo-{kind}"
+            )
+            thread.daemon = True
+            thread.start()
+        return jobs
 
     def stop(self) -> None:
-        """Ends the waiter after the works already submitted."""
-        self._jobs.put(None)
-
-    def is_current(self) -> bool:
-        return self._thread is threading.current_thread()
+        for jobs in self._waiters.values():
+            jobs.put(None)
 
 
-class _GlooPair:
-    """One pair's process group and its two waiters (sends, receives)."""
-
-    def __init__(self, pg: Any, other: int, peer: int, epoch: int, timeout: float) -> None:
-        self.pg = pg
-        self.other = other  # the peer's rank within the pair
-        self.peer = peer
-        self.epoch = epoch
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self.given_up = False  # see _GIVEN_UP_WAIT
-        self.waiters = {"send": _Waiter(self, "send"), "recv": _Waiter(self, "recv")}
-
-    def submit_stop(self) -> None:
-        """Gives up on the works not waited for yet (see ``_GIVEN_UP_WAIT``); the waiters end
-        after them."""
-        self.given_up = True
-        for waiter in self.waiters.values():
-            waiter.stop()
-
-    def close(self) -> None:
-        # Stop the waiters first and drop the group on this thread: a group destroyed by a
-        # daemon thread while the interpreter exits aborts the process.
-        self.submit_stop()
-        for waiter in self.waiters.values():
-            if not waiter.is_current():
-                waiter.join(timeout=2.0)
-        self.pg = None
-
-    def abort(self) -> None:
-        # Best effort: gloo's abort() unblocks pending waits on some versions; a wait still
-        # stuck ends at the group's timeout, or when the peer's group goes. The pair waits in
-        # the graveyard until ``GlooTransport.close`` drops it on a non-daemon thread (see
-        # ``close`` and the module docstring, "Exit").
-        pg = self.pg
-        with contextlib.suppress(Exception):
-            pg.abort()
-        self.submit_stop()
-        _graveyard.append(self)
+def _wait_loop(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        works, until = job
+        works.wait(until)
 
 
-class GlooTransport(Transport):
-    """CPU tensors over gloo; the default for CPU tensors."""
+class GlooRoute:
+    """CPU tensors between any two ranks; see the module docstring.
+
+    Thread-safety: calls for one pair come under its lock; the group table has its own.
+    """
 
     name = "gloo"
-    device_type = "cpu"
-    static_skips_headers = True  # an abandoned gloo receive fails, it never completes
-    issues_per_peer = True  # each pair is its own process group
-    issues_per_message = True  # each direction of a pair has its own waiter
+    one_sided = False
 
-    def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
-        return 50e-6 + nbytes / 2e9
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        self._groups: dict[int, tuple[int, Any]] = {}  # peer -> (epoch, _Group | making | error)
+        self._kept: list[_Group] = []  # groups given up on: dropped at shutdown, not before
+        self._groups_of: dict[int, _Group] = {}  # unclaimed receives' works -> their group
 
-    def prepare(self, peers: Sequence[int]) -> None:
-        for peer in sorted(peers):
-            self._pair(peer)
+    # ------------------------------------------------------------------ the pair's group
+    def prepared(self, pair: Pair, kind: str) -> bool:
+        """Whether the pair's group exists for its epoch; starts making it if not (on a thread
+        of its own: it is a rendezvous, and the peer may not have called yet).
 
-    def _key(self, peer: int) -> tuple[str, int, int]:
-        return (self.name, *self.ctx.pair(peer))
+        Raises:
+            TensorFerryError: making it failed (a fault of the pair).
+        """
+        epoch = pair.epoch
+        with self._lock:
+            made = self._groups.get(pair.peer)
+            if made is not None and made[0] == epoch:
+                if isinstance(made[1], _Group):
+                    return True
+                if made[1] == _MAKING:
+                    return False
+                del self._groups[pair.peer]
+                raise made[1]
+            self._groups[pair.peer] = (epoch, _MAKING)
+        thread = threading.Thread(
+            target=self._make_in_background, args=(pair.peer, epoch), name="tensorferry-gloo-pair"
+        )
+        thread.daemon = True
+        thread.start()
+        return False
 
-    def _pair(self, peer: int) -> _GlooPair:
-        key = self._key(peer)
-        epoch = self.ctx.epoch_of(peer)
+    def prepare(self, pair: Pair) -> None:
+        """Makes the pair's group now (``tf.prepare``): a rendezvous with the peer."""
+        epoch = pair.epoch
+        with self._lock:
+            made = self._groups.get(pair.peer)
+            if made is not None and made[0] == epoch and isinstance(made[1], _Group):
+                return
+            self._groups[pair.peer] = (epoch, _MAKING)
+        self._make_in_background(pair.peer, epoch)
+        with self._lock:
+            made = self._groups.get(pair.peer)
+        if made is not None and isinstance(made[1], BaseException):
+            raise made[1]
 
-        def create() -> _GlooPair:
-            import torch.distributed as dist
+    def _make_in_background(self, peer: int, epoch: int) -> None:
+        try:
+            outcome: Any = self._make(peer, epoch)
+        except TensorFerryError as exc:
+            outcome = exc
+        except Exception as exc:
+            outcome = TransportError(f"gloo: making the pair with rank {peer} failed: {exc}")
+        with self._lock:
+            made = self._groups.get(peer)
+            if made is not None and made[0] == epoch and made[1] == _MAKING:
+                self._groups[peer] = (epoch, outcome)
+                return
+        if isinstance(outcome, _Group):
+            self._kept.append(outcome)  # the pair moved on meanwhile
 
-            if _connects_lazily():
-                # Gloo then connects through its store later too: a store client of its own.
-                making = contextlib.nullcontext(self.ctx.pair_store(peer, self.name, epoch))
+    def _make(self, peer: int, epoch: int) -> _Group:
+        import torch.distributed as dist
+
+        store = self.ctx.pair_store(peer, self.name, epoch)
+        self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
+        me = self.ctx.rank_in_pair(peer)
+        return _Group(dist.ProcessGroupGloo(store, me, 2, self.ctx.timeout), 1 - me, epoch)
+
+    def _group(self, pair: Pair) -> _Group:
+        made = self._groups.get(pair.peer)
+        if made is None or made[0] != pair.epoch or not isinstance(made[1], _Group):
+            raise TransportError(f"gloo: the pair with rank {pair.peer} is not made")
+        return made[1]
+
+    # ------------------------------------------------------------------ messages
+    def start(self, pair: Pair, message: Message, *, into: Any = None) -> None:
+        group = self._group(pair)
+        tensors = message.tensors if into is None else scratch_for(into, torch.device("cpu"))
+        packed_idx, alone_idx = wire_plan(tensors, pack_below=PACK_BELOW)
+        sending = message.kind == "send"
+        buffers: list[torch.Tensor] = []
+        to_unpack = []
+        if packed_idx:
+            small = [tensors[i] for i in packed_idx]
+            if sending:
+                buffers.append(pack(small))
             else:
-                # Its process group holds on to the store but uses it only to connect, here.
-                making = self.ctx.borrowed_pair_store(peer, self.name, epoch)
-            with making as store:
-                self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
-                me = self.ctx.rank_in_pair(peer)
-                pg = dist.ProcessGroupGloo(store, me, 2, self.ctx.timeout)
-            return _GlooPair(pg, 1 - me, peer, epoch, self.ctx.timeout.total_seconds())
+                total = sum(t.numel() * t.element_size() for t in small)
+                buffers.append(torch.empty(total, dtype=torch.uint8))
+                to_unpack.append((buffers[-1], small))
+        buffers.extend(as_bytes(tensors[i]) for i in alone_idx)
+        if not buffers:  # only empty tensors: a token still travels, so the receive waits
+            buffers.append(torch.zeros(1, dtype=torch.uint8))
+        move = group.pg.send if sending else group.pg.recv
+        works = _Works(
+            [move([buf], group.other, _TAG) for buf in buffers],
+            to_unpack,
+            (tensors, buffers),
+            pair.peer,
+        )
+        message.pending = works
+        if sending:  # its end needs the peer to read our header: never the caller's wait
+            works.claimed.acquire()
+            group.waiter("send").put((works, message.transfer.deadline))
+        else:
+            self._groups_of[id(works)] = group
 
-        return cached_pair(key, epoch, create)
+    def finished(self, pair: Pair, message: Message) -> bool:
+        works: _Works = message.pending
+        if works.finished:
+            if works.error is not None:
+                raise works.error
+            return True
+        return False
 
-    def start(self, ops: Sequence[P2POp], *, stream: Any = None) -> PendingOps:
-        # One part per peer and direction: each direction of a pair has its own waiter.
-        by_part: dict[tuple[int, str], list[P2POp]] = {}
-        for op in ops:
-            by_part.setdefault((op.peer, op.kind), []).append(op)
-        pairs = {}
-        for peer, _ in by_part:
-            pairs[peer] = communicator_cache().get(self._key(peer))
-            if pairs[peer] is None:
-                raise TransportError(f"gloo: the pair with rank {peer} is not prepared")
-        pending = _GlooPending(len(by_part))
-        for (peer, kind), part_ops in by_part.items():
-            pair = pairs[peer]
-            works, to_unpack = [], []
-            for op in part_ops:
-                packed_idx, alone_idx = wire_plan(op.tensors, pack_below=PACK_BELOW)
-                buffers: list[torch.Tensor] = []
-                if packed_idx:
-                    small = [op.tensors[i] for i in packed_idx]
-                    if op.kind == "send":
-                        buffers.append(pack(small))
-                    else:
-                        total = sum(t.numel() * t.element_size() for t in small)
-                        packed = torch.empty(total, dtype=torch.uint8)
-                        buffers.append(packed)
-                        to_unpack.append((packed, small))
-                buffers.extend(as_bytes(op.tensors[i]) for i in alone_idx)
-                if not buffers:
-                    # Only empty tensors: a one-byte token still travels, so that the receive
-                    # completes only once the send happened. On an agreed static channel no
-                    # header does that (static_skips_headers), and a receive that completes
-                    # alone would count as done even where a fault abandoned its send.
-                    buffers.append(torch.zeros(1, dtype=torch.uint8))
-                for buf in buffers:
-                    if kind == "send":
-                        works.append(pair.pg.send([buf], pair.other, _TAG))
-                    else:
-                        works.append(pair.pg.recv([buf], pair.other, _TAG))
-            pair.waiters[kind].submit(works, to_unpack, pending)
-        return pending
+    def block(self, message: Message, until: float) -> None:
+        """Waits on this thread for a receive's works, until monotonic ``until`` at the latest.
 
-    def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:
-        communicator_cache().evict(self._key(peer), abort=abort, reason=reason)
+        Safe where a send's wait is not: a receive is issued after its header, so its bytes
+        come from a send the peer issued already, which needs nothing more from this rank."""
+        works: _Works = message.pending
+        if works.finished or not works.claimed.acquire(blocking=False):
+            return
+        self._groups_of.pop(id(works), None)
+        works.wait(until)
+
+    def hand_off(self, message: Message, until: float) -> None:
+        """Has the receive direction's waiter wait for a receive's works (nobody blocks on it
+        here: a done-callback, ``done()`` polled, a short ``wait``)."""
+        works: _Works = message.pending
+        if works.finished or not works.claimed.acquire(blocking=False):
+            return
+        group = self._groups_of.pop(id(works), None)
+        if group is not None:
+            group.waiter("recv").put((works, until))
+        else:
+            works.claimed.release()
+
+    def order_stream(self, pair: Pair, message: Message, stream: Any) -> None:
+        pass  # CPU tensors: nothing to order on a device
+
+    def evict(self, pair: Pair, reason: str) -> None:
+        with self._lock:
+            made = self._groups.pop(pair.peer, None)
+        if made is not None and isinstance(made[1], _Group):
+            made[1].stop()
+            # Kept until shutdown: dropping it closes its connection, and the peer's transfers
+            # on it would fail as if this rank were gone before the fault's notice told it why.
+            self._kept.append(made[1])
 
     def close(self) -> None:
-        while _graveyard:
-            _graveyard.pop().close()
-        cache = communicator_cache()
-        for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
-            if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:
-                cache.evict(key, abort=False, reason="shutdown")
-
-
-@atexit.register
-def _wait_for_waiters() -> None:
-    """At exit, before the interpreter finalizes: lets the gloo waits still under way end (see
-    the module docstring, "Exit"), for up to ``_EXIT_WAIT_S``."""
-    with _waiters_lock:
-        waiters = list(_waiters)
-    for pair in {waiter.pair for waiter in waiters}:  # each pair once (two waiters each)
-        if pair is not None:  # None: that waiter ended meanwhile
-            pair.submit_stop()
-    for waiter in waiters:
-        left = min(max(0.0, waiter.waits_until - time.monotonic()), _EXIT_WAIT_S)
-        if waiter.still_waiting() and left > 1.0:
-            log.warning(
-                "tensorferry: before exiting, waiting up to %.0f s for a gloo transfer with rank "
-                "%d to end: its peer has not done its part (a fault abandoned it, or it was left "
-                "in flight at tf.shutdown())",
-                left,
-                waiter.peer,
-            )
-        waiter.join(left + 0.1)
-
-
-def _connects_lazily() -> bool:
-    """Whether torch's gloo connects a group's ranks on first use (``TORCH_GLOO_LAZY_INIT``)."""
-    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() not in ("", "0", "false")
+        with self._lock:
+            groups = [m[1] for m in self._groups.values() if isinstance(m[1], _Group)]
+            self._groups.clear()
+        for group in groups:
+            group.stop()
+        self._kept.extend(groups)
+        with contextlib.suppress(Exception):
+            self._kept.clear()

@@ -283,16 +283,6 @@ class NcclTransport(Transport):
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self._staging = StagingCache()
-        # In a world of two ranks, unless TENSORFERRY_NCCL_SPECULATE says otherwise (see
-        # envs.nccl_speculate; without it every NCCL message waits for the peer's header).
-        # History: a speculative receive makes a broken promise end in an abort of a
-        # communicator with that receive pending, and ncclCommAbort then blocked for good on
-        # 2 × H200. NCCL alone returns from such an abort; what blocks is an abort while
-        # *another* communicator's receive still spins (the pair's other direction), which is
-        # why a pair's communicators are aborted together (abort_together). With that, and with
-        # a non-static message's timeout not counted as matched on a static channel, every p2p
-        # GPU step passes with it on (the tier, over sockets too, and the torchrun suite).
-        self.static_speculates = envs.nccl_speculate(ctx.world_size)
         # The pair of each (peer, kind) a lone tensor last went by (start_lone_between): its
         # cache key is not worked out and looked up again until it is aborted (a fault, or
         # the pair's eviction: both abort it).

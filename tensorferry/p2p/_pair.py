@@ -170,7 +170,7 @@ class Pair:
     def _pump(self) -> None:
         """Handles every frame the peer sent so far; notices a peer that is gone."""
         if self.lost is not None:
-            return
+            return  # nothing more comes (what is issued still finishes: see _on_bye)
         if self._in is not None:
             frames = self._in.receive()
             if frames is None:
@@ -186,7 +186,7 @@ class Pair:
     def _on_frame(self, frame: dict) -> None:
         kind = frame.get("k")
         if kind == "bye":
-            self._lose(PeerLostError(f"rank {self.peer} shut down (tf.shutdown())"))
+            self._on_bye()
             return
         if frame.get("e") != self.epoch:
             return  # of an epoch this side has left: its messages have failed already
@@ -223,8 +223,6 @@ class Pair:
             for message in list(self._open[kind].values()):
                 if message.state == ISSUED:
                     self._poll(message)
-            if self.lost is not None:
-                return
 
     def _find_route_mismatches(self) -> None:
         """A header for a one-sided receive, or a post for a two-sided send: the two sides
@@ -367,10 +365,26 @@ class Pair:
             with contextlib.suppress(TensorFerryError):
                 self._send(frame)
 
+    def _on_bye(self) -> None:
+        """The peer shut down cleanly: what it can no longer answer fails; what is issued
+        already may still finish (its bytes may have been delivered) and ends as its route
+        says."""
+        self.lost = PeerLostError(f"rank {self.peer} shut down (tf.shutdown())")
+        for link in (self._in, self._out):
+            if link is not None:
+                link.close()
+        self._in = self._out = None
+        for kind in ("send", "recv"):
+            for message in list(self._open[kind].values()):
+                one_sided = self.ctx.route(message.route).one_sided
+                unanswered = kind == "send" and not one_sided and not message.answered
+                if message.state == WAITING or unanswered:
+                    self._end(message, self.lost)
+
     def _lose(self, error: BaseException) -> None:
         """The peer is gone: every open message fails with ``error``, and so does every later
         one."""
-        if self.lost is not None:
+        if self.lost is not None and not self._open["send"] and not self._open["recv"]:
             return
         self.lost = error
         for link in (self._in, self._out):

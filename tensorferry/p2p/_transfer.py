@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import TransferTimeoutError
-from tensorferry.p2p._message import ENDED, WAITING
+from tensorferry.p2p._message import ENDED, ISSUED, WAITING
 
 if TYPE_CHECKING:
     from tensorferry.p2p._message import Message
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # A waiter polls this long, yielding the core between polls, before it sleeps between polls:
 # a small message is done in tens of microseconds, and a sleeping thread wakes late.
-_SPIN_S = 200e-6
+_SPIN_S = 2e-3
 _SLEEP_MAX_S = 1e-3
 
 
@@ -99,7 +99,7 @@ class Transfer:
             spin_until = time.monotonic() + _SPIN_S
             pause = 20e-6
             while True:
-                self._progress()
+                self._progress(hand_off=False)
                 if self._done.is_set():
                     break
                 now = time.monotonic()
@@ -107,6 +107,8 @@ class Transfer:
                     raise TransferTimeoutError(
                         f"{self.description}: not done within {timeout:.3g} s of waiting"
                     )
+                if self._block(limit):
+                    continue
                 if now < spin_until:
                     os.sched_yield()
                 else:
@@ -186,10 +188,37 @@ class Transfer:
         return f"<Transfer {self.description} ({state})>"
 
     # ------------------------------------------------------------------ driving
-    def _progress(self) -> bool:
+    def _progress(self, *, hand_off: bool = True) -> bool:
+        """Moves every message on as far as it goes without waiting; with ``hand_off``, work
+        only a blocking wait completes (a gloo receive) goes to a thread that waits for it."""
         for pair in self._pairs:
             pair.progress()
+        if hand_off and not self._done.is_set():
+            for message in self._messages:
+                if message.state == ISSUED and message.kind == "recv":
+                    route = self._route_of(message)
+                    if hasattr(route, "hand_off"):
+                        route.hand_off(message, self.deadline)
         return self._done.is_set()
+
+    def _block(self, limit: float) -> bool:
+        """Waits on this thread in a route's blocking wait (a gloo receive), where nothing
+        else of the transfer needs this thread meanwhile; returns whether it did."""
+        if any(m.state == WAITING for m in self._messages):
+            return False
+        for message in self._messages:
+            if message.state == ISSUED and message.kind == "recv":
+                route = self._route_of(message)
+                if hasattr(route, "block"):
+                    if limit < self.deadline:  # a shorter wait must not end the work early
+                        route.hand_off(message, self.deadline)
+                        return False
+                    route.block(message, self.deadline)
+                    return True
+        return False
+
+    def _route_of(self, message: Message) -> Any:
+        return self._pairs[0].ctx.route(message.route)
 
     def _seconds(self, timeout: float | None) -> float:
         if timeout is None:

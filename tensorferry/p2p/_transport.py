@@ -100,7 +100,6 @@ import torch
 
 from tensorferry.errors import TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.p2p import _agreement as agreement
-from tensorferry.p2p import _trace
 from tensorferry.runtime import communicator_cache, completion_pool
 
 # Store clients kept for later pairs' makings (a process rarely makes more at once).
@@ -275,11 +274,7 @@ class TransportContext:
         """
         me = self.rank_in_pair(peer)
         if agreement.arrive(store, me):
-            if _trace.ON:
-                _trace.record("met", peer, what, "epoch", epoch, "(the peer was waiting)")
             return
-        if _trace.ON:
-            _trace.record("meeting", peer, what, "epoch", epoch, "waits for the peer")
         deadline = time.monotonic() + self.timeout.total_seconds()
         pause = 1e-3
         while not agreement.peer_committed(store):
@@ -298,15 +293,11 @@ class TransportContext:
                     withdrawn = agreement.withdraw(store, me)
                 except Exception:  # the store is gone: so is any peer that could commit
                     withdrawn = True
-                if _trace.ON:
-                    _trace.record("gave up meeting", peer, what, "epoch", epoch, withdrawn, error)
                 if withdrawn:
                     raise error
                 return  # the peer committed a moment ago and is entering: so do we
             self.stopping.wait(pause)
             pause = min(pause * 2, 5e-3)  # a pair made late by a few ms at most
-        if _trace.ON:
-            _trace.record("met", peer, what, "epoch", epoch)
 
 
 class StaleEpochError(TransportError):

@@ -32,7 +32,9 @@ _MAKING = "making"
 
 def scratch_for(desc: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Tensors of layout ``desc``: where a mismatched message's bytes go."""
-    return tuple(torch.empty(shape, dtype=getattr(torch, dtype), device=device) for dtype, shape in desc)
+    return tuple(
+        torch.empty(shape, dtype=getattr(torch, dtype), device=device) for dtype, shape in desc
+    )
 
 
 class TwoSidedRoute:
@@ -135,7 +137,9 @@ class TwoSidedRoute:
         try:
             self.transport.evict(pair.peer, abort=True, reason=reason)
         except Exception:
-            log.debug("p2p: evicting %s's pair with rank %d failed", self.name, pair.peer, exc_info=True)
+            log.debug(
+                "p2p: evicting %s's pair with rank %d failed", self.name, pair.peer, exc_info=True
+            )
 
     def close(self) -> None:
         self.transport.close()

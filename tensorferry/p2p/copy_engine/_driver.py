@@ -57,7 +57,11 @@ def _lib() -> ctypes.CDLL:
         u64,
     ]
     lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), u64]
-    _symbol(lib, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle").argtypes = [u64p, _IpcHandle, c_uint]
+    _symbol(lib, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle").argtypes = [
+        u64p,
+        _IpcHandle,
+        c_uint,
+    ]
     lib.cuMemcpyAsync.argtypes = [u64, u64, ctypes.c_size_t, ctypes.c_void_p]
     for name in ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"):
         if hasattr(lib, name):

@@ -24,6 +24,7 @@ an allocation freed and made again at the same address comes with a new handle.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -75,15 +76,11 @@ class _Words:
     def close(self) -> None:
         _driver.host_unregister(self.host)
         self._done = None  # type: ignore[assignment]  # no view may outlive the map
-        try:
+        with contextlib.suppress(BufferError):  # a view still held: the map goes with it
             self._map.close()
-        except BufferError:
-            pass  # a view is still held somewhere: the map goes with it
         if self.owner:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
 
 
 class OneSidedRoute:
@@ -191,7 +188,9 @@ class OneSidedRoute:
     def order_stream(self, pair: Pair, message: Message, stream: Any) -> None:
         """Makes ``stream`` wait, on the device, for ``message``'s bytes."""
         with torch.cuda.device(self.device):
-            _driver.wait_value32(stream.cuda_stream, message.pending.device + _DONE, message.seq + 1)
+            _driver.wait_value32(
+                stream.cuda_stream, message.pending.device + _DONE, message.seq + 1
+            )
 
     def evict(self, pair: Pair, reason: str) -> None:
         """A fault or a lost peer: this pair's pages go (a new epoch makes new ones)."""
