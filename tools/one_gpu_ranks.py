@@ -4,7 +4,7 @@ network transport (sockets on loopback). What this shows is correctness over NCC
 with one GPU; its timings say nothing about NVLink.
 
     python -m torch.distributed.run --standalone --nproc-per-node 3 \\
-        scripts/one_gpu_ranks.py tests/p2p/torchrun_suite.py
+        tools/one_gpu_ranks.py tests/p2p/torchrun_suite.py
 """
 
 from __future__ import annotations
