@@ -3,6 +3,9 @@ Markdown files that carry the run's provenance (hardware, versions, date, comman
 
 Files are named ``<theme>_<hardware>_<date>.{csv,md}`` so results from different machines and
 days can sit side by side in ``benchmarks/results/``.
+
+Every report is also kept in this process (:func:`record`, :func:`collected`), so that
+``tensorferry bench <name> --json`` can print all of a run's results as one JSON document.
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "environment_lines", "hardware_tag", "format_table", "report"]
+__all__ = [
+    "collected",
+    "environment",
+    "environment_lines",
+    "format_table",
+    "hardware_tag",
+    "record",
+    "report",
+    "time_ratio_text",
+]
+
+# The reports made in this process, oldest first (see record()).
+_RECORDED: list[dict[str, Any]] = []
 
 
 def environment() -> dict[str, str]:
@@ -64,14 +79,24 @@ def hardware_tag() -> str:
     return "cpu"
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """A fixed-width text table of ``rows`` (columns: every key, in first-seen order)."""
+def format_table(
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    left: Sequence[str] = (),
+) -> str:
+    """A fixed-width text table of ``rows`` (columns: every key, in first-seen order), numbers
+    aligned right; the columns named in ``left`` (text, such as row names) aligned left."""
     columns = list(columns) if columns is not None else _columns(rows)
     cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+
+    def line(values: Sequence[str]) -> str:
+        parts = zip(columns, values, widths, strict=True)
+        return "  ".join(v.ljust(w) if c in left else v.rjust(w) for c, v, w in parts).rstrip()
+
+    lines = [line(columns), line(["-" * w for w in widths])]
+    lines += [line(r) for r in cells]
     return "\n".join(lines)
 
 
@@ -95,6 +120,7 @@ def report(
     for note in notes:
         print(f"note: {note}")
     if out_dir is None:
+        record(theme, rows, title=title, notes=notes)
         return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +137,48 @@ def report(
         lines += ["", "Notes and fairness caveats:", "", *(f"- {n}" for n in notes)]
     md_path.write_text("\n".join(lines) + "\n")
     print(f"wrote {csv_path} and {md_path}")
+    record(theme, rows, title=title, notes=notes, files=[csv_path, md_path])
     return csv_path, md_path
+
+
+def record(
+    theme: str,
+    rows: Sequence[dict[str, Any]],
+    *,
+    title: str,
+    notes: Sequence[str] = (),
+    files: Sequence[str | os.PathLike[str]] = (),
+) -> None:
+    """Keeps one report of this process for :func:`collected` (``report`` calls it; a benchmark
+    that writes its own files calls it once per report)."""
+    _RECORDED.append(
+        {
+            "theme": theme,
+            "title": title,
+            "rows": [dict(row) for row in rows],
+            "notes": list(notes),
+            "files": [str(path) for path in files],
+        }
+    )
+
+
+def collected() -> list[dict[str, Any]]:
+    """The reports recorded in this process so far, oldest first; the list is emptied."""
+    reports = list(_RECORDED)
+    _RECORDED.clear()
+    return reports
+
+
+def time_ratio_text(time: float, reference_time: float, reference: str) -> str:
+    """One time against another, as a ratio of times: ``"1.23× the time of overlap off
+    (slower)"``, ``"0.81× the time of torch (faster)"``, ``"1.00× the time of torch (same)"``.
+
+    A ratio reads the same way above and below 1, where a percentage "faster" does not
+    ("-78% faster").
+    """
+    ratio = time / reference_time
+    verdict = "faster" if ratio < 0.995 else "slower" if ratio > 1.005 else "same"
+    return f"{ratio:.2f}× the time of {reference} ({verdict})"
 
 
 def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:

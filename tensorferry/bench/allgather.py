@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from tensorferry.cli._args import positive_int
+from tensorferry.cli._args import add_bench_output_arguments, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transports", default=None, help="tf transports to time (default: nccl; CPU: gloo)"
     )
     parser.add_argument("--iters", type=positive_int, default=20, help="timed iterations per point")
-    parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")
+    add_bench_output_arguments(parser, "allgather")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from tensorferry.cli._args import non_negative_int, positive_int
+from tensorferry.cli._args import add_bench_output_arguments, non_negative_int, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -39,17 +39,28 @@ _ONE_BYTES = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda: NCCL between GPUs 0 and 1 (needs two CUDA GPUs); cpu: gloo; auto: cuda "
+        "when this machine has two GPUs",
+    )
     parser.add_argument("--count", type=positive_int, default=64, help="tensors per iteration")
     parser.add_argument("--bytes", type=positive_int, default=4096, help="bytes per tensor")
-    parser.add_argument("--iters", type=positive_int, default=None, help="timed iterations")
+    parser.add_argument(
+        "--iters",
+        type=positive_int,
+        default=None,
+        help="timed iterations (default: 200 on GPU, 20 on CPU)",
+    )
     parser.add_argument(
         "--large-mib",
         type=non_negative_int,
         default=None,
-        help="size of the bandwidth messages in MiB (default 1024 GPU, 16 CPU; 0 skips)",
+        help="size of the bandwidth messages in MiB (default: 1024 on GPU, 16 on CPU; 0 skips)",
     )
-    parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")
+    add_bench_output_arguments(parser, "batch")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from tensorferry.cli._args import non_negative_int, positive_int
+from tensorferry.cli._args import add_bench_output_arguments, non_negative_int, positive_int
 
 
 class Echo:
@@ -41,13 +41,14 @@ class Echo:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="bench-results", help="folder for CSV + Markdown")
     parser.add_argument(
         "--iters", type=positive_int, default=2000, help="timed executions per case"
     )
     parser.add_argument(
         "--warmup", type=non_negative_int, default=200, help="untimed executions first"
     )
+    add_bench_output_arguments(parser, "graph")
+    parser.epilog = "The 2-actor NCCL case runs only on a machine with two CUDA GPUs."
 
 
 def _time(fn, iters: int, warmup: int) -> list[float]:
@@ -172,9 +173,8 @@ def run(args: argparse.Namespace) -> int:
             "NCCL case: the driver passes a Python float; a 100 KB float32 tensor made from it "
             "on cuda:0 goes to cuda:1 over torch.distributed NCCL; the receiver returns its "
             "first element as a device tensor, which the graph copies to the driver's host "
-            "memory (the methods never sync the device themselves); the same work written by "
-            "hand, with no executor at all, is scripts/graph_floor_probe.py: the floor under "
-            "this row on the machine at hand"
+            "memory (the methods never sync the device themselves); the floor under this row "
+            "is the same work written by hand, with no executor at all"
         )
     else:
         notes.append("NCCL case skipped: fewer than two CUDA devices")

@@ -10,7 +10,7 @@ import argparse
 import statistics
 import time
 
-from tensorferry.cli._args import positive_int
+from tensorferry.cli._args import add_bench_output_arguments, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -19,11 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cycles", type=positive_int, default=1000, help="create+close cycles per mode"
     )
-    parser.add_argument("--streams-per-device", type=positive_int, default=14)
+    parser.add_argument(
+        "--streams-per-device", type=positive_int, default=14, help="streams each client holds"
+    )
     parser.add_argument(
         "--devices", default="all", help="'all' (every CUDA device, else the CPU) or e.g. '0,1'"
     )
-    parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")
+    add_bench_output_arguments(parser, "lifecycle")
 
 
 def _devices(spec: str) -> list:

@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from tensorferry.bench._devices import require_cuda_devices
-from tensorferry.cli._args import positive_float
+from tensorferry.cli._args import add_bench_output_arguments, positive_float
 
 DEFAULT_SIZES = "256,4K,64K,1M,8M,64M,256M,1G"
 DEFAULT_TRANSPORTS = "nccl,nccl-4,nvlink,nvlink-4,nvlink-zc,ce,auto"
@@ -49,14 +49,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes (K/M/G suffixes)")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="comma-separated")
     parser.add_argument("--modes", default="one_way,both", help="one_way, both")
-    parser.add_argument("--out", default="bench-out", help="folder for CSV, Markdown, PNG")
     parser.add_argument("--tune", action="store_true", help="also write auto_table.json")
     parser.add_argument(
         "--overlap",
         action="store_true",
         help="also time an 8192^3 bf16 matmul loop with 4 GiB arriving",
     )
-    parser.add_argument("--max-seconds-per-point", type=positive_float, default=1.0)
+    parser.add_argument(
+        "--max-seconds-per-point",
+        type=positive_float,
+        default=1.0,
+        help="time budget of one size and transport, which sets its iterations",
+    )
+    add_bench_output_arguments(
+        parser,
+        "sendrecv",
+        needs="two CUDA GPUs on this machine; without torchrun it starts its two ranks under "
+        "torchrun itself",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -382,7 +392,7 @@ def _caveats() -> list[str]:
 def _write_reports(rows: list[dict[str, Any]], args: Any) -> None:
     import csv
 
-    from tensorferry.bench._report import environment_lines
+    from tensorferry.bench._report import environment_lines, record
 
     path = os.path.join(args.out, "sendrecv")
     with open(path + ".csv", "w", newline="") as f:
@@ -418,6 +428,8 @@ def _write_reports(rows: list[dict[str, Any]], args: Any) -> None:
     lines += _caveats()
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    files = [path + ".csv", path + ".md"]
+    record("sendrecv", rows, title="tensorferry bench sendrecv", notes=_caveats(), files=files)
     try:
         import matplotlib
 

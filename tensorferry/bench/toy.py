@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from tensorferry.cli._args import positive_int
+from tensorferry.cli._args import add_bench_output_arguments, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="cuda: NCCL between GPUs 0 and 1; cpu: gloo (default: auto)",
+        help="cuda: NCCL between GPUs 0 and 1 (needs two CUDA GPUs); cpu: gloo; auto: cuda when "
+        "this machine has two GPUs (default: auto)",
     )
     parser.add_argument(
         "--programs",
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="matrix side (default 4096 on GPU, 128 on CPU)",
     )
     parser.add_argument("--modes", default="cached,uncached", help="cached,uncached")
-    parser.add_argument("--out", default=None, help="directory for CSV + Markdown results")
+    add_bench_output_arguments(parser, "toy")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,68 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["folder_problem", "non_negative_int", "positive_float", "positive_int"]
+__all__ = [
+    "BENCH_RESULTS",
+    "DefaultsHelpFormatter",
+    "add_bench_output_arguments",
+    "folder_problem",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+]
+
+# Every benchmark writes its files to BENCH_RESULTS/<benchmark>/ unless --out says otherwise.
+BENCH_RESULTS = "bench-results"
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default after its text, as ``(default: 20)``.
+
+    Left out where it would say nothing: options whose default is ``None`` or ``False`` (their
+    text says what happens without them) and texts that already state their default.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default is argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_bench_output_arguments(
+    parser: argparse.ArgumentParser, name: str, *, needs: str | None = None
+) -> None:
+    """Gives a benchmark's parser what every benchmark shares.
+
+    That is ``--out`` (default ``bench-results/<name>/``), ``--json`` and a ``--help`` that
+    lists each option's default; ``needs`` (such as ``"two CUDA GPUs on this machine"``) is
+    added to the description, so ``--help`` states what the benchmark requires.
+
+    Args:
+        parser: the benchmark's own subparser.
+        name: the benchmark's name, as in ``tensorferry bench <name>``.
+        needs: what the machine must have, or ``None`` when any machine runs it.
+    """
+    parser.formatter_class = DefaultsHelpFormatter
+    if needs:
+        summary = (parser.description or "").rstrip(".")
+        parser.description = f"{summary}. Needs {needs}." if summary else f"Needs {needs}."
+    parser.add_argument(
+        "--out",
+        default=f"{BENCH_RESULTS}/{name}/",
+        help="folder for the result files (CSV, Markdown and more)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as JSON on stdout (the table and progress go to stderr)",
+    )
 
 
 def _number(text: str, kind: type, what: str, *, allow_zero: bool) -> int | float:

@@ -8,10 +8,13 @@ on) another's imports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
 import logging
 import os
 import sys
+from typing import Any
 
 from tensorferry import envs
 from tensorferry.cli._args import folder_problem
@@ -23,14 +26,23 @@ COMMANDS = {
     "doctor": ("tensorferry.cli.doctor", "versions, devices, links and usable transports"),
     "demo": ("tensorferry.cli.demo", "the main job: an overlapped actor graph, checked"),
 }
+# benchmark name -> (module, one-line help). Each writes to bench-results/<name>/ by default
+# and takes --json (see tensorferry.cli._args.add_bench_output_arguments).
 BENCHMARKS = {
     "lifecycle": ("tensorferry.bench.lifecycle", "Client create+close cost, pooled vs unpooled"),
     "toy": ("tensorferry.bench.toy", "toy programs: cached vs uncached communicators"),
     "batch": ("tensorferry.bench.batch", "64 small tensors: one batch vs separate calls"),
-    "sendrecv": ("tensorferry.bench.sendrecv", "send/recv bandwidth and latency vs NCCL"),
+    "sendrecv": (
+        "tensorferry.bench.sendrecv",
+        "send/recv bandwidth and latency vs NCCL on two GPUs",
+    ),
     "allgather": ("tensorferry.bench.allgather", "ring all-gather vs torch's, any world size"),
     "overlap": ("tensorferry.bench.overlap", "graph overlap off/on vs hand-written streams"),
     "graph": ("tensorferry.bench.graph", "per-execute overhead of compiled graphs"),
+    "peers": (
+        "tensorferry.bench.peers",
+        "the same operations with torch.distributed, NIXL and tensorferry, timed alike",
+    ),
 }
 
 
@@ -78,7 +90,32 @@ def main(argv: list[str] | None = None) -> int:
         # Every timed call takes one path: the compiled validation is built before the first.
         os.environ.setdefault("TENSORFERRY_NATIVE", "wait")
     module = importlib.import_module(args._module)
+    if getattr(args, "json", False):
+        return _run_printing_json(module, args)
     return int(module.run(args) or 0)
+
+
+def _run_printing_json(module: Any, args: argparse.Namespace) -> int:
+    """Runs a benchmark for ``--json``: its results as one JSON document on stdout.
+
+    What the benchmark prints for people (tables, progress) goes to stderr instead, so stdout
+    holds the document alone. A run that made no report here prints nothing: a benchmark that
+    starts itself again under torchrun prints its document from the rank that reports.
+    """
+    from tensorferry.bench import _report
+
+    _report.collected()  # reports of earlier runs in this process are not this run's
+    with contextlib.redirect_stdout(sys.stderr):
+        code = int(module.run(args) or 0)
+    reports = _report.collected()
+    if reports:
+        document = {
+            "benchmark": args.benchmark,
+            "environment": _report.environment(),
+            "reports": reports,
+        }
+        print(json.dumps(document, indent=2, default=str))
+    return code
 
 
 if __name__ == "__main__":

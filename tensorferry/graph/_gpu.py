@@ -243,9 +243,9 @@ class GpuOps:
         Nothing restores the previous one: every operation here names its stream before it
         enqueues anything, so what is current between operations does not matter. That is one
         call into torch per switch, and none when the stream is current already, where
-        ``on_stream`` makes four (3.3 µs on the GPU machine, ``scripts/graph_floor_probe.py
-        --ops``), several times per execution on the critical path. A method may switch streams
-        itself, so after one ran the current stream counts as unknown."""
+        ``on_stream`` makes four (3.3 µs on an H200 host), several times per execution on the
+        critical path. A method may switch streams itself, so after one ran the current stream
+        counts as unknown."""
         if self._current is not stream:
             torch._C._cuda_setStream(
                 stream_id=stream.stream_id,
@@ -451,8 +451,8 @@ class GpuOps:
     def _snapshot(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
         """Copies of ``tensors`` on this device, made on the compute stream: after the method
         that made them, before this actor's next methods, which may change the originals while
-        the send stream is still reading them (``scripts/inplace_result_probe.py``: with three
-        executions in flight, 28-29 of 30 arrived mixed). One device copy per tensor sent;
+        the send stream is still reading them (without the copies, with three executions in
+        flight, 28-29 of 30 arrived mixed). One device copy per tensor sent;
         returns the copies and the event after them."""
         stream = self.compute_stream
         self._use(stream)

@@ -2,8 +2,8 @@
 
 With overlap, an actor's compute stream waits on the device for a receive and the actor's
 thread goes on into the method that uses it. A stream takes about a thousand kernels behind
-one that waits (1021 on an H100, ``scripts/launch_queue_probe.py``); the next launch waits for
-room inside the launching call. When the receive never ends (its sender was killed with the
+one that waits (1021 on an H100); the next launch waits for room inside the launching
+call. When the receive never ends (its sender was killed with the
 send still queued behind its own compute), a method that launches more than that keeps the
 actor's thread inside a launch for good: it never reaches a wait that would see the graph end,
 nor closes its links, and aborting the links is what ends the receive. Teardown then had to

@@ -184,9 +184,9 @@ def _shut(comm: Any, *, abort: bool) -> None:
 def abort_together(comms: list[Any]) -> None:
     """Calls every ``comm.abort()`` at once, each on its own thread, and returns when all have
     returned. One after another would hang: an NCCL abort waits for the device, which another
-    communicator's endless kernel keeps busy until that communicator is aborted as well
-    (``scripts/nccl_abort_probe.py``, case ``two-comms``: the first abort returned only once a
-    helper aborted the other communicator). Failures are logged, as :meth:`evict` does."""
+    communicator's endless kernel keeps busy until that communicator is aborted as well (of
+    two communicators with a pending receive each, the first abort returns only once the other
+    is aborted too). Failures are logged, as :meth:`evict` does."""
     if len(comms) <= 1:
         for comm in comms:
             _shut(comm, abort=True)

@@ -4,11 +4,10 @@ A GPU runs the work of many streams through a few hardware queues (``CUDA_DEVICE
 8 by default, at most 32); streams beyond that share a queue, in order. A stream waiting on a
 flag that a peer sets (the copy-engine transport's ``cuStreamWaitValue32``) then holds up every
 stream queued behind it, which may carry the very signal some peer waits for: a deadlock across
-ranks. A rank of a ring over ``ce`` uses some twenty streams. With 8 queues,
-``scripts/stream_create_probe.py`` saw the symptom on one H200: with one stream waiting on a
-flag, allocating and filling 1 GiB on the default stream did not finish, nor did the copy, on
-a third stream, that was to set the flag. 32 queues make such sharing rarer; they do not rule
-it out.
+ranks. A rank of a ring over ``ce`` uses some twenty streams. With 8 queues on an H200, one
+stream waiting on a flag is enough: allocating and filling 1 GiB on the default stream does
+not finish, nor does the copy, on a third stream, that is to set the flag. 32 queues make such
+sharing rarer; they do not rule it out.
 
 The count is read once, when CUDA creates the process's context. Importing tensorferry
 before CUDA is initialised raises it to 32 unless the user set it; set explicitly, the user's

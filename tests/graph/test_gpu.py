@@ -1,4 +1,4 @@
-"""GPU tier: graphs with CUDA actors (skipped without CUDA; run by scripts/gpu-graph.sh)."""
+"""GPU tier: graphs with CUDA actors (skipped without CUDA; run by tools/gpu-check.sh)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_a_result_on_another_gpu_than_its_actors_crosses_a_gpu_edge(pair, transp
 def test_a_kept_tensor_changed_by_the_next_execution_arrives_as_it_was_returned(pair, transport):
     """With overlap on, a send runs on its own stream while the actor's next methods run: a
     tensor the actor keeps and fills again in place arrived mixed with the next execution's
-    values (28-29 of 30 executions, ``scripts/inplace_result_probe.py``)."""
+    values (28-29 of 30 executions over ``nccl`` and ``ce``, three in flight)."""
     a, b = pair
     with InputNode() as inp:
         dag = b.extremes.bind(a.fill_kept.bind(inp, 32 << 20).with_transport(transport))
@@ -456,7 +456,7 @@ def test_a_receiver_stuck_in_a_launch_behind_a_receive_from_a_killed_actor_stops
         took = time.monotonic() - started
     if os.environ.get("TENSORFERRY_NCCL_CALLS") == "torch":
         # Past the time torch's watchdog took a process down, when it did: 17 s after the
-        # failure with the wait cut to 3 s (scripts/torch_group_error_probe.py, one H100).
+        # failure with the wait cut to 3 s (one H100).
         time.sleep(max(0.0, killed + 25.0 - time.monotonic()))
     check_stopped_by_itself(b, x)
     assert took < 25.0, took
