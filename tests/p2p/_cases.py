@@ -8,10 +8,8 @@ assert on. Outputs are poisoned before receiving so a transfer that writes nothi
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
 import os
-import select
 import threading
 import time
 from typing import Any
@@ -24,9 +22,7 @@ from tensorferry.errors import (
     PeerLostError,
     TensorFerryError,
     TransferTimeoutError,
-    TransportError,
 )
-from tensorferry.p2p._gloo import GlooTransport
 
 # Seconds: every wait in these cases is bounded (TF_TEST_CASE_WAIT_S: shorter, to explore).
 T = float(os.environ.get("TF_TEST_CASE_WAIT_S", "20"))
@@ -400,99 +396,6 @@ def static_channel(rank: int, world: int, steps: int, transport: str = "auto") -
     return "ok"
 
 
-def short_way_count(rank: int, world: int, steps: int, transport: str, short: bool) -> int:
-    """How many of ``steps`` lone static messages took the engine's short way (see
-    ``Engine._issue_short``) on this rank, with it switched ``short``; every one arrives."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return -1
-    engine = _context.current().engine
-    engine._short_path = short
-    try:
-        with _short_way_counted(engine) as taken:
-            static_channel(rank, world, steps, transport)
-    finally:
-        engine._short_path = True
-    return sum(taken)
-
-
-def lane_calls(rank: int, world: int, steps: int, transport: str) -> dict | int:
-    """Ranks 0 and 1 move ``steps`` lone static messages of random data (rank 1 into poisoned
-    tensor buffers, some of them parameters that require grad), then rank 0 makes two bad calls
-    (a tensor that is not contiguous, which the lane's check leaves to the general way; its own
-    rank as the peer), each raising the general way's error before anything moves, then two
-    more good messages. Returns how many calls each rank's lane took, and what the bad calls
-    raised; every byte is checked."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return -1
-    lanes = _context.current().engine.lanes
-    plain = lanes.call
-    taken: list[bool] = []
-
-    def counted(*args):
-        transfer = plain(*args)
-        taken.append(transfer is not None)
-        return transfer
-
-    lanes.call = counted
-    raised = []
-    try:
-        for step in range(steps + 2):
-            if step == steps and rank == 0:
-                strided = torch.zeros((4, 8), device=D())[:, ::2]
-                for bad, peer in ((strided, 1), (torch.zeros((4, 4), device=D()), 0)):
-                    try:
-                        tf.send(bad, peer, static=True, transport=transport)
-                    except ValueError as exc:
-                        raised.append(str(exc).split(" ")[0])
-            data = payload(0, 1, 700 + step, (4, 4), torch.float32)
-            if rank == 0:
-                tf.send(data, 1, static=True, transport=transport).wait(T)
-            else:
-                buffer = poisoned((4, 4), torch.float32)
-                if step % 3 == 2:
-                    buffer = torch.nn.Parameter(buffer)
-                got = tf.recv(buffer, 0, static=True, transport=transport).result(T)
-                assert not got.requires_grad and same_bytes(got, data), step
-                assert same_bytes(buffer.detach(), data), step
-    finally:
-        del lanes.call
-    return {"lane": sum(taken), "raised": raised}
-
-
-def completed_unwaited(
-    rank: int, world: int, count: int, transport: str, static: bool
-) -> dict | int:
-    """Rank 0 sends ``count`` messages (``static`` ones, which its caller issues itself once
-    agreed; or plain ones) and then neither waits for nor polls any: each must still complete,
-    through the completion pool, which takes what the callers left (``Unwatched``). Rank 1
-    receives them all, checking every byte. Returns, on rank 0, how many transfers completed
-    (looking only at their outcomes, which completes nothing) and how many issued units nobody
-    took."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return -1
-    data = [payload(0, 1, 800 + i, (6,), torch.float32) for i in range(count)]
-    if rank == 1:
-        for i, want in enumerate(data):
-            buffer = poisoned((6,), torch.float32)
-            got = tf.recv(buffer, 0, static=static, transport=transport).result(T)
-            assert same_bytes(got, want), i
-        return {}
-    engine = _context.current().engine
-    sent = [tf.send(x, 1, static=static, transport=transport) for x in data]
-    deadline = time.monotonic() + T
-    while time.monotonic() < deadline and not all(t._outcome.done() for t in sent):
-        time.sleep(0.01)
-    done = sum(t._outcome.done() for t in sent)
-    assert all(t._outcome._exception is None for t in sent)
-    return {"done": done, "left": len(engine._unwatched.units)}
-
-
 @contextlib.contextmanager
 def _short_way_counted(engine):
     """Within it, each call of ``engine``'s short way appends whether it issued the message to
@@ -519,61 +422,6 @@ def _wait_for_peer_headers(engine, peer: int, kind: str, count: int) -> None:
         assert time.monotonic() < deadline, f"{count} headers from rank {peer} never came"
         engine.drive()
         time.sleep(1e-3)
-
-
-def answered_short_way(rank: int, world: int, steps: int, transport: str = "gloo") -> list:
-    """Lone messages whose peer called first (its header came before the call) take the
-    engine's short way, static or not, and arrive whole. Four phases: ``steps`` receives posted
-    by rank 1 at once, then rank 0's sends; ``steps`` sends posted by rank 0, then rank 1's
-    receives; both again with ``static=True`` (the first answered message sets the agreement,
-    the later ones keep it). Then one message whose peer's header disagrees: it goes the full
-    way, and both sides raise. Returns how many of this rank's calls took the short way in each
-    phase, then the mismatch's field and that count."""
-    from tensorferry.p2p import _api, _context
-
-    if rank > 1:
-        return []
-    engine = _context.current().engine
-
-    def data(step: int) -> torch.Tensor:
-        return payload(0, 1, 700 + step, (6, 5), torch.float32)
-
-    def call(step: int, spec: Any = None, static: bool = False) -> Any:
-        if rank == 0:
-            return tf.send(data(step), 1, static=static, transport=transport)
-        return tf.recv(spec or tf.TensorSpec((6, 5)), 0, static=static, transport=transport)
-
-    def warm() -> None:  # a first message prepares the pair's transport (after a reset too)
-        got = call(0).result(T)
-        assert rank == 0 or same_bytes(got, data(0))
-
-    kind = "send" if rank == 0 else "recv"
-    counts: list = []
-    with _short_way_counted(engine) as taken:
-        for first, static in ((1, False), (0, False), (1, True), (0, True)):
-            warm()
-            taken.clear()
-            if rank != first:  # a static channel's later messages carry no header
-                _wait_for_peer_headers(engine, 1 - rank, kind, 1 if static else steps)
-            handles = [call(i, static=static) for i in range(1, steps + 1)]
-            for i, handle in enumerate(handles, 1):
-                got = handle.result(T)
-                assert rank == 0 or same_bytes(got, data(i)), (first, static, i)
-            counts.append(sum(taken))
-            if static:
-                _api._reset_pair(1 - rank, timeout=T)  # no agreement left behind
-        warm()
-        taken.clear()
-        if rank == 0:
-            _wait_for_peer_headers(engine, 1, kind, 1)
-        handle = call(0, tf.TensorSpec((6, 4)))
-        try:
-            handle.result(T)
-            counts.append("no error")
-        except MismatchError as exc:
-            counts.append(exc.field)
-        counts.append(sum(taken))
-    return counts
 
 
 def nccl_calls_per_message(rank: int, world: int) -> dict | str:
@@ -644,50 +492,6 @@ def nccl_calls_per_message(rank: int, world: int) -> dict | str:
     return calls
 
 
-def static_broken(rank: int, world: int, transport: str = "auto", breaker: int = 0) -> str | None:
-    """After the static agreement, rank ``breaker`` (0 sends, 1 receives) changes the shape:
-    both sides must raise."""
-    if rank > 1:
-        return None
-    shape = (5, 4) if rank == breaker else (4, 4)
-    try:
-        if rank == 0:
-            tf.send(torch.zeros(shape, device=D()), 1, static=True, transport=transport).wait(T)
-        else:
-            tf.recv(tf.TensorSpec(shape), 0, static=True, transport=transport).wait(T)
-    except MismatchError as exc:
-        if rank == breaker:
-            assert "[5, 4]" in str(exc) and "[4, 4]" in str(exc), exc
-            if _skips_headers(transport):  # no headers: its own check names the agreement
-                kind = "send" if rank == 0 else "recv"
-                assert f"the channel's agreed layout [4, 4], this {kind} [5, 4]" in str(exc), exc
-        return exc.field
-    raise AssertionError("no MismatchError")
-
-
-def _skips_headers(transport: str) -> bool:
-    """Whether ``transport`` (as ``auto`` resolves here) sends no headers on an agreed static
-    channel: a broken promise is then found only against the agreement. (NCCL with its
-    speculation turned off does neither: it compares every header, and never agrees.)"""
-    return bool(_resolved(transport).static_skips_headers)
-
-
-def _resolved(transport: str):
-    from tensorferry.p2p import _context
-
-    ctx = _context.current()
-    return ctx.transport(ctx.choose(transport, 1 - ctx.rank, [torch.zeros(16, device=D())]))
-
-
-class SpeculatingGloo(GlooTransport):
-    """Gloo that keeps every header and issues agreed static messages ahead of the peer's,
-    as NCCL does: the speculative path of the engine, on the CPU."""
-
-    name = "gloo-spec"
-    static_skips_headers = False
-    static_speculates = True
-
-
 def static_in_flight(rank: int, world: int, transport: str, count: int) -> str:
     """Rank 0 fires ``count`` static sends at once while rank 1 receives them one by one, then
     they ping-pong: every message of an agreed static channel is confirmed by the peer's
@@ -733,53 +537,6 @@ def reset_pair_01(rank: int, world: int) -> str:
 _SETUP_LOCK = threading.Lock()  # one pair set-up at a time in this process
 
 
-class RendezvousGloo(GlooTransport):
-    """Gloo whose pair set-up holds the whole process until the peer joins that pair, as a
-    symmetric-memory rendezvous may: the set-up that deadlocks a ring of 3+ ranks unless every
-    rank prepares its pairs in one global order (``prepare_in_order``)."""
-
-    name = "gloo-rendezvous"
-    prepare_in_order = True
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        self.prepared: list[tuple[int, int]] = []  # pairs, in the order they were set up
-
-    def prepare(self, peers) -> None:
-        for peer in peers:
-            pair = tuple(sorted((self.ctx.rank, peer)))
-            if pair in self.prepared:
-                continue
-            with _SETUP_LOCK:
-                store = self.ctx.pair_store(peer, "rendezvous")
-                store.set(f"here/{self.ctx.rank}", b"1")
-                store.wait([f"here/{peer}"], datetime.timedelta(seconds=8))
-                self.prepared.append(pair)
-        super().prepare(peers)
-
-
-def ordered_ring(rank: int, world: int, rounds: int) -> list:
-    """A ring (``sendrecv`` and ``ring_all_gather``) over a transport whose pair set-up holds
-    the process: finishes only if the pairs are set up in one global order. Returns the order
-    this rank set its pairs up in."""
-    from tensorferry.p2p import _context
-
-    if "gloo-rendezvous" not in tf.registered_transports():
-        tf.register_transport("gloo-rendezvous", RendezvousGloo)
-    right, left = (rank + 1) % world, (rank - 1) % world
-    for r in range(rounds):
-        out = payload(rank, right, 300 + r, (64,), torch.float32)
-        into = poisoned((64,), torch.float32)
-        tf.sendrecv(out, right, into, left, transport="gloo-rendezvous").wait(T)
-        assert same_bytes(into, payload(left, rank, 300 + r, (64,), torch.float32)), r
-    gathered = poisoned((world, 5), torch.int64)
-    mine = payload(rank, rank, 301, (5,), torch.int64)
-    tf.ring_all_gather(gathered, mine, transport="gloo-rendezvous").wait(T)
-    for src in range(world):
-        assert same_bytes(gathered[src], payload(src, src, 301, (5,), torch.int64)), src
-    return list(_context.current().transport("gloo-rendezvous").prepared)
-
-
 def packed_ping_pong(rank: int, world: int, rounds: int) -> str:
     """Ranks 0 and 1 swap a static message of 64 small tensors (packed), fresh data each round,
     as fast as the bench's ping-pong: sends not waited for, each receive's stream ordering only
@@ -823,53 +580,6 @@ def fails_after_leaving_a_send_in_flight(rank: int, world: int) -> None:
     if rank == 0:
         tf.send(torch.ones(4, device=D()), 1, timeout=60)
         raise RuntimeError("failed on purpose")
-
-
-def register_speculating_gloo(rank: int, world: int) -> bool:
-    if "gloo-spec" not in tf.registered_transports():
-        tf.register_transport("gloo-spec", SpeculatingGloo)
-    return True
-
-
-def register_stream_ordered_gloo(rank: int, world: int) -> bool:
-    """``gloo-stream`` and ``gloo-stream-ahead``: gloo with NCCL's stream order (see
-    ``_stream_gloo.py``)."""
-    from _stream_gloo import StreamOrderedGloo, StreamOrderedGlooAhead
-
-    for transport in (StreamOrderedGloo, StreamOrderedGlooAhead):
-        if transport.name not in tf.registered_transports():
-            tf.register_transport(transport.name, transport)
-    return True
-
-
-def speculates(rank: int, world: int, transport: str) -> bool:
-    """Whether ``transport`` issues agreed static messages ahead of the peer's header here."""
-    from tensorferry.p2p import _context
-
-    return bool(_context.current().transport(transport).static_speculates)
-
-
-def speculative_issue(rank: int, world: int, transport: str) -> str:
-    """On an agreed static channel a receive is issued before the sender even called (no
-    header from it yet), and completes, with the right bytes, only once it sent."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return "idle"
-    store = _context.current().store
-    data = payload(0, 1, 600, (4, 4), torch.float32)
-    if rank == 0:
-        store.wait(["speculative_issue/posted"])
-        time.sleep(0.2)
-        tf.send(data, 1, static=True, transport=transport).wait(T)
-        return "sent"
-    got = poisoned((4, 4), torch.float32)
-    h = tf.recv(got, 0, static=True, transport=transport)
-    issued, done = h._issued.is_set(), h.done()
-    store.set("speculative_issue/posted", b"1")
-    h.wait(T)
-    assert same_bytes(got, data), "received bytes differ"
-    return f"issued {'ahead' if issued else 'late'}, {'done early' if done else 'done after'}"
 
 
 def mismatch(rank: int, world: int, kind: str) -> str | None:
@@ -1196,53 +906,6 @@ def wait_timeout_then_complete(rank: int, world: int) -> str:
     return "ok"
 
 
-def issued_by_callers(rank: int, world: int) -> str:
-    """The caller's thread issues: a send whose receive the peer already posted is issued before
-    ``tf.send`` returns, and a waiting receiver issues its receive itself while the p2p layer's
-    own thread is kept out (this thread holds the engine's lock)."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return "idle"
-    ctx = _context.current()
-    data = payload(0, 1, 21, (64,), torch.float32)
-    warm = poisoned((64,), torch.float32)
-    (tf.send(data, 1) if rank == 0 else tf.recv(warm, 0)).wait(T)  # the pair is prepared
-    issuers = []
-    plain_issue = ctx.issue
-
-    def issue(unit):  # records which thread issues
-        issuers.append(threading.current_thread().name)
-        return plain_issue(unit)
-
-    ctx.issue = issue
-    try:
-        return _issued_by_callers(rank, ctx, data, issuers)
-    finally:
-        del ctx.issue
-
-
-def _issued_by_callers(rank: int, ctx, data: torch.Tensor, issuers: list) -> str:
-    me = threading.current_thread().name
-    if rank == 1:
-        got = poisoned((64,), torch.float32)
-        h = tf.recv(got, 0)  # its header goes out now; the sender's is not here yet
-        with ctx.engine._lock:  # re-entrant: this thread may drive, the engine thread may not
-            ctx.store.set("issued_by_callers/posted", b"1")
-            time.sleep(0.3)  # the sender's header reaches our socket
-            h.wait(T)
-        assert same_bytes(got, data), "received bytes differ"
-        return f"issued on {'the waiter' if issuers == [me] else issuers}"
-    ctx.store.wait(["issued_by_callers/posted"])
-    time.sleep(0.2)  # the receiver's header reaches this rank's socket
-    h = tf.send(data, 1)
-    issued_at_return = h._issued.is_set()
-    h.wait(T)
-    if not issued_at_return:
-        return "not issued at return"
-    return f"issued at return on {'the caller' if issuers == [me] else issuers}"
-
-
 def cross_traffic(rank: int, world: int, numel: int, messages: int) -> str:
     """Rank 0 and 1 each send ``messages`` large messages as separate calls and only then post
     their receives (as an exchange written naively, or a pipeline's forward and backward):
@@ -1298,57 +961,6 @@ def static_with(rank: int, world: int, other: int, transport: str) -> str:
             got = tf.recv(tf.TensorSpec((1 << 16,)), other, static=True, transport=transport)
             assert same_bytes(got.result(T), data), step
     return "ok"
-
-
-def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto") -> dict:
-    """Rank 0 waits for a message from ``doomed`` (killed by the test meanwhile); over an
-    agreed static channel (see :func:`static_with`) when ``transport`` is given."""
-    if rank != 0:
-        return {}
-    t0 = time.monotonic()
-    static = transport != "auto"
-    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, timeout=8.0, static=static, transport=transport)
-    issued_ahead = h._issued.is_set()  # before the sender's header could come
-    try:
-        h.wait()
-    except PeerLostError as exc:
-        from tensorferry.runtime import communicator_cache
-
-        return {
-            "seconds": time.monotonic() - t0,
-            "message": str(exc),
-            "cache_keys": [list(k) for k in communicator_cache().keys()],  # noqa: SIM118
-            "issued_ahead": issued_ahead,
-        }
-    raise AssertionError("no PeerLostError")
-
-
-def compute_behind_a_receive_from_doomed(rank: int, world: int, doomed: int, kernels: int) -> dict:
-    """Rank 0 receives from ``doomed`` on an agreed static channel (see :func:`static_with`:
-    issued ahead, so the receive is on the device at once), makes its current stream wait for
-    it there and queues ``kernels`` small kernels behind it: more than a stream takes, so the
-    caller's launching call waits for room until the receive ends. ``doomed`` sends nothing and
-    is killed by the test meanwhile. The library must still see the loss and end the receive
-    (aborting its communicator), from threads of its own: the caller's launches then go on,
-    its stream drains, and the receive fails with ``PeerLostError``."""
-    if rank != 0:
-        return {}
-    t0 = time.monotonic()
-    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, static=True, timeout=40.0)
-    issued_ahead = h._issued.is_set()  # before the sender's header could come
-    h.wait_stream()
-    counter = torch.zeros(16, device=D())
-    for _ in range(kernels):
-        counter.add_(1.0)
-    launched_s = time.monotonic() - t0
-    exc = h.exception(T)
-    torch.cuda.current_stream(D()).synchronize()
-    return {
-        "issued_ahead": issued_ahead,
-        "launched_s": launched_s,
-        "outcome": "ok" if exc is None else type(exc).__name__,
-        "every_kernel_ran": bool(torch.all(counter == kernels)),
-    }
 
 
 def _outcomes(handles: list) -> dict[str, int]:
@@ -1436,90 +1048,6 @@ class _Queued:
         return True
 
 
-def _count_host_work_as_queued(room: int) -> tuple:
-    """Makes this process's engine count host transports' messages as kernels queued on a
-    transfer stream (one per message, the unit's stream by its kinds), with room for
-    ``room`` (``Issuing._room_for``): the room's holding back, on the CPU. Returns what
-    :func:`_uncount_host_work` puts back."""
-    from tensorferry.p2p import _context, _engine_issue
-
-    issue = _context.P2PContext.issue
-
-    def issue_queueing(ctx: Any, unit: Any) -> Any:
-        done = issue(ctx, unit)
-        return _Queued() if done is None else done
-
-    def queued_work(unit: Any) -> tuple[str, int]:
-        sends = any(m.op.kind == "send" for m in unit.messages)
-        return ("send" if sends else "recv"), len(unit.messages)
-
-    saved = (issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM)
-    _context.P2PContext.issue = issue_queueing
-    _engine_issue._queued_work = queued_work
-    _engine_issue.ROOM_ON_STREAM = room
-    return saved
-
-
-def _uncount_host_work(saved: tuple) -> None:
-    from tensorferry.p2p import _context, _engine_issue
-
-    _context.P2PContext.issue, _engine_issue._queued_work, _engine_issue.ROOM_ON_STREAM = saved
-
-
-def count_host_work_as_queued(rank: int, world: int, room: int) -> bool:
-    """:func:`_count_host_work_as_queued` for the rest of this worker's life
-    (``scripts/random_traffic_probe.py --room``)."""
-    _count_host_work_as_queued(room)
-    return True
-
-
-def burst_with_little_room(rank: int, world: int, count: int, room: int, doomed: bool) -> Any:
-    """Rank 0 sends rank 1 ``count`` messages at once over speculating gloo (issued ahead, as
-    NCCL's) with room for only ``room`` on a transfer stream (``Issuing._room_for``; gloo's
-    messages are counted as if they queued device work). Rank 1 receives them a moment later,
-    one by one, checking every byte; or, with ``doomed``, receives none and is killed by the
-    test. Rank 0 reports the most units ever queued, how many waited in the engine right after
-    its calls, and how each transfer ended."""
-    if rank > 1:
-        return "idle"
-    saved = _count_host_work_as_queued(room)
-    try:
-        shape = (64,)
-        for step in range(3):  # the static agreement: later messages are issued ahead
-            data = payload(0, 1, 650 + step, shape, torch.float32)
-            if rank == 0:
-                tf.send(data, 1, static=True, transport="gloo-spec").wait(T)
-            else:
-                got = tf.recv(tf.TensorSpec(shape), 0, static=True, transport="gloo-spec")
-                assert same_bytes(got.result(T), data), step
-        engine = tf._context.current().engine
-        if rank == 1:
-            if doomed:
-                return "agreed"
-            time.sleep(0.3)  # rank 0's calls meet a peer that has not received yet
-            for i in range(count):
-                got = tf.recv(tf.TensorSpec(shape), 0, static=True, transport="gloo-spec")
-                if not same_bytes(got.result(T), payload(0, 1, 660 + i, shape, torch.float32)):
-                    raise AssertionError(f"message {i} arrived with wrong bytes")
-            return "ok"
-        t0 = time.monotonic()
-        handles, most = [], 0
-        for i in range(count):
-            data = payload(0, 1, 660 + i, shape, torch.float32)
-            handles.append(tf.send(data, 1, static=True, transport="gloo-spec"))
-            most = max(most, len(engine._on_stream["send"]))
-        held = sum(1 for h in handles if not h._issued.is_set())
-        return {
-            "most": most,
-            "held": held,
-            "outcomes": _outcomes(handles),
-            "seconds": time.monotonic() - t0,
-            "left": len(engine._on_stream["send"]),
-        }
-    finally:
-        _uncount_host_work(saved)
-
-
 def prepare_with(rank: int, world: int, peers: list[int]) -> str:
     tf.prepare(peers)
     return "ok"
@@ -1581,24 +1109,6 @@ def leave_or_receive(rank: int, world: int) -> tuple:
 
 def die(rank: int, world: int) -> None:
     os._exit(3)
-
-
-def debug_concurrent_prepare(rank: int, world: int) -> list:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tensorferry.p2p import _context
-
-    ctx = _context.current()
-    t0 = time.monotonic()
-    out = []
-
-    def prep(peer):
-        ctx.transport("gloo").prepare([peer])
-        out.append((peer, round(time.monotonic() - t0, 3)))
-
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(prep, [p for p in range(world) if p != rank]))
-    return out
 
 
 # ---------------------------------------------------------------------- GPU tier only
@@ -1928,236 +1438,6 @@ def _changed(layout: list) -> list:
     return [(longer, dtype), *rest]
 
 
-def random_traffic(
-    rank: int,
-    world: int,
-    seed: int,
-    count: int,
-    transport: str = "auto",
-    changed: float = 0.0,
-    wait: float = T,
-    broken: float = 0.0,
-    early: float = 0.0,
-) -> dict:
-    """Every rank derives one script from ``seed``: ``count`` messages between random ordered
-    pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
-    script (one layout, ``static=True`` on both sides) or not (a new layout each message).
-    Each rank carries its side of a segment's messages in script order, grouped its own random
-    way: lone sends and receives, batches mixing sends and receives with several peers, a
-    ``sendrecv`` of a send and a receive; it receives into poisoned buffers or into specs,
-    then waits for all of them at the segment's end, in a random order. (Over NCCL a batch
-    goes once every message in it can: one spanning segments could wait for a peer that waits
-    for this rank, see ``batch_waits_for_every_peer``.)
-
-    ``wait``: each call's timeout and each wait's bound, in seconds. ``broken``: as
-    ``changed``, for the static messages: each one so sent breaks its direction's promise.
-    ``early``: the share of messages that both sides carry in a call of their own and wait for
-    at once, before their next call (a program that needs a message before it goes on). Every
-    rank's waits are then for messages earlier in the script than anything it has yet to
-    call, so a correct layer never leaves them waiting for each other.
-
-    With ``changed``, that share of the non-static messages leave with a tensor one row longer
-    than their receiver expects: they fail on both sides, and so may others of the calls that
-    carry them, on both sides alike.
-
-    Returns ``{tag: outcome}`` for this rank's side of each of its messages: ``"ok"`` (a
-    receive: every byte checked), ``"wrong bytes"``, or the error's class name, followed by
-    ``" (with N more)"`` where the call that failed carried N more messages (a batch, a
-    ``sendrecv``)."""
-    import random
-
-    script = random.Random(seed)
-    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
-    static = {pair: script.random() < 0.5 for pair in pairs}
-    fixed = {pair: _random_layout(script) for pair in pairs}
-    segments: list[list] = []
-    waited_at_once: set[int] = set()
-    for tag in range(count):
-        if not segments or script.random() < 1 / 8:
-            segments.append([])
-        src, dst = script.choice(pairs)
-        layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
-        if not static[(src, dst)]:
-            mistake = script.random() < changed
-        else:  # (no draw without ``broken``: the scripts of earlier seeds stay as they were)
-            mistake = broken > 0 and script.random() < broken
-        if early > 0 and script.random() < early:  # (no draw without it, as for ``broken``)
-            waited_at_once.add(7000 + tag)
-        segments[-1].append((src, dst, 7000 + tag, layout, mistake))
-    own = random.Random(seed * 1009 + rank)  # this rank's grouping and waits
-    try:
-        _reset_my_pairs(rank, world)
-    except TimeoutError:
-        _keep_trace(rank, f"seed{seed}-reset")
-        raise
-
-    def side(message):
-        """(kind, peer, tensors or buffers, what arrives, static, tag) of this rank's side."""
-        src, dst, tag, layout, mistake = message
-        if rank == src:
-            shapes = _changed(layout) if mistake else layout
-            sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(shapes)]
-            return "send", dst, sent, None, static[(src, dst)], tag
-        sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(layout)]
-        if own.random() < 0.5:
-            buffers = [poisoned(s, d) for s, d in layout]
-        else:
-            buffers = [tf.TensorSpec(s, d) for s, d in layout]
-        return "recv", src, buffers, sent, static[(src, dst)], tag
-
-    outcomes: dict[int, str] = {}
-    for segment in segments:
-        mine = [side(m) for m in segment if rank in m[:2]]
-        calls: list = []  # (transfer, [(tag, what arrived or None, what was sent)])
-        i = 0
-        while i < len(mine):
-            first, pick = mine[i], own.random()
-            if first[5] in waited_at_once:
-                pick = 1.0  # a call of its own, waited for below
-            if pick < 0.3:  # a batch of the next few messages of the same static-ness
-                group, size = [first], own.randint(2, 6)
-                while len(group) < size and i + len(group) < len(mine):
-                    following = mine[i + len(group)]
-                    if following[4] != first[4] or following[5] in waited_at_once:
-                        break
-                    group.append(following)
-                batch = [
-                    (tag, kind, peer, tensors, sent) for kind, peer, tensors, sent, _, tag in group
-                ]
-                calls.append(_traffic_batch(batch, first[4], transport, wait))
-                i += len(group)
-                continue
-            if pick < 0.45 and i + 1 < len(mine):  # a sendrecv, if these are a send and a recv
-                second = mine[i + 1]
-                alike = first[4] == second[4] and second[5] not in waited_at_once
-                if {first[0], second[0]} == {"send", "recv"} and alike:
-                    out, into = (first, second) if first[0] == "send" else (second, first)
-                    handle = tf.sendrecv(
-                        out[2], out[1], into[2], into[1], static=first[4], transport=transport,
-                        timeout=wait,
-                    )  # fmt: skip
-                    calls.append((handle, [(out[5], None, None), (into[5], handle, into[3])]))
-                    i += 2
-                    continue
-            kind, peer, tensors, sent, is_static, tag = first
-            call = tf.send if kind == "send" else tf.recv
-            handle = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
-            covers = [(tag, handle if kind == "recv" else None, sent)]
-            if tag in waited_at_once:
-                outcomes.update(_traffic_outcomes(handle, covers, wait))
-            else:
-                calls.append((handle, covers))
-            i += 1
-        own.shuffle(calls)
-        for handle, covers in calls:
-            outcomes.update(_traffic_outcomes(handle, covers, wait))
-    if any("Timeout" in outcome for outcome in outcomes.values()):
-        _keep_trace(rank, f"seed{seed}")
-    return outcomes
-
-
-def random_programs(
-    rank: int,
-    world: int,
-    seed: int,
-    count: int,
-    transport: str = "auto",
-    wait: float = T,
-    changed: float = 0.0,
-    batches: float = 0.0,
-    prepare: bool = False,
-) -> dict:
-    """Every rank derives from ``seed`` the programs of all ranks: ``count`` messages between
-    random ordered pairs, each rank calling its side of them in an order of its own (any order
-    that keeps each direction's messages in their order, as two ranks' programs may), with
-    waits between its calls: for a call it made, at once or later. A direction is static (one
-    layout, ``static=True`` on both sides) or not (a new layout each message).
-
-    Waits are placed as a program's author may place them, not only where a single global
-    order would: a rank may send ahead, then wait for a receive before its next call. Where
-    the ranks' programs together could never finish (each waiting for a call the other makes
-    only after its own wait), the wait is moved to the program's end: the script is checked by
-    running all programs step by step, as a correct layer would, before any call is made.
-
-    ``changed``: the share of messages sent with a tensor one row longer than their receiver
-    expects (static or not): they fail on both sides, and so may others in flight on that pair.
-    ``batches``: the share of calls that are a ``tf.batch`` of two to four messages (with any
-    peers, both directions, all static or none), each of which goes as soon as it can, as with
-    torch's ``batch_isend_irecv``: what gloo promises, not NCCL (where a batch goes once every
-    message in it can).
-
-    ``prepare``: every pair is made with ``tf.prepare`` before the first call, rather than by
-    its first message (over NCCL: while other pairs' transfers run, see docs/transfers.md).
-
-    Returns ``{tag: outcome}`` for this rank's side of each of its messages (as
-    ``random_traffic``)."""
-    import random
-
-    script = random.Random(seed)
-    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
-    static = {pair: script.random() < 0.5 for pair in pairs}
-    fixed = {pair: _random_layout(script) for pair in pairs}
-    messages = []  # (src, dst, tag, layout)
-    mistakes = set()
-    for tag in range(8000, 8000 + count):
-        src, dst = script.choice(pairs)
-        layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
-        messages.append((src, dst, tag, layout))
-        if changed > 0 and script.random() < changed:  # (no draw without: seeds stay as were)
-            mistakes.add(tag)
-    programs = [
-        _random_program(script, r, messages, static, batches) for r in range(world)
-    ]  # fmt: skip
-    _drop_waits_that_cannot_end(programs, messages)
-    own = random.Random(seed * 1013 + rank)  # this rank's buffers (poisoned or specs)
-    try:
-        _reset_my_pairs(rank, world)
-    except TimeoutError:
-        _keep_trace(rank, f"program{seed}-reset")
-        raise
-    if prepare:
-        tf.prepare([p for p in range(world) if p != rank])
-    by_tag = {m[2]: m for m in messages}
-
-    def side(tag: int) -> tuple:
-        """(kind, peer, tensors or buffers, what arrives, static) of this rank's side."""
-        src, dst, _, layout = by_tag[tag]
-        if rank == src:
-            shapes = _changed(layout) if tag in mistakes else layout
-            sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in
-                    enumerate(shapes)]  # fmt: skip
-            return "send", dst, sent, None, static[(src, dst)]
-        sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in enumerate(layout)]
-        if own.random() < 0.5:
-            buffers: list = [poisoned(s, d) for s, d in layout]
-        else:
-            buffers = [tf.TensorSpec(s, d) for s, d in layout]
-        return "recv", src, buffers, sent, static[(src, dst)]
-
-    handles: dict[tuple, tuple] = {}
-    outcomes: dict[int, str] = {}
-    for step, tags in programs[rank]:
-        if step == "wait":
-            handle, covers = handles.pop(tags)
-            outcomes.update(_traffic_outcomes(handle, covers, wait))
-            continue
-        sides = [(tag, *side(tag)) for tag in tags]
-        if len(sides) == 1:
-            tag, kind, peer, tensors, sent, is_static = sides[0]
-            call = tf.send if kind == "send" else tf.recv
-            h = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
-            handles[tags] = (h, [(tag, h if kind == "recv" else None, sent)])
-            continue
-        batch = [(tag, kind, peer, tensors, sent) for tag, kind, peer, tensors, sent, _ in sides]
-        handles[tags] = _traffic_batch(batch, sides[0][5], transport, wait)
-    for tags in list(handles):  # the waits left to the end, in call order
-        handle, covers = handles.pop(tags)
-        outcomes.update(_traffic_outcomes(handle, covers, wait))
-    if any("Timeout" in outcome or "wrong" in outcome for outcome in outcomes.values()):
-        _keep_trace(rank, f"program{seed}")
-    return outcomes
-
-
 def _random_program(script: Any, rank: int, messages: list, static: dict, batches: float) -> list:
     """``rank``'s calls (``("call", tags)``: one message, or a batch of several) in a random
     order that keeps each direction's order, with a wait (``("wait", tags)``) after some of
@@ -2205,54 +1485,6 @@ def _drop_waits_that_cannot_end(programs: list, messages: list) -> None:
         if not moved:  # every unfinished rank waits: drop the first such wait found
             stuck = next(r for r, p in enumerate(programs) if at[r] < len(p))
             del programs[stuck][at[stuck]]
-
-
-def _traffic_batch(messages: list, static: bool, transport: str, wait: float) -> tuple:
-    """One ``tf.batch`` of ``messages`` (``(tag, kind, peer, tensors or buffers, what
-    arrives)`` each); returns it with what each message covers (as ``_traffic_outcomes``
-    takes them)."""
-    covers = []
-    with tf.batch(static=static, transport=transport, timeout=wait) as b:
-        for tag, kind, peer, tensors, sent in messages:
-            if kind == "send":
-                b.send(tensors, peer)
-                covers.append((tag, None, None))
-            else:
-                covers.append((tag, b.recv(tensors, peer), sent))
-    return b, covers
-
-
-def _traffic_outcomes(handle: tf.Transfer, covers: list, wait: float) -> dict[int, str]:
-    """Waits for one call of ``random_traffic``; the outcome of each message it carries."""
-    from tensorferry.errors import TensorFerryError
-
-    try:
-        handle.wait(wait)
-    except TensorFerryError as exc:
-        failed = type(exc).__name__
-        if len(covers) > 1:  # a call of several messages fails whole
-            failed += f" (with {len(covers) - 1} more)"
-        return {tag: failed for tag, _, _ in covers}
-    outcomes = {}
-    for tag, got, sent in covers:
-        if got is None:
-            outcomes[tag] = "ok"
-            continue
-        got = got.result(wait) if isinstance(got, tf.Transfer) else got
-        got = got if isinstance(got, list) else [got]
-        right = len(got) == len(sent) and all(map(same_bytes, got, sent))
-        outcomes[tag] = "ok" if right else "wrong bytes"
-    return outcomes
-
-
-def _keep_trace(rank: int, label: str) -> None:
-    """Writes this rank's flight recorder (``TENSORFERRY_P2P_TRACE``) to
-    ``$TF_TEST_TRACE_DIR/<label>-rank<rank>.txt``, where that is set."""
-    folder = os.environ.get("TF_TEST_TRACE_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{label}-rank{rank}.txt"), "w") as out:
-            out.write("\n".join(tf.recent_events()) + "\n")
 
 
 def batch_waits_for_every_peer(rank: int, world: int) -> str:
@@ -2344,201 +1576,9 @@ def mismatch_read_with_the_fault(rank: int, world: int) -> list[str]:
     return outcomes
 
 
-def owed_messages_fail_without_a_new_fault(rank: int, world: int) -> dict | str:
-    """Rank 0 has a batch waiting with rank 1 (a send and a receive, numbered, their headers
-    out); then comes rank 1's fault acknowledgement owing both (rank 1 failed its side of each
-    while it recovered from a fault: ``Engine._on_fault_ack``), injected here. The batch fails,
-    and nothing else changes: every message of it with rank 1 is owed, so it does not fail
-    half-way, and the pair needs no new fault, no debt, no new epoch. It used to fault the pair
-    again, then count the second channel's owed number against the new epoch: a debt that
-    later failed an unrelated message of rank 0, whose counterpart then waited in vain."""
-    from tensorferry.p2p import _api, _context
-
-    if rank > 1:
-        return "idle"
-    ctx = _context.current()
-    _api._reset_pair(1 - rank, timeout=T)
-    if rank == 1:
-        ctx.store.wait(["owed_messages/checked"])
-        _api._reset_pair(0, timeout=T)
-        return "idle"
-    engine = ctx.engine
-    with tf.batch(timeout=T) as b:
-        b.send(payload(0, 1, 31, (4,), torch.float32), 1)
-        b.recv(poisoned((4,), torch.float32), 1)
-    peer = engine._peer(1)
-    epoch = peer.epoch
-    ack = {"k": "fa", "e": epoch, "owe": {"send": 1, "recv": 1}, "err": "MismatchError"}
-    ack.update(field="shape", msg="rank 1 gave up on these while it recovered")
-    with engine._lock:
-        engine._on_frame(peer.link, ack)
-        after: dict = {"epochs moved": peer.epoch - epoch, "debts": sorted(peer.numbered_debts)}
-        after["frozen"] = peer.frozen
-    try:
-        b.wait(T)
-        after["batch"] = "ok"
-    except TensorFerryError as exc:
-        after["batch"] = type(exc).__name__
-    ctx.store.set("owed_messages/checked", b"1")
-    _api._reset_pair(1, timeout=T)
-    return after
-
-
 # Keys of the store that cases use to say when they are ready: new ones each time (a case may
 # run more than once in a pool's life), the same on every rank (each counts its own calls).
 _STORE_KEYS = itertools.count()
-
-
-def short_way_reads_in_a_step(rank: int, world: int) -> dict | str:
-    """Ranks 0 and 1 move lone static messages, which take the engine's short way; it reads the
-    peer's frames first. Whatever those set off must run as in an engine step: a fault among
-    them settles the transfers that finished, and polling one outside a step started a step of
-    its own, which handled other peers' frames, faults among them, in the middle of this pair's
-    move to its next epoch (which then moved twice on one side: the pair never met again).
-    Returns how many of the short way's reads found frames, and how many of those handled
-    them outside a step (none should)."""
-    from tensorferry.p2p import _api, _context
-
-    if rank > 1:
-        return "idle"
-    engine = _context.current().engine
-    plain_issue, plain_handle = engine._issue_short, engine._handle_frames
-    inside: list[bool] = []
-    stepping: list[bool] = []
-
-    def issue(unit):
-        inside.append(True)
-        try:
-            return plain_issue(unit)
-        finally:
-            inside.pop()
-
-    def handle(link, frames):
-        if inside:
-            stepping.append(getattr(engine._stepping, "on", False))
-        return plain_handle(link, frames)
-
-    # No agreement from earlier cases: its messages would carry no headers to wait for.
-    _api._reset_pair(1 - rank, timeout=T)
-    engine._issue_short, engine._handle_frames = issue, handle
-    calls = []
-    try:
-        # Rank 1 holds its engine from before rank 0's first call (rank 0 calls once rank 1
-        # said so through the store) until rank 0's headers came: its thread, which reads an
-        # idle link now and then, leaves them to rank 1's first call's short way. Rank 0 makes
-        # all its calls without waiting.
-        store = _context.current().store
-        key = f"short_way_reads_in_a_step/{next(_STORE_KEYS)}"
-        if rank == 0:
-            store.wait([key], datetime.timedelta(seconds=T))
-        else:
-            with engine._lock:
-                store.set(key, "held")
-                select.select([engine._peers[0].link.sock], [], [], T)  # rank 0's headers
-                first = tf.recv(poisoned((8,), torch.float32), 0, static=True, timeout=T)
-        for i in range(8):
-            sent = payload(0, 1, 50 + i, (8,), torch.float32)
-            if rank == 0:
-                calls.append((tf.send(sent, 1, static=True, timeout=T), sent))
-            elif i == 0:
-                calls.append((first, sent))
-            else:
-                calls.append((tf.recv(poisoned((8,), torch.float32), 0, static=True), sent))
-        for i, (transfer, sent) in enumerate(calls):
-            got = transfer.result(T)
-            assert rank == 0 or same_bytes(got, sent), i
-    finally:
-        del engine._issue_short, engine._handle_frames
-    _api._reset_pair(1 - rank, timeout=T)  # no static agreement left for later cases
-    return {"reads": len(stepping), "outside a step": stepping.count(False)}
-
-
-def recent_events_of_a_transfer(rank: int, world: int) -> dict | str:
-    """The flight recorder (``TENSORFERRY_P2P_TRACE``; switched on here, in the process): off
-    it keeps nothing; on, the events of one transfer with the peer, filtered by peer."""
-    from tensorferry.p2p import _trace
-
-    if rank > 1:
-        return "idle"
-    peer, kind = 1 - rank, ("send", "recv")[rank]
-    off = tf.recent_events()
-    _trace.configure(1000)
-    try:
-        sent = payload(0, 1, 61, (16,), torch.float32)
-        if rank == 0:
-            tf.send(sent, 1, timeout=T).wait(T)
-        else:
-            assert same_bytes(tf.recv(poisoned((16,), torch.float32), 0).result(T), sent)
-        # A waiter that saw the work finish returns at once; the engine may mark the transfer
-        # done a moment later, on the completion pool's thread.
-        deadline = time.monotonic() + T
-        while not any(" done: " in line for line in tf.recent_events(peer)):
-            assert time.monotonic() < deadline, tf.recent_events(peer)
-            time.sleep(0.01)
-        mine = tf.recent_events(peer)
-        others = tf.recent_events(peer + 5)  # no such rank: only events of no single peer
-    finally:
-        _trace.configure(0)
-    return {
-        "off": off,
-        "numbered": sum(f"numbered rank {peer}: {kind} " in line for line in mine),
-        "header out": sum(f"header out rank {peer}: {kind} " in line for line in mine),
-        "done": sum(f"done: {kind}/{peer}/" in line for line in mine),
-        "other peers' events": sum(f" rank {peer}: " in line for line in others),
-        "after": tf.recent_events(),
-    }
-
-
-def fault_while_the_pool_completes_a_send(rank: int, world: int) -> str:
-    """Rank 0's send finished (rank 1 received it) and the completion pool's poller took it to
-    complete it, but has not yet (held here); then rank 0 faults the pair. The fault cannot
-    settle the send (the pool has it) and fails it as still issued, but that failure reaches
-    the transfer through the pool too, behind the poller's own success. The send finished on
-    both sides, so it must end ok on both. Returns the transfer's outcome on each rank."""
-    from tensorferry.p2p import _api, _context
-
-    if rank > 1:
-        return "idle"
-    ctx = _context.current()
-    sent = payload(0, 1, 81, (16,), torch.float32)
-    if rank == 1:
-        try:
-            got = tf.recv(poisoned((16,), torch.float32), 0, timeout=T).result(T)
-            outcome = "ok" if same_bytes(got, sent) else "wrong bytes"
-        except TensorFerryError as exc:
-            outcome = type(exc).__name__
-        ctx.store.set("pool_completes/received", b"1")
-        ctx.store.wait(["pool_completes/faulted"])
-        _api._reset_pair(0, timeout=T)
-        return outcome
-    pool, engine = ctx.completions, ctx.engine
-    taken, release = threading.Event(), threading.Event()
-    plain_complete = pool._complete
-
-    def held(item, outcome):
-        if item.future is None:  # a transfer's completion call (CompletionPool.call_when)
-            taken.set()
-            release.wait(T)
-        plain_complete(item, outcome)
-
-    pool._complete = held
-    try:
-        transfer = tf.send(sent, 1, timeout=T)
-        ctx.store.wait(["pool_completes/received"])
-        assert taken.wait(T), "the poller never took the send"
-        with engine._lock:
-            engine._fault_pair(engine._peer(1), TransportError("a fault for the test"), notify=True)
-    finally:
-        release.set()
-        del pool._complete
-    ctx.store.set("pool_completes/faulted", b"1")
-    try:
-        transfer.wait(T)
-        outcome = "ok"
-    except TensorFerryError as exc:
-        outcome = type(exc).__name__
-    _api._reset_pair(1, timeout=T)
-    return outcome
 
 
 def exit_with_a_gloo_wait_stuck(rank: int, world: int, linger: float) -> str:
@@ -2558,22 +1598,6 @@ def exit_with_a_gloo_wait_stuck(rank: int, world: int, linger: float) -> str:
     stuck = tf.recv(poisoned((4,), torch.float32), 0, static=True, timeout=10 * T)
     time.sleep(0.5)  # issued at once: gloo's wait for it is under way
     return "left with a receive in flight" if not stuck.done() else "its receive finished?"
-
-
-def side_channel_families(rank: int, world: int) -> list[str]:
-    """Exchanges a message with every other rank (in rank order: no cycle of waits), checks
-    it, then names the socket family of each side channel this rank holds."""
-    from tensorferry.p2p import _context
-
-    _reset_my_pairs(rank, world)  # earlier cases of the pool may have agreed other layouts
-    for peer in range(world):
-        if peer == rank:
-            continue
-        got = poisoned((5,), torch.float32)
-        tf.sendrecv(payload(rank, peer, 0, (5,), torch.float32), peer, got, peer).wait(T)
-        assert same_bytes(got, payload(peer, rank, 0, (5,), torch.float32))
-    engine = _context.current().engine
-    return sorted(engine._peer(p).link.sock.family.name for p in range(world) if p != rank)
 
 
 def empty_static_receive_waits_for_its_send(rank: int, world: int) -> dict | None:
@@ -2600,38 +1624,6 @@ def empty_static_receive_waits_for_its_send(rank: int, world: int) -> dict | Non
     early = pending.done()
     pending.wait(T)
     return {"done before the send": early, "then": "ok" if pending.exception() is None else "?"}
-
-
-def idle_rank_answers_a_fault(rank: int, world: int) -> float | str | None:
-    """Rank 1 faults its pair with rank 0 (a send that times out: rank 0 never receives it)
-    while rank 0 makes no call at all. Rank 0 must still read the fault and answer it: rank 1
-    numbers its next messages with rank 0 only after that answer, and rank 0 may never call
-    again. Returns, on rank 1, the seconds from the fault to the answer (``None``: none came
-    within 2.5 s); on rank 0, how its late receive of that message ended (at once, with rank
-    1's error, as a late call does after a fault)."""
-    from tensorferry.p2p import _context
-
-    _reset_my_pairs(rank, world)
-    answered_after: float | str | None = None
-    if rank == 0:
-        time.sleep(3.5)  # idle: no call reads what rank 1 sends meanwhile
-        late = tf.recv(poisoned((4,), torch.float32), 1, timeout=T)
-        start = time.monotonic()
-        error = late.exception(T)
-        took = "at once" if time.monotonic() - start < 1.0 else "late"
-        answered_after = f"{type(error).__name__} {took}"
-    elif rank == 1:
-        with contextlib.suppress(TransferTimeoutError):
-            tf.send(payload(1, 0, 0, (4,), torch.float32), 0, timeout=0.3).wait(T)
-        peer = _context.current().engine._peer(0)
-        start = time.monotonic()
-        assert peer.frozen is not None, "the timeout did not fault the pair"
-        while time.monotonic() - start < 2.5 and answered_after is None:
-            if peer.frozen is None:
-                answered_after = time.monotonic() - start
-            time.sleep(0.01)
-    _reset_my_pairs(rank, world)
-    return answered_after
 
 
 def sends_ahead_then_receives_one_by_one(
@@ -3032,3 +2024,304 @@ def store_host_dies_before_a_pair_is_made(rank: int, world: int) -> tuple:
     except Exception as exc:
         return (type(exc).__name__, time.monotonic() - started, str(exc))
     return ("ok", time.monotonic() - started, "")
+
+
+def static_broken(rank: int, world: int, transport: str = "auto", breaker: int = 0) -> str | None:
+    """After the static agreement, rank ``breaker`` (0 sends, 1 receives) changes the shape:
+    both sides must raise."""
+    if rank > 1:
+        return None
+    shape = (5, 4) if rank == breaker else (4, 4)
+    try:
+        if rank == 0:
+            tf.send(torch.zeros(shape, device=D()), 1, static=True, transport=transport).wait(T)
+        else:
+            tf.recv(tf.TensorSpec(shape), 0, static=True, transport=transport).wait(T)
+    except MismatchError as exc:
+        if rank == breaker:
+            assert "[5, 4]" in str(exc) and "[4, 4]" in str(exc), exc
+        return exc.field
+    raise AssertionError("no MismatchError")
+
+
+def _traffic_batch(messages: list, static: bool, transport: str, wait: float) -> tuple:
+    """One ``tf.batch`` of ``messages`` (``(tag, kind, peer, tensors or buffers, what
+    arrives)`` each); returns it with what each message covers (as ``_traffic_outcomes``
+    takes them)."""
+    covers = []
+    with tf.batch(static=static, transport=transport, timeout=wait) as b:
+        for tag, kind, peer, tensors, sent in messages:
+            if kind == "send":
+                b.send(tensors, peer)
+                covers.append((tag, None, None))
+            else:
+                covers.append((tag, b.recv(tensors, peer), sent))
+    return b, covers
+
+
+def _traffic_outcomes(handle: tf.Transfer, covers: list, wait: float) -> dict[int, str]:
+    """Waits for one call of ``random_traffic``; the outcome of each message it carries."""
+    from tensorferry.errors import TensorFerryError
+
+    try:
+        handle.wait(wait)
+    except TensorFerryError as exc:
+        failed = type(exc).__name__
+        if len(covers) > 1:  # a call of several messages fails whole
+            failed += f" (with {len(covers) - 1} more)"
+        return {tag: failed for tag, _, _ in covers}
+    outcomes = {}
+    for tag, got, sent in covers:
+        if got is None:
+            outcomes[tag] = "ok"
+            continue
+        got = got.result(wait) if isinstance(got, tf.Transfer) else got
+        got = got if isinstance(got, list) else [got]
+        right = len(got) == len(sent) and all(map(same_bytes, got, sent))
+        outcomes[tag] = "ok" if right else "wrong bytes"
+    return outcomes
+
+
+def random_traffic(
+    rank: int,
+    world: int,
+    seed: int,
+    count: int,
+    transport: str = "auto",
+    changed: float = 0.0,
+    wait: float = T,
+    broken: float = 0.0,
+    early: float = 0.0,
+) -> dict:
+    """Every rank derives one script from ``seed``: ``count`` messages between random ordered
+    pairs of ranks, cut into segments of 1 to 16 messages. A direction is static for the whole
+    script (one layout, ``static=True`` on both sides) or not (a new layout each message).
+    Each rank carries its side of a segment's messages in script order, grouped its own random
+    way: lone sends and receives, batches mixing sends and receives with several peers, a
+    ``sendrecv`` of a send and a receive; it receives into poisoned buffers or into specs,
+    then waits for all of them at the segment's end, in a random order. (Over NCCL a batch
+    goes once every message in it can: one spanning segments could wait for a peer that waits
+    for this rank, see ``batch_waits_for_every_peer``.)
+
+    ``wait``: each call's timeout and each wait's bound, in seconds. ``broken``: as
+    ``changed``, for the static messages: each one so sent breaks its direction's promise.
+    ``early``: the share of messages that both sides carry in a call of their own and wait for
+    at once, before their next call (a program that needs a message before it goes on). Every
+    rank's waits are then for messages earlier in the script than anything it has yet to
+    call, so a correct layer never leaves them waiting for each other.
+
+    With ``changed``, that share of the non-static messages leave with a tensor one row longer
+    than their receiver expects: they fail on both sides, and so may others of the calls that
+    carry them, on both sides alike.
+
+    Returns ``{tag: outcome}`` for this rank's side of each of its messages: ``"ok"`` (a
+    receive: every byte checked), ``"wrong bytes"``, or the error's class name, followed by
+    ``" (with N more)"`` where the call that failed carried N more messages (a batch, a
+    ``sendrecv``)."""
+    import random
+
+    script = random.Random(seed)
+    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
+    static = {pair: script.random() < 0.5 for pair in pairs}
+    fixed = {pair: _random_layout(script) for pair in pairs}
+    segments: list[list] = []
+    waited_at_once: set[int] = set()
+    for tag in range(count):
+        if not segments or script.random() < 1 / 8:
+            segments.append([])
+        src, dst = script.choice(pairs)
+        layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
+        if not static[(src, dst)]:
+            mistake = script.random() < changed
+        else:  # (no draw without ``broken``: the scripts of earlier seeds stay as they were)
+            mistake = broken > 0 and script.random() < broken
+        if early > 0 and script.random() < early:  # (no draw without it, as for ``broken``)
+            waited_at_once.add(7000 + tag)
+        segments[-1].append((src, dst, 7000 + tag, layout, mistake))
+    own = random.Random(seed * 1009 + rank)  # this rank's grouping and waits
+    try:
+        _reset_my_pairs(rank, world)
+    except TimeoutError:
+        raise
+
+    def side(message):
+        """(kind, peer, tensors or buffers, what arrives, static, tag) of this rank's side."""
+        src, dst, tag, layout, mistake = message
+        if rank == src:
+            shapes = _changed(layout) if mistake else layout
+            sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(shapes)]
+            return "send", dst, sent, None, static[(src, dst)], tag
+        sent = [payload(src, dst, tag * 8 + j, s, d) for j, (s, d) in enumerate(layout)]
+        if own.random() < 0.5:
+            buffers = [poisoned(s, d) for s, d in layout]
+        else:
+            buffers = [tf.TensorSpec(s, d) for s, d in layout]
+        return "recv", src, buffers, sent, static[(src, dst)], tag
+
+    outcomes: dict[int, str] = {}
+    for segment in segments:
+        mine = [side(m) for m in segment if rank in m[:2]]
+        calls: list = []  # (transfer, [(tag, what arrived or None, what was sent)])
+        i = 0
+        while i < len(mine):
+            first, pick = mine[i], own.random()
+            if first[5] in waited_at_once:
+                pick = 1.0  # a call of its own, waited for below
+            if pick < 0.3:  # a batch of the next few messages of the same static-ness
+                group, size = [first], own.randint(2, 6)
+                while len(group) < size and i + len(group) < len(mine):
+                    following = mine[i + len(group)]
+                    if following[4] != first[4] or following[5] in waited_at_once:
+                        break
+                    group.append(following)
+                batch = [
+                    (tag, kind, peer, tensors, sent) for kind, peer, tensors, sent, _, tag in group
+                ]
+                calls.append(_traffic_batch(batch, first[4], transport, wait))
+                i += len(group)
+                continue
+            if pick < 0.45 and i + 1 < len(mine):  # a sendrecv, if these are a send and a recv
+                second = mine[i + 1]
+                alike = first[4] == second[4] and second[5] not in waited_at_once
+                if {first[0], second[0]} == {"send", "recv"} and alike:
+                    out, into = (first, second) if first[0] == "send" else (second, first)
+                    handle = tf.sendrecv(
+                        out[2], out[1], into[2], into[1], static=first[4], transport=transport,
+                        timeout=wait,
+                    )  # fmt: skip
+                    calls.append((handle, [(out[5], None, None), (into[5], handle, into[3])]))
+                    i += 2
+                    continue
+            kind, peer, tensors, sent, is_static, tag = first
+            call = tf.send if kind == "send" else tf.recv
+            handle = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
+            covers = [(tag, handle if kind == "recv" else None, sent)]
+            if tag in waited_at_once:
+                outcomes.update(_traffic_outcomes(handle, covers, wait))
+            else:
+                calls.append((handle, covers))
+            i += 1
+        own.shuffle(calls)
+        for handle, covers in calls:
+            outcomes.update(_traffic_outcomes(handle, covers, wait))
+    return outcomes
+
+
+def random_programs(
+    rank: int,
+    world: int,
+    seed: int,
+    count: int,
+    transport: str = "auto",
+    wait: float = T,
+    changed: float = 0.0,
+    batches: float = 0.0,
+    prepare: bool = False,
+) -> dict:
+    """Every rank derives from ``seed`` the programs of all ranks: ``count`` messages between
+    random ordered pairs, each rank calling its side of them in an order of its own (any order
+    that keeps each direction's messages in their order, as two ranks' programs may), with
+    waits between its calls: for a call it made, at once or later. A direction is static (one
+    layout, ``static=True`` on both sides) or not (a new layout each message).
+
+    Waits are placed as a program's author may place them, not only where a single global
+    order would: a rank may send ahead, then wait for a receive before its next call. Where
+    the ranks' programs together could never finish (each waiting for a call the other makes
+    only after its own wait), the wait is moved to the program's end: the script is checked by
+    running all programs step by step, as a correct layer would, before any call is made.
+
+    ``changed``: the share of messages sent with a tensor one row longer than their receiver
+    expects (static or not): they fail on both sides, and so may others in flight on that pair.
+    ``batches``: the share of calls that are a ``tf.batch`` of two to four messages (with any
+    peers, both directions, all static or none), each of which goes as soon as it can, as with
+    torch's ``batch_isend_irecv``: what gloo promises, not NCCL (where a batch goes once every
+    message in it can).
+
+    ``prepare``: every pair is made with ``tf.prepare`` before the first call, rather than by
+    its first message (over NCCL: while other pairs' transfers run, see docs/transfers.md).
+
+    Returns ``{tag: outcome}`` for this rank's side of each of its messages (as
+    ``random_traffic``)."""
+    import random
+
+    script = random.Random(seed)
+    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
+    static = {pair: script.random() < 0.5 for pair in pairs}
+    fixed = {pair: _random_layout(script) for pair in pairs}
+    messages = []  # (src, dst, tag, layout)
+    mistakes = set()
+    for tag in range(8000, 8000 + count):
+        src, dst = script.choice(pairs)
+        layout = fixed[(src, dst)] if static[(src, dst)] else _random_layout(script)
+        messages.append((src, dst, tag, layout))
+        if changed > 0 and script.random() < changed:  # (no draw without: seeds stay as were)
+            mistakes.add(tag)
+    programs = [
+        _random_program(script, r, messages, static, batches) for r in range(world)
+    ]  # fmt: skip
+    _drop_waits_that_cannot_end(programs, messages)
+    own = random.Random(seed * 1013 + rank)  # this rank's buffers (poisoned or specs)
+    try:
+        _reset_my_pairs(rank, world)
+    except TimeoutError:
+        raise
+    if prepare:
+        tf.prepare([p for p in range(world) if p != rank])
+    by_tag = {m[2]: m for m in messages}
+
+    def side(tag: int) -> tuple:
+        """(kind, peer, tensors or buffers, what arrives, static) of this rank's side."""
+        src, dst, _, layout = by_tag[tag]
+        if rank == src:
+            shapes = _changed(layout) if tag in mistakes else layout
+            sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in
+                    enumerate(shapes)]  # fmt: skip
+            return "send", dst, sent, None, static[(src, dst)]
+        sent = [payload(src, dst, tag * 8 + j, s, d).to(D()) for j, (s, d) in enumerate(layout)]
+        if own.random() < 0.5:
+            buffers: list = [poisoned(s, d) for s, d in layout]
+        else:
+            buffers = [tf.TensorSpec(s, d) for s, d in layout]
+        return "recv", src, buffers, sent, static[(src, dst)]
+
+    handles: dict[tuple, tuple] = {}
+    outcomes: dict[int, str] = {}
+    for step, tags in programs[rank]:
+        if step == "wait":
+            handle, covers = handles.pop(tags)
+            outcomes.update(_traffic_outcomes(handle, covers, wait))
+            continue
+        sides = [(tag, *side(tag)) for tag in tags]
+        if len(sides) == 1:
+            tag, kind, peer, tensors, sent, is_static = sides[0]
+            call = tf.send if kind == "send" else tf.recv
+            h = call(tensors, peer, static=is_static, transport=transport, timeout=wait)
+            handles[tags] = (h, [(tag, h if kind == "recv" else None, sent)])
+            continue
+        batch = [(tag, kind, peer, tensors, sent) for tag, kind, peer, tensors, sent, _ in sides]
+        handles[tags] = _traffic_batch(batch, sides[0][5], transport, wait)
+    for tags in list(handles):  # the waits left to the end, in call order
+        handle, covers = handles.pop(tags)
+        outcomes.update(_traffic_outcomes(handle, covers, wait))
+    return outcomes
+
+
+def recv_from_doomed(rank: int, world: int, doomed: int, transport: str = "auto") -> dict:
+    """Rank 0 waits for a message from ``doomed`` (killed by the test meanwhile); over an
+    agreed static channel (see :func:`static_with`) when ``transport`` is given."""
+    if rank != 0:
+        return {}
+    t0 = time.monotonic()
+    static = transport != "auto"
+    h = tf.recv(tf.TensorSpec((1 << 16,)), doomed, timeout=8.0, static=static, transport=transport)
+    try:
+        h.wait()
+    except PeerLostError as exc:
+        from tensorferry.runtime import communicator_cache
+
+        return {
+            "seconds": time.monotonic() - t0,
+            "message": str(exc),
+            "cache_keys": [list(k) for k in communicator_cache().keys()],  # noqa: SIM118
+        }
+    raise AssertionError("no PeerLostError")

@@ -38,28 +38,6 @@ def test_peer_killed_mid_transfer(pool):
     assert max(max(t) for t in took) < 4.0, took
 
 
-def test_peer_killed_with_a_static_receive_issued_ahead():
-    # The receive goes the engine's short way, issued before the doomed sender's header
-    # (speculating gloo): only the side channel's end tells rank 0 the sender is gone.
-    pool = WorkerPool(WORLD, transfer_timeout=10.0, backend="gloo")
-    try:
-        assert all(pool.run("register_speculating_gloo"))
-        assert pool.run("static_with", DOOMED, "gloo-spec") == ["ok", "idle", "ok"]
-        pool._conns[0].send(("recv_from_doomed", (DOOMED, "gloo-spec")))
-        time.sleep(0.5)
-        pool.kill(DOOMED)
-        status, result = pool._receive(0, 15)
-        assert status == "ok", result
-        assert result["issued_ahead"], "the receive was not issued ahead of the header"
-        assert result["seconds"] < 8.0, "PeerLostError must come before the transfer timeout"
-        assert f"rank {DOOMED}" in result["message"]
-        assert ["gloo-spec", 0, DOOMED] not in result["cache_keys"], "the dead pair stays"
-        time.sleep(0.3)
-        assert pool.run("after_loss", DOOMED, ranks=[0, 1]) == ["ok", "ok"]
-    finally:
-        pool.close()
-
-
 def test_a_peer_that_leaves_before_the_pair_is_made_is_reported_lost():
     import _cases
 
@@ -129,30 +107,3 @@ def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
                     proc.kill()
     err = capfd.readouterr().err
     assert "before exiting, waiting up to 10 s for a gloo transfer with rank 0" in err, err
-
-
-def test_a_burst_beyond_a_streams_room_waits_in_the_engine_and_fails_whole_with_its_peer():
-    # A transfer stream takes so many units of work (Issuing._room_for): the rest of a burst
-    # waits in the engine, its calls returning at once, and goes as units end. With the peer
-    # dead, the waiting ones fail with the issued ones. Over speculating gloo, counted as if
-    # it queued device work, with room for 8.
-    pool = WorkerPool(2, transfer_timeout=10.0, backend="gloo")
-    try:
-        assert all(pool.run("register_speculating_gloo"))
-        sent, received = pool.run("burst_with_little_room", 40, 8, False, timeout=60)
-        assert received == "ok"
-        assert sent["outcomes"] == {"ok": 40}, sent
-        assert sent["most"] == 8 and sent["held"] == 32 and sent["left"] == 0, sent
-        for rank in (0, 1):
-            pool._conns[rank].send(("burst_with_little_room", (40, 8, True)))
-        status, result = pool._receive(1, 30)
-        assert (status, result) == ("ok", "agreed")
-        time.sleep(0.5)
-        pool.kill(1)
-        status, result = pool._receive(0, 30)
-        assert status == "ok", result
-        assert result["outcomes"] == {"PeerLostError": 40}, result
-        assert result["most"] == 8 and result["held"] == 32 and result["left"] == 0, result
-        assert result["seconds"] < 8.0, "PeerLostError must come before the transfer timeout"
-    finally:
-        pool.close()

@@ -425,6 +425,7 @@ def test_header_frames_are_json_the_peer_reads_back():
     from types import SimpleNamespace
 
     from tensorferry.p2p._engine import Engine
+
     from tensorferry.p2p._spec import describe
 
     sent = []
@@ -463,6 +464,7 @@ def test_a_header_written_at_once_never_overtakes_frames_queued_before_it(queued
     from types import SimpleNamespace
 
     from tensorferry.p2p._engine import Engine
+
     from tensorferry.p2p._link import Link
     from tensorferry.p2p._spec import describe
 
@@ -724,6 +726,7 @@ def test_a_fault_settles_as_done_a_transfer_whose_work_finished(caller_first):
 
     from tensorferry.p2p._engine import Engine
     from tensorferry.p2p._engine_state import Message, PeerState, Unit
+
     from tensorferry.p2p._spec import describe
     from tensorferry.p2p._transfer import Transfer
     from tensorferry.p2p._transport import P2POp
@@ -758,10 +761,11 @@ def test_a_transfer_a_fault_counted_unfinished_never_reports_success():
     import threading
     import time
 
-    from tensorferry.errors import MismatchError
     from tensorferry.p2p._engine import Engine
     from tensorferry.p2p._engine_issue import Unwatched
     from tensorferry.p2p._engine_state import Message, PeerState, Unit
+
+    from tensorferry.errors import MismatchError
     from tensorferry.p2p._spec import describe
     from tensorferry.p2p._transfer import Transfer
     from tensorferry.p2p._transport import P2POp
@@ -813,6 +817,7 @@ def test_a_calls_event_put_off_to_its_issue_is_recorded_before_submit_returns(
 
     from tensorferry.p2p._engine import Engine
     from tensorferry.p2p._engine_state import Message, Unit
+
     from tensorferry.p2p._spec import describe
     from tensorferry.p2p._transfer import Transfer
     from tensorferry.p2p._transport import P2POp
@@ -909,8 +914,9 @@ def test_transfers_nobody_took_yet_count_as_in_flight_for_the_gil(monkeypatch):
     # An issued transfer waits in the engine's Unwatched until its caller or a sweep takes it:
     # a burst of sends nobody waits for is hundreds of them before the first sweep, and NCCL's
     # launches must let go of the GIL all the same once that many are in flight.
-    from tensorferry.p2p import _transport
     from tensorferry.p2p._engine_issue import Unwatched
+
+    from tensorferry.p2p import _transport
     from tensorferry.runtime import CompletionPool
 
     pool = CompletionPool(threads=1)
@@ -953,8 +959,9 @@ def test_a_units_queued_work_counts_a_kernel_per_message_and_one_for_packing():
 
 
 def test_a_streams_room_counts_kernels_and_the_unit_that_ends_wakes_the_engine():
-    from tensorferry.p2p import _engine_issue
     from tensorferry.p2p._engine_issue import ROOM_ON_STREAM, Issuing
+
+    from tensorferry.p2p import _engine_issue
 
     woke = []
     engine = SimpleNamespace(
