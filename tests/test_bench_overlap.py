@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from tensorferry.bench import overlap
+from tensorferry.bench._report import time_ratio_text
 
 
 class _FakeGraph:
@@ -57,3 +58,16 @@ def test_bad_inflight_is_a_usage_error(bad):
     args = parser.parse_args(["--inflight", bad])
     with pytest.raises(SystemExit, match="--inflight"):
         overlap.run(args)
+
+
+@pytest.mark.parametrize(
+    "time, reference, text",
+    [
+        (1.23, 1.0, "1.23× the time of overlap off (slower)"),
+        (0.81, 1.0, "0.81× the time of overlap off (faster)"),
+        (1.001, 1.0, "1.00× the time of overlap off (same)"),
+        (22.0, 100.0, "0.22× the time of overlap off (faster)"),
+    ],
+)
+def test_verdicts_are_ratios_of_times_never_negative_percentages(time, reference, text):
+    assert time_ratio_text(time, reference, "overlap off") == text

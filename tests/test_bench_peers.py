@@ -1,4 +1,5 @@
-"""``tensorferry bench peers``: a quick CPU run end to end, its byte check, and its pure pieces."""
+"""``tensorferry bench peers``: a quick CPU run end to end, its byte check and its pure pieces;
+and the options it shares with every other benchmark (``--out``, ``--json``, ``--help``)."""
 
 import csv
 import json
@@ -8,7 +9,7 @@ import torch
 
 from tensorferry.bench import _peers_plan, _peers_report, _peers_timing
 from tensorferry.bench._peers_payload import POISON_BYTE, Payload, first_difference, poison
-from tensorferry.cli.main import main
+from tensorferry.cli.main import BENCHMARKS, main
 
 
 def test_quick_cpu_run_times_torch_and_tensorferry_on_every_row(tmp_path, capsys):
@@ -209,3 +210,25 @@ def test_plans_scale_sizes_and_iterations():
 def test_bad_rows_are_one_line_before_anything_starts():
     with pytest.raises(SystemExit, match="--rows 'kv,nope'"):
         main(["bench", "peers", "--rows", "kv,nope"])
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_has_the_same_out_default_and_json(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", name, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out OUT folder for the result files" in text
+    assert f"(default: bench-results/{name}/)" in text
+    assert "--json print the results as JSON on stdout" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    if name == "sendrecv":
+        assert "Needs two CUDA GPUs on this machine" in text
+
+
+def test_json_of_another_benchmark_is_one_document_too(tmp_path, capsys):
+    assert main(["bench", "lifecycle", "--cycles", "3", "--json", "--out", str(tmp_path)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    (report,) = document["reports"]
+    assert report["theme"] == "lifecycle" and len(report["rows"]) == 3
+    assert all(path.startswith(str(tmp_path)) for path in report["files"])

@@ -58,18 +58,18 @@ class Workspace:
 
     @staticmethod
     def _arena(needed: bool, row: Row, dtype: Any, device: Any) -> Any:
+        """A flat buffer for all of the row's tensors, or ``None`` where this rank needs none."""
         import torch
 
-        return (
-            torch.empty(row.count * math.prod(row.shape), dtype=dtype, device=device)
-            if needed
-            else None
-        )
+        if not needed:
+            return None
+        return torch.empty(row.count * math.prod(row.shape), dtype=dtype, device=device)
 
     def _views(self, arena: Any) -> list[Any]:
-        return (
-            list(arena.view(self.row.count, *self.row.shape).unbind(0)) if arena is not None else []
-        )
+        """The row's tensors in ``arena``: contiguous, one after another."""
+        if arena is None:
+            return []
+        return list(arena.view(self.row.count, *self.row.shape).unbind(0))
 
     def prepare(self, iteration: int) -> None:
         """Writes rank 0's contents of ``iteration`` and poisons the buffers it lands in."""
@@ -215,7 +215,10 @@ def tensorferry_case(ws: Workspace, settle: Callable[[], None], timeout_s: float
     def batch(it: int) -> None:
         with tf.batch() as group:
             for tensor in ws.out if sends else ws.into:
-                group.send(tensor, peer) if sends else group.recv(tensor, peer)
+                if sends:
+                    group.send(tensor, peer)
+                else:
+                    group.recv(tensor, peer)
         group.wait(timeout_s)
 
     def round_trip(it: int) -> None:

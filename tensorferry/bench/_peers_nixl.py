@@ -37,10 +37,20 @@ def unavailable_reason(device_type: str) -> str | None:
     if device_type != "cuda":
         return "this bench runs NIXL between GPUs only"
     try:
-        import nixl._api  # noqa: F401
+        _api()
     except Exception as exc:  # ImportError, or a broken install raising anything
         return f"nixl is not importable ({type(exc).__name__}: {exc})"
     return None
+
+
+def _api() -> Any:
+    """NIXL's Python API module: the CUDA 13 wheel ships it as ``nixl_cu13``, others as
+    ``nixl``."""
+    try:
+        import nixl_cu13 as api
+    except ImportError:
+        from nixl import _api as api
+    return api
 
 
 def nixl_version() -> str | None:
@@ -66,9 +76,9 @@ class NixlPeer:
     """
 
     def __init__(self, rank: int, timeout_s: float) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.agent = nixl_agent(f"tensorferry-peers-{rank}", nixl_agent_config(backends=["UCX"]))
+        api = _api()
+        config = api.nixl_agent_config(backends=["UCX"])
+        self.agent = api.nixl_agent(f"tensorferry-peers-{rank}", config)
         self.timeout_s = timeout_s
         self.remote: str | None = None
         self._registered: list[Any] = []

@@ -7,6 +7,7 @@ tensorferry (the pipeline's floor: compute only). Both ranks return the same res
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import sys
 import traceback
@@ -24,9 +25,18 @@ COMPUTE_ONLY = "compute only"
 def rank_main(rank: int, world: int, plan: Plan, nixl_reason: str | None) -> dict[str, Any]:
     """One rank's run (``tensorferry.p2p._launch.run_world`` calls it after ``tf.init``).
 
+    What it prints goes to stderr (NIXL's agents print as they start): stdout carries the
+    report, which ``--json`` keeps for its document alone.
+
     Returns:
-        ``{"rows": [...], "wrong_bytes": None or {...}}``; see :func:`_row_result`.
+        ``{"rows": [...], "wrong_bytes": None or {...}}``: one entry per row with each
+        contender's times or the reason it has none; what a byte check found, if anything.
     """
+    with contextlib.redirect_stdout(sys.stderr):
+        return _rank_main(rank, world, plan, nixl_reason)
+
+
+def _rank_main(rank: int, world: int, plan: Plan, nixl_reason: str | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 

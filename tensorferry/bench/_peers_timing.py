@@ -84,22 +84,23 @@ def time_case(
         try:
             case.run(iteration)
             sync_device()
+            done = time.perf_counter_ns()
+            problem = case.check(iteration)
         except Exception:
             state, message = _FAILED, _last_line(traceback.format_exc())
             continue  # to the barrier, which tells the peer
-        done = time.perf_counter_ns()
-        problem = case.check(iteration)
         if problem is not None:
             state, message = _WRONG_BYTES, f"rank {rank}, iteration {iteration}: {problem}"
             continue
         if iteration >= warmup:
             starts.append(start)
             dones.append(done)
-    else:
-        _worst(state, control)  # the peer's last barrier: it may have failed in its last run
+    # Both ranks are here after the same number of barriers: either every iteration ran on
+    # both, or both saw the same failure at the same barrier. The states of the last runs
+    # travel with the times.
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, (state, message, starts, dones), group=control)
-    wrong = [f"{m}" for s, m, _, _ in gathered if s == _WRONG_BYTES]
+    wrong = [m for s, m, _, _ in gathered if s == _WRONG_BYTES]
     if wrong:
         return Outcome([], wrong_bytes="; ".join(wrong))
     failed = [f"rank {r}: {m}" for r, (s, m, _, _) in enumerate(gathered) if s == _FAILED]
