@@ -324,11 +324,11 @@ class _Ring(Transfer):
         )
         self._pairs = self._current._pairs
 
-    def _progress(self) -> bool:
+    def _progress(self, *, hand_off: bool = True) -> bool:
         current = self._current
         if current is None:
             return self._done.is_set()
-        current._progress()
+        current._progress(hand_off=hand_off)
         if current._done.is_set():
             if current._error is not None:
                 self._current = None
@@ -340,6 +340,10 @@ class _Ring(Transfer):
             else:
                 self._next_step()
         return self._done.is_set()
+
+    def _block(self, limit: float) -> bool:
+        current = self._current
+        return current._block(limit) if current is not None else False
 
     @property
     def description(self) -> str:

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 ONE_SIDED = "ce"
+# How often the idle-pair watcher reads frames of pairs no caller holds (seconds).
+_IDLE_READ_S = 0.02
 # Modules of transports built beside this layer; imported at init so they register themselves.
 # A module that is missing or fails to import is skipped.
 OPTIONAL_TRANSPORT_MODULES = ["tensorferry.p2p.nvlink.transport"]
@@ -82,10 +84,27 @@ class P2PContext:
             epoch_of=lambda peer: self.pair(peer).epoch,
         )
         self.links = Links(rank, self.host, store, self._incoming)
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_idle_pairs, name="tensorferry-idle")
+        self._watcher.daemon = True
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
         self.links.start()
+        self._watcher.start()
+
+    def _watch_idle_pairs(self) -> None:
+        """Reads the frames of pairs no caller holds, every ``_IDLE_READ_S``: a rank that makes
+        no call still answers its peers' faults (their next calls wait for that answer)."""
+        while not self._stopping.wait(_IDLE_READ_S):
+            for pair in list(self._pairs.values()):
+                if pair.lock.acquire(blocking=False):
+                    try:
+                        pair.progress()
+                    except Exception:
+                        log.debug("p2p: reading an idle pair failed", exc_info=True)
+                    finally:
+                        pair.lock.release()
 
     def bind_device(self) -> None:
         if self.device.type == "cuda":
@@ -106,6 +125,12 @@ class P2PContext:
                 if pair is None:
                     pair = self._pairs[peer] = Pair(self, peer)
         return pair
+
+    def busy_pairs(self, besides: list[Pair]) -> list[Pair]:
+        """Pairs other than ``besides`` with messages open: a waiter moves them on too (a
+        gloo receive is posted only once its header is read, and a peer's send may wait on
+        it)."""
+        return [p for p in self._pairs.values() if p.busy and p not in besides]
 
     def route(self, name: str) -> Any:
         """The route of transport ``name`` (made on first use).
@@ -215,6 +240,9 @@ class P2PContext:
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         self.transport_ctx.stopping.set()
+        self._stopping.set()
+        if self._watcher.is_alive():
+            self._watcher.join(1.0)
         reason = TensorFerryError("tf.shutdown() was called")
         for pair in list(self._pairs.values()):
             try:

@@ -19,7 +19,7 @@ packed into one byte buffer; large ones go alone, with no copy.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import logging
 import queue
 import threading
@@ -30,8 +30,9 @@ import torch
 
 from tensorferry.errors import PeerLostError, TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
-from tensorferry.p2p._transport import TransportContext
+from tensorferry.p2p._transport import TransportContext, cached_pair
 from tensorferry.p2p._two_sided import scratch_for
+from tensorferry.runtime import communicator_cache
 
 if TYPE_CHECKING:
     from tensorferry.p2p._message import Message
@@ -45,6 +46,8 @@ PACK_BELOW = 256 << 10
 _TAG = 0  # messages of a direction are issued in number order: gloo matches them in order
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
 _MAKING = "making"
+# Groups given up on (faults), kept referenced until shutdown: see _Group.abort.
+_given_up: list = []
 
 
 class _Works:
@@ -86,11 +89,25 @@ def _timedelta(seconds: float) -> Any:
 
 
 class _Group:
-    """A pair's process group for one epoch, and its waiter threads (one per direction)."""
+    """A pair's process group for one epoch, and its waiter threads (one per direction). Kept
+    in the runtime's communicator cache under ``("gloo", lo, hi)``."""
 
     def __init__(self, pg: Any, other: int, epoch: int) -> None:
         self.pg, self.other, self.epoch = pg, other, epoch
         self._waiters: dict[str, queue.SimpleQueue] = {}
+        self.given_up = False
+
+    def abort(self) -> None:
+        """A fault: its waiters end after the works they hold (gloo cannot cut a wait short;
+        each ends by its deadline at the latest). The group itself is kept until shutdown:
+        dropped at once, it would close its connection, and the peer's transfers on it would
+        fail as if this rank were gone before the fault's notice told it why."""
+        self.given_up = True
+        self.stop()
+        _given_up.append(self)
+
+    def close(self) -> None:
+        self.stop()
 
     def waiter(self, kind: str) -> queue.SimpleQueue:
         jobs = self._waiters.get(kind)
@@ -108,13 +125,40 @@ class _Group:
             jobs.put(None)
 
 
+# Waits under way (their end, monotonic): a waiter that comes out of gloo's wait after the
+# interpreter began finalizing kills the process ("terminate called without an active
+# exception"), so an exiting process lets them end first, for up to _EXIT_WAIT_S.
+_waiting: dict[int, float] = {}
+_EXIT_WAIT_S = 10.0
+
+
 def _wait_loop(jobs: queue.SimpleQueue) -> None:
+    me = threading.get_ident()
     while True:
         job = jobs.get()
         if job is None:
             return
         works, until = job
-        works.wait(until)
+        _waiting[me] = until
+        try:
+            works.wait(until)
+        finally:
+            _waiting.pop(me, None)
+
+
+@atexit.register
+def _let_waits_end() -> None:
+    if not _waiting:
+        return
+    log.warning(
+        "tensorferry: %d gloo transfer(s) still under way at exit; waiting up to %.0f s for "
+        "them to end (a gloo wait cut short by the exit would abort the process)",
+        len(_waiting),
+        _EXIT_WAIT_S,
+    )
+    end = time.monotonic() + _EXIT_WAIT_S
+    while _waiting and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 class GlooRoute:
@@ -130,7 +174,6 @@ class GlooRoute:
         self.ctx = ctx
         self._lock = threading.Lock()
         self._groups: dict[int, tuple[int, Any]] = {}  # peer -> (epoch, _Group | making | error)
-        self._kept: list[_Group] = []  # groups given up on: dropped at shutdown, not before
         self._groups_of: dict[int, _Group] = {}  # unclaimed receives' works -> their group
 
     # ------------------------------------------------------------------ the pair's group
@@ -151,6 +194,10 @@ class GlooRoute:
                     return False
                 del self._groups[pair.peer]
                 raise made[1]
+            cached = communicator_cache().get(self._key(pair.peer))
+            if isinstance(cached, _Group) and cached.epoch == epoch:  # made by tf.prepare
+                self._groups[pair.peer] = (epoch, cached)
+                return True
             self._groups[pair.peer] = (epoch, _MAKING)
         thread = threading.Thread(
             target=self._make_in_background, args=(pair.peer, epoch), name="tensorferry-gloo-pair"
@@ -179,22 +226,30 @@ class GlooRoute:
         except TensorFerryError as exc:
             outcome = exc
         except Exception as exc:
-            outcome = TransportError(f"gloo: making the pair with rank {peer} failed: {exc}")
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            lost = any(hint in text for hint in (*_LOST_HINTS, "Connection was likely closed"))
+            cls = PeerLostError if lost else TransportError
+            outcome = cls(f"gloo: making the pair with rank {peer} failed: {text}")
         with self._lock:
             made = self._groups.get(peer)
             if made is not None and made[0] == epoch and made[1] == _MAKING:
                 self._groups[peer] = (epoch, outcome)
                 return
-        if isinstance(outcome, _Group):
-            self._kept.append(outcome)  # the pair moved on meanwhile
 
     def _make(self, peer: int, epoch: int) -> _Group:
-        import torch.distributed as dist
+        def create() -> _Group:
+            import torch.distributed as dist
 
-        store = self.ctx.pair_store(peer, self.name, epoch)
-        self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
-        me = self.ctx.rank_in_pair(peer)
-        return _Group(dist.ProcessGroupGloo(store, me, 2, self.ctx.timeout), 1 - me, epoch)
+            with self.ctx.borrowed_pair_store(peer, self.name, epoch) as store:
+                self.ctx.meet(store, peer, f"gloo: the pair with rank {peer}", epoch)
+                me = self.ctx.rank_in_pair(peer)
+                pg = dist.ProcessGroupGloo(store, me, 2, self.ctx.timeout)
+            return _Group(pg, 1 - me, epoch)
+
+        return cached_pair(self._key(peer), epoch, create)
+
+    def _key(self, peer: int) -> tuple[str, int, int]:
+        return (self.name, *self.ctx.pair(peer))
 
     def _group(self, pair: Pair) -> _Group:
         made = self._groups.get(pair.peer)
@@ -271,19 +326,13 @@ class GlooRoute:
 
     def evict(self, pair: Pair, reason: str) -> None:
         with self._lock:
-            made = self._groups.pop(pair.peer, None)
-        if made is not None and isinstance(made[1], _Group):
-            made[1].stop()
-            # Kept until shutdown: dropping it closes its connection, and the peer's transfers
-            # on it would fail as if this rank were gone before the fault's notice told it why.
-            self._kept.append(made[1])
+            self._groups.pop(pair.peer, None)
+        communicator_cache().evict(self._key(pair.peer), abort=True, reason=reason)
 
     def close(self) -> None:
         with self._lock:
-            groups = [m[1] for m in self._groups.values() if isinstance(m[1], _Group)]
+            peers = list(self._groups)
             self._groups.clear()
-        for group in groups:
-            group.stop()
-        self._kept.extend(groups)
-        with contextlib.suppress(Exception):
-            self._kept.clear()
+        for peer in peers:
+            communicator_cache().evict(self._key(peer), abort=False, reason="shutdown")
+        _given_up.clear()

@@ -171,6 +171,7 @@ class Link:
         self._out = bytearray()
         self._chunk = bytearray(_CHUNK)  # what one read through the compiled helper takes in
         self.closed = False
+        self._ended = False  # the peer closed its end (what came before is still read)
         self.interest = selectors.EVENT_READ  # what the engine's selector watches it for
         self.read_at = float("-inf")  # monotonic time of the last receive()
 
@@ -251,10 +252,11 @@ class Link:
     def receive(self) -> list[dict[str, Any]] | None:
         """Reads what is available. Returns the complete frames, or ``None`` at EOF/reset."""
         self.read_at = time.monotonic()
-        while True:
+        while not self._ended:
             chunk = self._recv()
-            if chunk is None:
-                return None
+            if chunk is None:  # the end: frames that came before it are handled first
+                self._ended = True
+                break
             if not chunk and not self._in:  # nothing came, nothing left over: most reads
                 return []
             self._in += chunk
@@ -275,6 +277,8 @@ class Link:
             frames.append(frame)
             start = end
         del data[:start]  # once: frames that came together are not moved once per frame
+        if self._ended and not frames:
+            return None
         return frames
 
     def close(self) -> None:

@@ -75,9 +75,8 @@ class Links:
             PeerLostError: the peer's address cannot be had (the store is gone) or it does not
                 answer.
         """
-        store = self.store.clone() if hasattr(self.store, "clone") else self.store
         try:
-            address = bytes(store.get(f"addr/{peer}")).decode()
+            address = bytes(self.store.get(f"addr/{peer}")).decode()
         except Exception as exc:  # a DistStoreError, or the store's host is gone
             raise PeerLostError(
                 f"cannot reach rank {peer}: its address could not be read from the "
@@ -116,6 +115,7 @@ class Links:
 
     def close(self) -> None:
         self._closed = True
+        self.store = None  # the world's store: nothing of this rank's holds it past shutdown
         with contextlib.suppress(OSError):
             self._stop_w.send(b"x")
         if self._thread.is_alive() and self._thread is not threading.current_thread():

@@ -31,12 +31,15 @@ class Message:
         seq, epoch: its number in its direction of the pair, and the pair's epoch then.
         state: ``WAITING``, ``ISSUED`` or ``ENDED``.
         pending: the route's handle of the issued work.
+        announced: its frame went to the peer (a two-sided send's header, a one-sided
+            receive's post).
         answered: a two-sided send: the receiver's answer (accepted or mismatched) came.
         error: why it failed (set once it is known; it ends with it).
         done_event: a CUDA event after its device work, for ``Transfer.wait_stream``.
     """
 
     __slots__ = (
+        "announced",
         "answered",
         "caller_event",
         "done_event",
@@ -64,6 +67,7 @@ class Message:
         self.state = WAITING
         self.pending: Any = None
         self.answered = False
+        self.announced = False
         self.error: BaseException | None = None
         self.done_event: Any = None
 

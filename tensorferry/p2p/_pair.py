@@ -1,7 +1,7 @@
 """A pair of ranks seen from one side: numbering, frames, issue, completion and faults.
 
-Messages are numbered per direction and epoch in the order of this rank's calls. The k-th send
-from A to B in an epoch meets the k-th receive B posts from A in that epoch. Frames (small
+Messages are numbered per direction in the order of this rank's calls. The k-th send from A to
+B meets the k-th receive B posts from A. Frames (small
 JSON dicts on the control links, :mod:`._links`) say what each side posted:
 
 =========  ==============  =====================================================================
@@ -11,7 +11,8 @@ frame      from            meaning
 ``a``      receiver        message n of a two-sided route matched; its receive is issued
 ``p``      receiver        post of message n of a one-sided route: layout, route, where it goes
 ``m``      the comparer    message n did not match (``dir``: whose message the frame is about)
-``f``      either          a fault: every open message of epoch ``e`` fails; both move on
+``f``      either          fault number ``e``: every open message fails; the sender's counts
+``fa``     the other side  the answer to ``f``: its counts
 ``bye``    either          ``tf.shutdown()``: the pair ends
 =========  ==============  =====================================================================
 
@@ -20,10 +21,19 @@ Whoever issues the data movement compares the two layouts: the receiver of a two
 scratch, so that nothing waits), the sender of a one-sided route (ce: it writes into the
 receiver's posted buffers). Messages of a direction are issued in number order.
 
-A fault (a deadline passed, a route failed) fails every open message of the pair on both sides,
-aborts the pair's route resources and moves both sides to the next epoch, numbers back at 0.
-Frames carry their epoch; those of an epoch left behind are dropped. Nothing is owed across
-epochs, so a fault never shifts a later message, and other pairs never hear of it.
+A fault (a deadline passed, a route failed) fails every open message of the pair on both sides
+and aborts the pair's route resources: the next message makes fresh ones (a new *epoch*, which
+names them). Numbers go on: the k-th call of a direction always meets the peer's k-th call of
+it, and where either failed, both do. So a fault sets a *cut* per direction, the larger of both
+sides' counts of numbered messages then: every message below it that is not done has failed,
+including calls the peer makes only later (a receive posted after its sender gave up fails at
+once). The faulting side sends ``f`` with its counts; the peer answers ``fa`` with its own (two
+faults that cross answer each other). Until the answer comes the faulting side numbers new
+calls but issues none of them: some may fall below the cut. No fault shifts a later message,
+and other pairs never hear of it.
+
+A peer that makes no call still answers: a watcher thread (:func:`watch_idle_pairs`) reads the
+frames of pairs no caller holds, every few milliseconds.
 
 Thread-safety: every method runs under the pair's re-entrant lock; callers' threads, the
 acceptor thread (attaching the peer's link) and the completion pool's poller (transfers with
@@ -56,6 +66,9 @@ __all__ = ["Pair"]
 log = logging.getLogger(__name__)
 
 _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLostError)}
+# How often our own link is read for its end (a peer gone without a word); the peer's link,
+# read at every step, tells sooner.
+_OUT_READ_S = 0.005
 
 
 class Pair:
@@ -67,11 +80,15 @@ class Pair:
         self.lock = threading.RLock()
         self.epoch = 0
         self._next = {"send": 0, "recv": 0}
+        self._cut = {"send": 0, "recv": 0}  # numbers below these that are not done failed
+        self._faults = 0  # faults so far: both sides count alike (frames name them)
+        self._awaiting: set[int] = set()  # our faults the peer has not answered
+        self._fault_error: BaseException | None = None  # what failed the messages below cut
         self._open: dict[str, dict[int, Message]] = {"send": {}, "recv": {}}
         self._frames: dict[str, dict[int, dict]] = {"h": {}, "p": {}}  # came before their call
         self._out: Any = None  # our link to the peer (we write)
         self._in: Any = None  # the peer's link to us (we read)
-        self._early_in: list = []  # links that came while the pair was being made
+        self._out_read_at = 0.0
         self.lost: BaseException | None = None
         self.streams: dict[str, Any] = {}  # CUDA: one send and one receive stream per pair
         self._client: Any = None
@@ -87,18 +104,10 @@ class Pair:
             message.seq = self._next[kind]
             message.epoch = self.epoch
             self._next[kind] += 1
-            self._open[kind][message.seq] = message
-            route = self.ctx.route(message.route)
-            try:
-                if route.one_sided and kind == "recv":
-                    frame = route.post(self, message)
-                    self._send({"k": "p", **self._head(message), **frame})
-                    message.state = ISSUED
-                elif not route.one_sided and kind == "send":
-                    self._send({"k": "h", **self._head(message)})
-            except TensorFerryError as exc:
-                self._end(message, exc)
+            if message.seq < self._cut[kind]:  # its peer's side failed in a fault
+                self._end(message, _sibling(self._fault_error, self.peer))
                 return
+            self._open[kind][message.seq] = message
             self._pump()
             self._advance()
 
@@ -117,6 +126,16 @@ class Pair:
                 self._in.close()  # a peer that made a new link: the old one is done
             self._in = link
 
+    @property
+    def busy(self) -> bool:
+        """Whether messages are open (read without the lock: a hint)."""
+        return bool(self._open["send"] or self._open["recv"])
+
+    def incoming_fd(self) -> int | None:
+        """The descriptor the peer's frames arrive on (``None`` before it connected)."""
+        link = self._in
+        return None if link is None or link.closed else link.fileno()
+
     def connect(self) -> None:
         """Makes our link to the peer, if not yet made (blocking, bounded by the timeout).
 
@@ -129,10 +148,11 @@ class Pair:
             self._out = self.ctx.links.connect(self.peer, self.ctx.timeout_s)
 
     def reset(self) -> None:
-        """Moves the pair to a fresh epoch, its route resources let go (both ranks call it at
-        the same point of their programs, with nothing in flight between them)."""
+        """Lets go of the pair's route resources: the next message makes fresh ones (both ranks
+        call it at the same point of their programs, with nothing in flight between them)."""
         with self.lock:
-            self._fault(TransportError("the pair was reset"), False)
+            self.epoch += 1
+            self.ctx.evict_routes(self, reason="reset")
 
     def stream(self, kind: str) -> Any:
         """The CUDA stream this pair's messages of ``kind`` run on."""
@@ -180,21 +200,24 @@ class Pair:
                 self._on_frame(frame)
                 if self.lost is not None:
                     return
-        if self._out is not None and self._out.receive() is None:  # never written to: EOF
-            self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+        now = time.monotonic()
+        if self._out is not None and now > self._out_read_at + _OUT_READ_S:
+            self._out_read_at = now
+            if self._out.receive() is None:  # never written to: only its end comes
+                self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
 
     def _on_frame(self, frame: dict) -> None:
         kind = frame.get("k")
         if kind == "bye":
             self._on_bye()
             return
-        if frame.get("e") != self.epoch:
-            return  # of an epoch this side has left: its messages have failed already
-        if kind == "f":
-            cls = _ERRORS.get(frame.get("err", ""), TransportError)
-            self._fault(cls(f"rank {self.peer} reset the pair: {frame.get('why', '')}"), False)
+        if kind in ("f", "fa"):
+            self._on_fault_frame(frame)
             return
         seq = frame["n"]
+        mine = "recv" if kind == "h" else "send" if kind in ("p", "a") else frame.get("dir")
+        if seq < self._cut.get(mine, 0):
+            return  # about a message a fault failed already
         if kind in ("h", "p"):
             self._frames[kind][seq] = frame  # taken by its message (see _advance)
             return
@@ -214,15 +237,35 @@ class Pair:
 
     # ------------------------------------------------------------------ issue
     def _advance(self) -> None:
+        if self._awaiting:
+            return  # nothing is issued until the peer answers our fault (see the docstring)
         if self._frames["h"] or self._frames["p"]:
             self._find_route_mismatches()
         for kind in ("send", "recv"):
+            for message in list(self._open[kind].values()):
+                if not message.announced:
+                    self._announce(message)
             for message in list(self._open[kind].values()):
                 if message.state == WAITING and not self._try_issue(message):
                     break  # later messages of this direction wait for it
             for message in list(self._open[kind].values()):
                 if message.state == ISSUED:
                     self._poll(message)
+
+    def _announce(self, message: Message) -> None:
+        """Tells the peer of ``message``: a two-sided send's header, a one-sided receive's post
+        (which also issues it: the sender writes once it reads the post)."""
+        message.announced = True
+        route = self.ctx.route(message.route)
+        try:
+            if route.one_sided and message.kind == "recv":
+                frame = route.post(self, message)
+                self._send({"k": "p", **self._head(message), **frame})
+                message.state = ISSUED
+            elif not route.one_sided and message.kind == "send":
+                self._send({"k": "h", **self._head(message)})
+        except TensorFerryError as exc:
+            self._end(message, exc)
 
     def _find_route_mismatches(self) -> None:
         """A header for a one-sided receive, or a post for a two-sided send: the two sides
@@ -342,28 +385,70 @@ class Pair:
         message.state = ENDED
         message.error = error
         self._open[message.kind].pop(message.seq, None)
-        if message.transfer is not None:
-            message.transfer._message_ended(message)
+        transfer, message.transfer = message.transfer, None  # no cycle outlives the message
+        if transfer is not None:
+            transfer._message_ended(message)
 
     # ------------------------------------------------------------------ faults
     def _fault(self, error: BaseException, notify: bool, *, cause: Message | None = None) -> None:
         """Fails every open message (``cause`` with ``error``, the others with a note of it),
-        aborts the pair's route resources and moves to the next epoch; with ``notify`` the
-        peer is told (it does the same)."""
-        epoch = self.epoch
-        log.info("p2p: pair with rank %d: fault in epoch %d: %s", self.peer, epoch, error)
+        aborts the pair's route resources and moves to the next epoch. With ``notify`` the
+        peer is told, and nothing more is issued until it answers."""
+        fault = self._faults
+        log.info("p2p: pair with rank %d: fault %d: %s", self.peer, fault, error)
+        self._begin_epoch(error, cause)
+        if notify:
+            self._awaiting.add(fault)
+            try:
+                self._send({"k": "f", "e": fault, **self._counts(), **_error_fields(error)})
+            except TensorFerryError:
+                self._awaiting.discard(fault)
+
+    def _begin_epoch(self, error: BaseException, cause: Message | None) -> None:
         self.epoch += 1
-        self._next = {"send": 0, "recv": 0}
+        self._faults += 1
+        self._fault_error = error
+        for kind in ("send", "recv"):
+            self._cut[kind] = max(self._cut[kind], self._next[kind])
         self._frames = {"h": {}, "p": {}}
         opened, self._open = self._open, {"send": {}, "recv": {}}
         self.ctx.evict_routes(self, reason=str(error))
         for messages in opened.values():
             for message in messages.values():
                 self._end(message, error if message is cause else _sibling(error, self.peer))
-        if notify:
-            frame = {"k": "f", "e": epoch, "why": str(error), "err": type(error).__name__}
+
+    def _counts(self) -> dict:
+        return {"s": self._next["send"], "r": self._next["recv"]}
+
+    def _on_fault_frame(self, frame: dict) -> None:
+        """The peer's fault (``f``) or its answer to ours (``fa``): both carry its counts."""
+        fault, kind = frame.get("e"), frame["k"]
+        if kind == "f" and fault == self._faults:  # its fault, news to us: we fault too
+            cls = _ERRORS.get(frame.get("err", ""), TransportError)
+            error = cls(f"rank {self.peer} reset the pair: {frame.get('why', '')}")
+            if cls is MismatchError:
+                error = MismatchError(str(error), field=frame.get("field"))
+            self._begin_epoch(error, None)
+            self._raise_cut(frame)
             with contextlib.suppress(TensorFerryError):
-                self._send(frame)
+                self._send({"k": "fa", "e": fault, **self._counts()})
+            return
+        if fault in self._awaiting:  # the answer to our fault (or a fault crossing ours)
+            self._awaiting.discard(fault)
+            self._raise_cut(frame)
+
+    def _raise_cut(self, frame: dict) -> None:
+        """Lifts the cut to the peer's counts; fails what is now below it."""
+        self._cut["send"] = max(self._cut["send"], frame.get("r", 0))
+        self._cut["recv"] = max(self._cut["recv"], frame.get("s", 0))
+        for kind in ("send", "recv"):
+            for seq, message in list(self._open[kind].items()):
+                if seq < self._cut[kind]:
+                    self._end(message, _sibling(self._fault_error, self.peer))
+            for frame_kind in ("h", "p"):
+                for seq in [n for n in self._frames[frame_kind] if n < self._cut[kind]]:
+                    if (frame_kind == "h") == (kind == "recv"):
+                        del self._frames[frame_kind][seq]
 
     def _on_bye(self) -> None:
         """The peer shut down cleanly: what it can no longer answer fails; what is issued
@@ -408,7 +493,14 @@ class Pair:
                 self._client = None
 
 
-def _sibling(error: BaseException, peer: int) -> BaseException:
+def _error_fields(error: BaseException) -> dict:
+    fields = {"why": str(error), "err": type(error).__name__}
+    if isinstance(error, MismatchError):
+        fields["field"] = error.field
+    return fields
+
+
+def _sibling(error: BaseException | None, peer: int) -> BaseException:
     """The error of a message that failed because another message of its pair faulted."""
     text = f"the pair with rank {peer} was reset: {error}"
     if isinstance(error, MismatchError):

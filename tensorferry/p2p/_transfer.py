@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 # a small message is done in tens of microseconds, and a sleeping thread wakes late.
 _SPIN_S = 2e-3
 _SLEEP_MAX_S = 1e-3
+# Spinning, a waiter looks again after at most this long without a frame (seconds) ...
+_FRAME_WAIT_S = 100e-6
+# ... or after this long spinning on a one-sided route's words alone (faults, deadlines).
+_WORD_SPIN_S = 200e-6
 
 
 class Transfer:
@@ -110,7 +115,7 @@ class Transfer:
                 if self._block(limit):
                     continue
                 if now < spin_until:
-                    os.sched_yield()
+                    self._pause_briefly()
                 else:
                     time.sleep(pause)
                     pause = min(pause * 2, _SLEEP_MAX_S)
@@ -136,16 +141,19 @@ class Transfer:
         return self._error
 
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
-        """Calls ``fn(transfer)`` once it ended, on a completion-pool thread (at once there if
-        it ended already). Exceptions of ``fn`` are logged."""
+        """Calls ``fn(transfer)`` once it ended, on a completion-pool thread (at once on this
+        thread if it ended already). Exceptions of ``fn`` are logged."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 watch = not self._watched
                 self._watched = True
                 fn = None  # type: ignore[assignment]
-        if fn is not None:
-            self._run_callbacks([fn])
+        if fn is not None:  # done already: at once, on this thread
+            try:
+                fn(self)
+            except Exception:
+                log.exception("p2p: a done-callback of %s raised", self.description)
         elif watch:
             self._watch()
 
@@ -193,6 +201,9 @@ class Transfer:
         only a blocking wait completes (a gloo receive) goes to a thread that waits for it."""
         for pair in self._pairs:
             pair.progress()
+        if self._pairs:  # a receive posted with another peer may be what this one waits on
+            for pair in self._pairs[0].ctx.busy_pairs(self._pairs):
+                pair.progress()
         if hand_off and not self._done.is_set():
             for message in self._messages:
                 if message.state == ISSUED and message.kind == "recv":
@@ -200,6 +211,25 @@ class Transfer:
                     if hasattr(route, "hand_off"):
                         route.hand_off(message, self.deadline)
         return self._done.is_set()
+
+    def _pause_briefly(self) -> None:
+        """Between two looks while spinning: until a frame arrives from a peer whose frame a
+        message waits for (no thread wakes this one: the kernel does), or, when every message
+        is issued, until a word a one-sided route's device writes says done."""
+        waiting = [m for m in self._messages if m.state == WAITING]
+        if waiting:
+            fds = {p.incoming_fd() for p in self._pairs} - {None}
+            if fds:
+                select.select(list(fds), [], [], _FRAME_WAIT_S)
+                return
+        else:
+            words = [m for m in self._messages if m.state == ISSUED and self._route_of(m).one_sided]
+            if words and len(words) == sum(m.state != ENDED for m in self._messages):
+                until = time.monotonic() + _WORD_SPIN_S
+                while time.monotonic() < until:
+                    if all(m.pending.done() > m.seq for m in words):
+                        return
+        os.sched_yield()
 
     def _block(self, limit: float) -> bool:
         """Waits on this thread in a route's blocking wait (a gloo receive), where nothing

@@ -341,9 +341,9 @@ def test_tensor_spec_takes_integers_of_other_types_but_not_bools_or_floats():
 
 
 def test_registry():
-    assert {"nccl", "gloo"} <= set(tf.registered_transports())
+    assert "nccl" in tf.registered_transports()
     with pytest.raises(ValueError, match="already registered"):
-        tf.register_transport("gloo", lambda ctx: None)
+        tf.register_transport("nccl", lambda ctx: None)
     with pytest.raises(ValueError):
         tf.register_transport("auto", lambda ctx: None)
     with pytest.raises(TypeError):

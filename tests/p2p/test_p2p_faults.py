@@ -62,13 +62,6 @@ def test_a_process_exits_cleanly_after_its_peer_never_came():
     assert [proc.exitcode for proc in pool._procs] == [0, 0]
 
 
-def test_a_mismatch_read_together_with_its_fault_fails_on_both_sides(pool):
-    started = time.monotonic()
-    results = pool.run("mismatch_read_with_the_fault", ranks=[0, 1])  # rank 2 was killed
-    assert results[:2] == [["MismatchError", "MismatchError"], ["MismatchError"]], results
-    assert time.monotonic() - started < 10.0  # not the transfers' timeout
-
-
 def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
     """A process that leaves with a gloo wait under way (a transfer the peer never does) waits
     for it before the interpreter finalizes, for up to 10 s, and says so: a wait that came out
@@ -92,7 +85,7 @@ def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
             proc.start()
         try:
             rank, status, result = queue.get(timeout=60)
-            assert (rank, status, result) == (1, "ok", "left with a receive in flight"), result
+            assert (rank, status, result) == (1, "ok", "left with a send in flight"), result
             left = time.monotonic()
             procs[1].join(40)
             exit_took = time.monotonic() - left
@@ -106,4 +99,4 @@ def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
                 if proc.is_alive():
                     proc.kill()
     err = capfd.readouterr().err
-    assert "before exiting, waiting up to 10 s for a gloo transfer with rank 0" in err, err
+    assert "gloo transfer(s) still under way at exit; waiting up to 10 s" in err, err

@@ -20,7 +20,6 @@ from _pool import WorkerPool
 FIXED_BY_THE_REBUILD = "fixed by the p2p layer's rebuild (one fast path, per-pair numbering)"
 
 
-@pytest.mark.xfail(strict=True, reason=FIXED_BY_THE_REBUILD)
 def test_a_failed_batch_never_shifts_the_live_peers_messages():
     pool = WorkerPool(3, transfer_timeout=10.0, backend="gloo")
     try:

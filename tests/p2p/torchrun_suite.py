@@ -61,7 +61,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
     cases.append(("bad_arguments", (), dict.fromkeys(range(world), _EVERY_BAD_CALL_REJECTED)))
     cases.append(("timeout_unmatched", (), {0: _TIMED_OUT_IN_TIME, 1: _LATE_SIDE_FAILED}))
     cases.append(("send_recv_all_dtypes", (60,), first_two))
-    if world >= 3 and not _issues_ahead_on_shared_streams(world):
+    if world >= 3:
         # 64 MiB on GPUs: more than NCCL's buffers, so a send waits for its receiver there.
         numel = 1 << 24 if torch.cuda.is_available() else 1 << 16
         first_three = {0: "ok", 1: "ok", 2: "ok"}
@@ -82,17 +82,6 @@ class _Check:
 
     def __repr__(self) -> str:
         return self.text
-
-
-# On GPUs a rank's sends share one stream, and so do its receives; a static message issued
-# ahead of its peer's call then holds those behind it with other peers, and the two cases of
-# that time out over NCCL (docs/transfers.md, "Sends and receives issued ahead"). NCCL issues
-# ahead by default only in a world of two, so they run everywhere but on GPUs with
-# TENSORFERRY_NCCL_SPECULATE=1.
-def _issues_ahead_on_shared_streams(world: int) -> bool:
-    from tensorferry import envs
-
-    return torch.cuda.is_available() and envs.nccl_speculate(world)
 
 
 # Two more bad calls where a rank has another GPU to misuse (see _cases.bad_arguments).
@@ -125,13 +114,6 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     tf.init(timeout=30)  # reuses the process group's store, rank and world size
     rank, world = tf.get_rank(), tf.get_world_size()
-    if rank == 0 and world >= 3 and _issues_ahead_on_shared_streams(world):
-        print(
-            "p2p suite: the two cases of messages issued ahead to several peers are left out "
-            "(on GPUs they need NCCL not to issue ahead, the default with three ranks or more: "
-            "docs/transfers.md)",
-            flush=True,
-        )
     failures = []
     cases = expectations(world)
     for name, args, expected in cases:

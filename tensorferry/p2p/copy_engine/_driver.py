@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 from tensorferry.errors import TransportError
 
@@ -95,13 +96,27 @@ def allocation_of(address: int) -> tuple[int, int, int]:
     """``(buffer id, base, size)`` of the device allocation holding ``address``: the id is
     unique for the process's life, so a freed and remade allocation at the same address is
     told apart."""
-    base, size, ident = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
-    attrs = (ctypes.c_int * 3)(_BUFFER_ID, _RANGE_START, _RANGE_SIZE)
-    data = (ctypes.c_void_p * 3)(
-        ctypes.addressof(ident), ctypes.addressof(base), ctypes.addressof(size)
-    )
-    _check(_lib().cuPointerGetAttributes(3, attrs, data, address), "cuPointerGetAttributes")
-    return ident.value, base.value, size.value
+    out = _query.out
+    if out is None:  # this thread's reusable arguments: building them cost more than the call
+        out = _query.out = _Query()
+    _check(_lib().cuPointerGetAttributes(3, out.attrs, out.data, address), "cuPointerGetAttributes")
+    return out.ident.value, out.base.value, out.size.value
+
+
+class _Query:
+    def __init__(self) -> None:
+        self.base, self.size, self.ident = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        self.attrs = (ctypes.c_int * 3)(_BUFFER_ID, _RANGE_START, _RANGE_SIZE)
+        self.data = (ctypes.c_void_p * 3)(
+            ctypes.addressof(self.ident), ctypes.addressof(self.base), ctypes.addressof(self.size)
+        )
+
+
+class _PerThread(threading.local):
+    out: _Query | None = None
+
+
+_query = _PerThread()
 
 
 def ipc_handle(base: int) -> bytes:

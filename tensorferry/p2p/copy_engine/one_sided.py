@@ -49,6 +49,14 @@ log = logging.getLogger(__name__)
 _READY, _DONE = 0, 4  # byte offsets of the words in their page
 
 
+def _on_device(index: int) -> Any:
+    """The rank's device made current for the driver calls that follow, unless it is already
+    (the usual case: a switch and back cost more than the calls)."""
+    if torch.cuda.current_device() == index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
 class _Words:
     """A page of shared memory holding a direction's READY and DONE words, pinned here."""
 
@@ -96,8 +104,8 @@ class OneSidedRoute:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._lock = threading.Lock()
-        self._handles: dict[int, bytes] = {}  # our allocations' handles, by buffer id
-        self._mapped: dict[bytes, int] = {}  # peers' allocations mapped here, by handle
+        self._handles: dict[int, str] = {}  # our allocations' handles (hex), by buffer id
+        self._mapped: dict[str, int] = {}  # peers' allocations mapped here, by handle (hex)
         self._incoming: dict[int, tuple[int, _Words]] = {}  # peer -> (epoch, our page)
         self._outgoing: dict[int, tuple[str, _Words]] = {}  # peer -> (page name, its page)
 
@@ -108,24 +116,36 @@ class OneSidedRoute:
         words = self._incoming_words(pair)
         stream = pair.stream("recv")
         raw = stream.cuda_stream
-        with torch.cuda.device(self.device):
+        with _on_device(self.device.index):
             if message.caller_event is not None:
                 stream.wait_event(message.caller_event)
             _driver.write_value32(raw, words.device + _READY, message.seq + 1)
-            where = [self._export(t) for t in message.tensors]
+            where = self._export(message.tensors)
         message.pending = words
         return {"b": where, "w": words.name}
 
-    def _export(self, tensor: torch.Tensor) -> list:
-        if tensor.numel() == 0:
-            return ["", 0]
-        address = tensor.data_ptr()
-        ident, base, _ = _driver.allocation_of(address)
-        with self._lock:
-            handle = self._handles.get(ident)
-            if handle is None:
-                handle = self._handles[ident] = _driver.ipc_handle(base)
-        return [handle.hex(), address - base]
+    def _export(self, tensors: tuple[torch.Tensor, ...]) -> list:
+        """``[handle, offset]`` of each tensor: one driver call per allocation the message
+        touches (a KV cache's blocks share a few), the handles made once per allocation."""
+        seen: list[tuple[int, int, str]] = []  # (base, end, handle) of this message's
+        where = []
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes == 0:
+                where.append(["", 0])
+                continue
+            address = tensor.data_ptr()
+            known = next((k for k in seen if k[0] <= address and address + nbytes <= k[1]), None)
+            if known is None:
+                ident, base, size = _driver.allocation_of(address)
+                with self._lock:
+                    handle = self._handles.get(ident)
+                    if handle is None:
+                        handle = self._handles[ident] = _driver.ipc_handle(base).hex()
+                known = (base, base + size, handle)
+                seen.append(known)
+            where.append([known[2], address - known[0]])
+        return where
 
     def _incoming_words(self, pair: Pair) -> _Words:
         kept = self._incoming.get(pair.peer)
@@ -147,24 +167,53 @@ class OneSidedRoute:
         stream = pair.stream("send")
         raw = stream.cuda_stream
         ticket = message.seq + 1
-        with torch.cuda.device(self.device):
+        with _on_device(self.device.index):
             if message.caller_event is not None:
                 stream.wait_event(message.caller_event)
             _driver.wait_value32(raw, words.device + _READY, ticket)
-            for tensor, (handle, offset) in zip(message.tensors, post["b"], strict=True):
-                nbytes = tensor.numel() * tensor.element_size()
-                if nbytes:
-                    target = self._mapped_base(handle) + offset
-                    _driver.memcpy_async(target, tensor.data_ptr(), nbytes, raw)
+            for target, source, nbytes in self._copies(message.tensors, post["b"]):
+                _driver.memcpy_async(target, source, nbytes, raw)
             _driver.write_value32(raw, words.device + _DONE, ticket)
         message.pending = words
 
-    def _mapped_base(self, handle_hex: str) -> int:
-        handle = bytes.fromhex(handle_hex)
-        with self._lock:
-            base = self._mapped.get(handle)
-            if base is None:
-                base = self._mapped[handle] = _driver.ipc_open(handle)
+    def _copies(self, tensors: tuple[torch.Tensor, ...], where: list) -> list[list[int]]:
+        """``[target, source, bytes]`` per copy. Tensors that follow each other in memory on
+        both sides, each side within one allocation (blocks of a pool, back to back), go as
+        one copy: a copy may not cross from one allocation into the next."""
+        copies: list[list[int]] = []
+        sources: list[tuple[int, int]] = []  # (base, end) of the allocations read so far
+        last_handle, last_source = None, None
+        for tensor, (handle, offset) in zip(tensors, where, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            if not nbytes:
+                continue
+            target, source = self._mapped_base(handle) + offset, tensor.data_ptr()
+            home = next((r for r in sources if r[0] <= source and source + nbytes <= r[1]), None)
+            if home is None:
+                _, base, size = _driver.allocation_of(source)
+                home = (base, base + size)
+                sources.append(home)
+            last = copies[-1] if copies else None
+            if (
+                last is not None
+                and handle == last_handle
+                and home == last_source
+                and last[0] + last[2] == target
+                and last[1] + last[2] == source
+            ):
+                last[2] += nbytes
+            else:
+                copies.append([target, source, nbytes])
+            last_handle, last_source = handle, home
+        return copies
+
+    def _mapped_base(self, handle: str) -> int:
+        base = self._mapped.get(handle)
+        if base is None:
+            with self._lock:
+                base = self._mapped.get(handle)
+                if base is None:
+                    base = self._mapped[handle] = _driver.ipc_open(bytes.fromhex(handle))
         return base
 
     def _outgoing_words(self, pair: Pair, name: str) -> _Words:
