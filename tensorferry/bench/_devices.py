@@ -31,9 +31,11 @@ def require_transports_for(device_type: str, names: Iterable[str], flag: str) ->
 
     _import_optional_transports()  # as tf.init does in the ranks
     factories = registered_transports()
+    built_in = {"ce": "cuda", "gloo": "cpu"}  # the routes made by the layer itself
     for name in names:
         factory = factories.get(name)
         moves = getattr(factory, "device_type", None) if isinstance(factory, type) else None
+        moves = built_in.get(name, moves)
         if name != "auto" and moves is not None and moves != device_type:
             raise SystemExit(
                 f"{flag}: {name} moves {moves.upper()} tensors, and this run's are "

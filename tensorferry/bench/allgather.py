@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--sizes must be multiples of 4 bytes")
     transports = (args.transports or ("nccl" if use_cuda else "gloo")).split(",")
     _import_optional_transports()  # as tf.init does in the ranks
-    known = ["auto", *registered_transports()]
+    known = ["auto", "ce", "gloo", *registered_transports()]
     unknown = [name for name in transports if name not in known]
     if unknown:
         raise SystemExit(f"--transports: unknown {unknown}; registered: {', '.join(known)}")

@@ -170,8 +170,8 @@ def _caveats(plan: Plan) -> list[str]:
         f"torch.distributed runs on its default process group ({torch_backend}); waits are "
         "work.wait() (NCCL: the current stream waits), then the device sync",
         "tensorferry runs through its public calls (tf.send, tf.recv, tf.batch), transport "
-        "'auto', static=False: every message carries its header (the rows change layouts on "
-        "one channel, which a static channel refuses); the pipeline's stage 1 waits with "
+        "'auto' (between GPUs of one host: the receiver posts where its buffers are, the "
+        "sender's copy engine writes into them); the pipeline's stage 1 waits with "
         "wait_stream(), as torch's NCCL wait()",
         "NIXL is one-sided: buffers registered and transfers initialized once, before timing; "
         "each iteration posts its WRITEs; the sender is done when the state is DONE, the "

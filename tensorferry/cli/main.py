@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every timed call takes one path: the compiled validation is built before the first.
         os.environ.setdefault("TENSORFERRY_NATIVE", "wait")
     module = importlib.import_module(args._module)
-    if getattr(args, "json", False):
+    if args.command == "bench" and getattr(args, "json", False):
         return _run_printing_json(module, args)
     return int(module.run(args) or 0)
 

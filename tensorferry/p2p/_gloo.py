@@ -169,6 +169,7 @@ class GlooRoute:
 
     name = "gloo"
     one_sided = False
+    confirms_receives = False  # a gloo receive given up on fails; it never ends as done
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

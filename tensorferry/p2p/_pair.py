@@ -9,6 +9,7 @@ frame      from            meaning
 =========  ==============  =====================================================================
 ``h``      sender          header of message n of a two-sided route: layout and route
 ``a``      receiver        message n of a two-sided route matched; its receive is issued
+``s``      sender          message n left (NCCL: an aborted receive can end without its bytes)
 ``p``      receiver        post of message n of a one-sided route: layout, route, where it goes
 ``m``      the comparer    message n did not match (``dir``: whose message the frame is about)
 ``f``      either          fault number ``e``: every open message fails; the sender's counts
@@ -215,14 +216,14 @@ class Pair:
             self._on_fault_frame(frame)
             return
         seq = frame["n"]
-        mine = "recv" if kind == "h" else "send" if kind in ("p", "a") else frame.get("dir")
+        mine = "recv" if kind in ("h", "s") else "send" if kind in ("p", "a") else frame.get("dir")
         if seq < self._cut.get(mine, 0):
             return  # about a message a fault failed already
         if kind in ("h", "p"):
             self._frames[kind][seq] = frame  # taken by its message (see _advance)
             return
-        if kind == "a":
-            message = self._open["send"].get(seq)
+        if kind in ("a", "s"):  # accepted (for our send) / sent (for our receive)
+            message = self._open["send" if kind == "a" else "recv"].get(seq)
             if message is not None:
                 message.answered = True
             return
@@ -361,9 +362,20 @@ class Pair:
         except TensorFerryError as exc:
             self._fault(exc, True, cause=message)
             return
-        if message.kind == "send" and not route.one_sided and not message.answered:
-            return  # the receiver has not said yet whether it matched
+        if not route.one_sided:
+            if message.kind == "send" and route.confirms_receives and message.error is None:
+                self._confirm_sent(message)
+            if not message.answered and (message.kind == "send" or route.confirms_receives):
+                return  # the receiver has not said whether it matched / the sender, that it sent
         self._end(message, message.error)
+
+    def _confirm_sent(self, message: Message) -> None:
+        """Tells the receiver its message left: a route whose receive can end without its
+        bytes when the pair is aborted (NCCL) ends a receive only once its sender says so."""
+        if not message.confirmed:
+            message.confirmed = True
+            with contextlib.suppress(TensorFerryError):
+                self._send({"k": "s", "e": self.epoch, "n": message.seq})
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

@@ -41,6 +41,9 @@ class TwoSidedRoute:
     """A transport's messages, issued eagerly by the sender."""
 
     one_sided = False
+    # A receive of an NCCL communicator aborted under it can end without its bytes: it ends
+    # only once its sender said it sent (frame ``s``).
+    confirms_receives = True
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport

@@ -286,35 +286,6 @@ def test_process_group_pairs_are_all_issued_before_the_stream_waits_for_any():
     assert started == [(sending, "work of send pair"), (receiving, "work of recv pair")]
 
 
-def test_transfer_outcome_is_set_once_and_calls_back_once(caplog):
-    import threading
-    from concurrent.futures import InvalidStateError
-    from concurrent.futures import TimeoutError as FutureTimeout
-
-    from tensorferry.p2p._transfer import _Outcome
-
-    outcome = _Outcome()
-    with pytest.raises(FutureTimeout):
-        outcome.exception(0.01)
-    called = []
-
-    def broken(_):
-        raise RuntimeError("a callback that raises (on purpose)")
-
-    outcome.add_done_callback(broken)
-    outcome.add_done_callback(lambda o: called.append(("before", o.exception(0))))
-    error = ValueError("failed")
-    setter = threading.Timer(0.05, outcome.set, (error,))
-    setter.start()
-    assert outcome.exception(5.0) is error and outcome.done()
-    setter.join()
-    with pytest.raises(InvalidStateError):
-        outcome.set()
-    outcome.add_done_callback(lambda o: called.append(("after", o.exception(0))))
-    assert called == [("before", error), ("after", error)]
-    assert "a transfer's done callback raised" in caplog.text  # logged; the others still ran
-
-
 def test_a_done_callback_that_waits_on_another_transfers_completion_does_not_hang():
     import threading
     import time
@@ -322,22 +293,19 @@ def test_a_done_callback_that_waits_on_another_transfers_completion_does_not_han
     from tensorferry.p2p._transfer import Transfer
 
     deadline = time.monotonic() + 10
-    first = Transfer("send 1 tensor(s) to rank 1", deadline=deadline)
-    second = Transfer("send 1 tensor(s) to rank 1", deadline=deadline)
-    first._finish(None)
+    first, second = Transfer(deadline), Transfer(deadline)
+    first._finish()
     finished_elsewhere, hung = [], []
 
     def waits_for_second(transfer):
         # Completed on another thread, as the completion pool completes a transfer.
-        finisher = threading.Thread(
-            target=lambda: finished_elsewhere.append(second._finish_if_no_callbacks())
-        )
+        finisher = threading.Thread(target=lambda: finished_elsewhere.append(second._finish()))
         finisher.start()
         finisher.join(5.0)
         hung.append(finisher.is_alive())  # (an assert here would only be logged)
 
     first.add_done_callback(waits_for_second)  # done already: runs here, now
-    assert hung == [False] and finished_elsewhere == [True] and second.done()
+    assert hung == [False] and finished_elsewhere == [None] and second.done()
     second.wait(1.0)
 
 

@@ -100,6 +100,7 @@ class OneSidedRoute:
 
     name = "ce"
     one_sided = True
+    confirms_receives = False  # a receive ends by the word its sender's device writes
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
