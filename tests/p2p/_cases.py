@@ -1070,9 +1070,11 @@ def send_is_asynchronous(rank: int, world: int) -> dict:
         return {}
     x = torch.zeros(1 << 20, device=D())
     if rank == 1:
+        tf.recv(torch.empty(1, device=D()), 0).wait(T)  # the pair's first message: its making
         tf.recv(x, 0).wait(T)
         assert torch.all(x == 3.0)
         return {}
+    tf.send(torch.ones(1, device=D()), 1).wait(T)
     big = torch.randn(4096, 4096, device=D())
     for _ in range(30):  # tens of milliseconds of work ahead of the transfer
         big = big @ big / 4096**0.5
