@@ -20,6 +20,7 @@ packed into one byte buffer; large ones go alone, with no copy.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import queue
 import threading
@@ -46,8 +47,9 @@ PACK_BELOW = 256 << 10
 _TAG = 0  # messages of a direction are issued in number order: gloo matches them in order
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
 _MAKING = "making"
-# Groups given up on (faults), kept referenced until shutdown: see _Group.abort.
-_given_up: list = []
+# Groups given up on (faults), the last few kept referenced: see _Group.abort. Older ones go
+# (their connections close and their waits end), so faults again and again leak nothing.
+_given_up: collections.deque = collections.deque(maxlen=4)
 
 
 class _Works:
@@ -99,9 +101,10 @@ class _Group:
 
     def abort(self) -> None:
         """A fault: its waiters end after the works they hold (gloo cannot cut a wait short;
-        each ends by its deadline at the latest). The group itself is kept until shutdown:
-        dropped at once, it would close its connection, and the peer's transfers on it would
-        fail as if this rank were gone before the fault's notice told it why."""
+        each ends by its deadline, or when the group goes). The group is kept a while (the
+        last few faults'): dropped at once, it would close its connection, and the peer's
+        transfers on it could fail as if this rank were gone before the fault's notice told it
+        why."""
         self.given_up = True
         self.stop()
         _given_up.append(self)

@@ -388,8 +388,23 @@ class Pair:
                         else "the transfer did not finish within its timeout"
                     )
                     error = TransferTimeoutError(f"{message.describe()}: timed out ({why})")
+                    if message.state == WAITING and self._in is None:
+                        error = self._store_problem(message) or error
                     self._fault(error, True, cause=message)
                     return
+
+    def _store_problem(self, message: Message) -> BaseException | None:
+        """Why a peer that never reached this rank may not have: the rendezvous store (where
+        ranks find each other) is gone, or ``None`` when it answers."""
+        try:
+            self.ctx.store.check([f"addr/{self.peer}"])
+        except Exception as exc:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return PeerLostError(
+                f"{message.describe()}: rank {self.peer} never reached this rank, and the "
+                f"rendezvous store does not answer ({text}): its host may be gone"
+            )
+        return None
 
     def _end(self, message: Message, error: BaseException | None) -> None:
         if message.state == ENDED:

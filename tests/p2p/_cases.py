@@ -1884,20 +1884,35 @@ def _open_fds() -> int:
 
 def faults_leave_nothing_behind(rank: int, world: int, faults: int) -> dict:
     """Rank 0 lets ``faults`` receives from rank 1 time out (each a fault of the pair: rank 1
-    sends nothing meanwhile); then both exchange one message. Returns how many file descriptors
-    and threads rank 0 gained over the faults."""
+    sends nothing meanwhile). Rank 1 then makes as many sends, which fail at once (the k-th
+    send meets the k-th receive, and those failed), and both exchange one message. Returns
+    how many file descriptors and threads rank 0 gained over the faults, and how rank 1's
+    sends ended."""
     first = ring_among(rank, list(range(world)))  # the pair exists before counting
     assert first == "ok"
     time.sleep(0.5)
     fds, threads = _open_fds(), threading.active_count()
+    late = []
     if rank == 0:
         for _ in range(faults):
             with contextlib.suppress(TransferTimeoutError):
                 tf.recv(torch.empty(16), 1, timeout=0.05).wait(T)
     tf_barrier_after_faults(rank)
+    if rank == 1:
+        for _ in range(faults):
+            started = time.monotonic()
+            try:
+                tf.send(torch.ones(16), 0, timeout=T).wait(T)
+                late.append("ok")
+            except TransferTimeoutError:
+                late.append("failed at once" if time.monotonic() - started < 1.0 else "late")
     assert ring_among(rank, list(range(world))) == "ok"
     time.sleep(1.0)  # what the faults let go of has gone by now
-    return {"fds": _open_fds() - fds, "threads": threading.active_count() - threads}
+    return {
+        "fds": _open_fds() - fds,
+        "threads": threading.active_count() - threads,
+        "late": sorted(set(late)),
+    }
 
 
 def tf_barrier_after_faults(rank: int) -> None:

@@ -1,23 +1,18 @@
-"""CPU tier: faults found in use. Those the p2p layer still has are strict expected failures
-until its rebuild fixes them (a strict xfail fails the suite once the fix lands, so the mark
-goes with the fix):
+"""CPU tier: faults found in use, each fixed:
 
-- a batch naming a shut-down peer and a live one fails, and the live peer's next receive must
-  not take the following message's bytes (today it does, and every later message shifts);
-- after pair faults the pair carries the next message, and the faults leak no file
-  descriptors or threads (today the peer's next sends fail as owed to the faulted receives);
-- when the rank hosting the store dies, a pair not yet made names that cause (today: "no
-  matching call").
+- a batch naming a shut-down peer and a live one fails, and the live peer's next receive
+  never takes the following message's bytes;
+- after pair faults the peer's calls that meet the failed ones fail at once, the pair then
+  carries the next message, and the faults leak no file descriptors or threads;
+- when the rank hosting the store dies, a pair not yet made names that cause, not "no matching
+  call".
 
 ``wait()`` on a transfer with a done-callback does not wait for a free completion thread.
 """
 
 from __future__ import annotations
 
-import pytest
 from _pool import WorkerPool
-
-FIXED_BY_THE_REBUILD = "fixed by the p2p layer's rebuild (one fast path, per-pair numbering)"
 
 
 def test_a_failed_batch_never_shifts_the_live_peers_messages():
@@ -34,12 +29,14 @@ def test_a_failed_batch_never_shifts_the_live_peers_messages():
         pool.close()
 
 
-@pytest.mark.xfail(strict=True, reason=FIXED_BY_THE_REBUILD)
 def test_after_pair_faults_the_pair_works_and_nothing_leaked():
     pool = WorkerPool(2, transfer_timeout=10.0, backend="gloo")
     try:
         gained = pool.run("faults_leave_nothing_behind", 40, timeout=120)
-        assert gained[0]["fds"] <= 8 and gained[0]["threads"] <= 3, gained
+        # The last few faults' gloo groups are kept a while (see _gloo._Group.abort): a bound,
+        # not a count per fault (40 faults left 200 descriptors before).
+        assert gained[0]["fds"] <= 20 and gained[0]["threads"] <= 3, gained
+        assert gained[1]["late"] == ["failed at once"], gained
     finally:
         pool.close()
 
@@ -53,7 +50,6 @@ def test_wait_does_not_queue_behind_slow_callbacks():
         pool.close()
 
 
-@pytest.mark.xfail(strict=True, reason=FIXED_BY_THE_REBUILD)
 def test_a_dead_store_host_is_named_as_the_cause():
     pool = WorkerPool(3, transfer_timeout=10.0, backend="gloo")
     try:
