@@ -5,13 +5,12 @@ issues its receive once the sender's header matched (or, after a mismatch, into 
 Each pair's group is made directly on a per-pair prefix of the world store (rank 0/1 within
 the pair), so only the two ranks take part.
 
-Completion: a gloo send or receive ends only through its work's ``wait()``, which blocks. A
-send ends only once the peer posted its receive, which the peer does only after reading the
-header: a caller blocked in a send's wait could hold up frames its peer waits for, so a thread
-per pair waits for its sends in order (the caller polls what it finds). A receive's bytes come
-from a send issued already, so ``Transfer.wait`` waits in a receive's ``wait()`` itself, as
-``torch.distributed``'s callers do; a receive nobody waits for that way (a done-callback,
-``done()`` polled) goes to a thread of the pair's too.
+Completion: a gloo send or receive ends only through its work's ``wait()``, which blocks.
+``Transfer.wait`` waits in it on the caller's own thread, as ``torch.distributed``'s callers
+do, where that holds up nothing: a receive at once (its bytes come from a send the peer issued
+already), a send once the peer answered its header (the peer posts its receive right then).
+Works nobody waits for that way (a done-callback, ``done()`` polled, a send never waited for)
+go to one of the pair's two waiter threads, one per direction.
 
 Packing: gloo pays tens of microseconds per operation, so the small tensors of a message travel
 packed into one byte buffer; large ones go alone, with no copy.
@@ -47,6 +46,9 @@ PACK_BELOW = 256 << 10
 _TAG = 0  # messages of a direction are issued in number order: gloo matches them in order
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
 _MAKING = "making"
+# Works nobody claimed this long after their start go to the pair's waiter thread (a send
+# nobody waits for still ends, and its message with it).
+_UNCLAIMED_S = 0.002
 # Groups given up on (faults), the last few kept referenced: see _Group.abort. Older ones go
 # (their connections close and their waits end), so faults again and again leak nothing.
 _given_up: collections.deque = collections.deque(maxlen=4)
@@ -56,10 +58,11 @@ class _Works:
     """A message's gloo works, waited for by one thread (its direction's waiter, or the caller
     of ``Transfer.wait``); ``finished`` once they ended (its fields are set before it)."""
 
-    __slots__ = ("claimed", "error", "finished", "keep", "peer", "to_unpack", "works")
+    __slots__ = ("claimed", "error", "finished", "keep", "peer", "started", "to_unpack", "works")
 
     def __init__(self, works: list, to_unpack: list, keep: Any, peer: int) -> None:
         self.works, self.to_unpack, self.keep, self.peer = works, to_unpack, keep, peer
+        self.started = time.monotonic()
         self.claimed = threading.Lock()  # held by the one thread that waits for the works
         self.finished = False
         self.error: BaseException | None = None
@@ -288,11 +291,7 @@ class GlooRoute:
             pair.peer,
         )
         message.pending = works
-        if sending:  # its end needs the peer to read our header: never the caller's wait
-            works.claimed.acquire()
-            group.waiter("send").put((works, message.transfer.deadline))
-        else:
-            self._groups_of[id(works)] = group
+        self._groups_of[id(works)] = group  # until a thread claims the wait for them
 
     def finished(self, pair: Pair, message: Message) -> bool:
         works: _Works = message.pending
@@ -300,28 +299,37 @@ class GlooRoute:
             if works.error is not None:
                 raise works.error
             return True
+        if id(works) in self._groups_of and time.monotonic() > works.started + _UNCLAIMED_S:
+            self.hand_off(message, message.transfer.deadline)  # nobody waits in it: a thread
         return False
 
-    def block(self, message: Message, until: float) -> None:
-        """Waits on this thread for a receive's works, until monotonic ``until`` at the latest.
+    def block(self, message: Message, until: float) -> bool:
+        """Waits on this thread for ``message``'s works, until monotonic ``until`` at the
+        latest, where that can hold up nothing; returns whether it did.
 
-        Safe where a send's wait is not: a receive is issued after its header, so its bytes
-        come from a send the peer issued already, which needs nothing more from this rank."""
+        A receive's bytes come from a send the peer issued already. A send ends once the peer
+        posted its receive, which it does right after it answered our header: so a send is
+        waited for here only once that answer came (before, this thread may be what reads a
+        header the peer's progress needs)."""
         works: _Works = message.pending
+        if message.kind == "send" and not message.answered:
+            return False
         if works.finished or not works.claimed.acquire(blocking=False):
-            return
+            return False
         self._groups_of.pop(id(works), None)
         works.wait(until)
+        return True
 
     def hand_off(self, message: Message, until: float) -> None:
-        """Has the receive direction's waiter wait for a receive's works (nobody blocks on it
-        here: a done-callback, ``done()`` polled, a short ``wait``)."""
+        """Has the pair's waiter for ``message``'s direction wait for its works (nobody waits
+        in them here: a done-callback, ``done()`` polled, a short ``wait``, a send nobody
+        waits for)."""
         works: _Works = message.pending
         if works.finished or not works.claimed.acquire(blocking=False):
             return
         group = self._groups_of.pop(id(works), None)
         if group is not None:
-            group.waiter("recv").put((works, until))
+            group.waiter(message.kind).put((works, until))
         else:
             works.claimed.release()
 

@@ -160,7 +160,8 @@ class Transfer:
     def wait_stream(self, stream: Any = None, *, timeout: float | None = None) -> None:
         """Makes ``stream`` (default: the calling thread's current stream of this rank's
         device) wait for the received bytes on the device, without the host waiting for them.
-        The host waits only until every message is issued (its peer's frame came).
+        The host waits only until every message is issued (its peer's frame came). A transfer
+        of CPU tensors has no stream to order: this waits until it is done.
 
         Raises:
             TransferTimeoutError: not issued within ``timeout``.
@@ -168,6 +169,9 @@ class Transfer:
         """
         import torch
 
+        if not any(m.tensors and m.tensors[0].is_cuda for m in self._messages):
+            self.wait(timeout)  # CPU tensors: no stream to order, the bytes must be there
+            return
         limit = time.monotonic() + self._seconds(timeout)
         while any(m.state == WAITING for m in self._messages) and not self._done.is_set():
             self._progress()
@@ -206,7 +210,7 @@ class Transfer:
                 pair.progress()
         if hand_off and not self._done.is_set():
             for message in self._messages:
-                if message.state == ISSUED and message.kind == "recv":
+                if message.state == ISSUED:
                     route = self._route_of(message)
                     if hasattr(route, "hand_off"):
                         route.hand_off(message, self.deadline)
@@ -232,19 +236,19 @@ class Transfer:
         os.sched_yield()
 
     def _block(self, limit: float) -> bool:
-        """Waits on this thread in a route's blocking wait (a gloo receive), where nothing
-        else of the transfer needs this thread meanwhile; returns whether it did."""
+        """Waits on this thread in a route's blocking wait (a gloo work), where nothing else of
+        the transfer needs this thread meanwhile; returns whether it did."""
         if any(m.state == WAITING for m in self._messages):
             return False
         for message in self._messages:
-            if message.state == ISSUED and message.kind == "recv":
+            if message.state == ISSUED:
                 route = self._route_of(message)
                 if hasattr(route, "block"):
                     if limit < self.deadline:  # a shorter wait must not end the work early
                         route.hand_off(message, self.deadline)
-                        return False
-                    route.block(message, self.deadline)
-                    return True
+                        continue
+                    if route.block(message, self.deadline):
+                        return True
         return False
 
     def _route_of(self, message: Message) -> Any:
