@@ -21,10 +21,9 @@ behaviour and more host time per call.
 ``start`` issues every message of a call as ONE NCCL group, whatever their directions and
 peers, enqueued on the transfer's stream (after the caller's work, before the layer's
 completion event): NCCL launches the whole group at once. A lone tensor on our own
-communicator, the commonest call, is one ``ncclSend``/``ncclRecv`` outside any group
-(``start_lone``): what NCCL does with a group of one, with less host work around it; with the
-compiled helper, that call, the stream's wait for the caller's work and the completion event
-are one call (``start_lone_between``). Tensors travel as bytes, so every dtype works. Tensors
+communicator, the commonest call, is one ``ncclSend``/``ncclRecv`` outside any group: what
+NCCL does with a group of one, with less host work around it. Tensors travel as bytes, so
+every dtype works. Tensors
 under :data:`PACK_BELOW` of a message with several of them are packed, on the transfer's
 stream: into a buffer kept for that layout and direction (:mod:`._staging`: one copy kernel
 launch per dtype each way, :mod:`._piece_copy`), or, for a layout whose
@@ -44,9 +43,9 @@ from typing import Any
 
 import torch
 
-from tensorferry import _native, envs
+from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError, TransportError
-from tensorferry.p2p._nccl_lib import UINT8, NcclLibrary
+from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
 from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
 from tensorferry.p2p._staging import Staging, StagingCache, layout_plan
@@ -59,7 +58,7 @@ from tensorferry.p2p._transport import (
     cached_pair,
     few_in_flight,
 )
-from tensorferry.runtime import _events, communicator_cache
+from tensorferry.runtime import communicator_cache
 from tensorferry.runtime._communicators import abort_together
 from tensorferry.runtime._stream_switch import on_stream
 
@@ -90,10 +89,6 @@ class _NativePair:
         # Its first message (the warm-up) connects the two ranks, a rendezvous: until that is
         # done, every NCCL call lets go of the GIL.
         self.connected = False
-        # What a lone message started: the same for every one (the completion event covers
-        # the work; ready() polls the communicator), so made once. A reference cycle, broken
-        # by abort() (every pair leaving the cache is aborted): nothing for the collector.
-        self.lone_pending: _NcclPending | None = _NcclPending([(self, None)], [])
 
     def may_hold_gil(self) -> bool:
         """Whether NCCL's calls that launch this pair's work may keep the GIL: the pair is
@@ -117,65 +112,6 @@ class _NativePair:
             move = lib.send if kind == "send" else lib.recv
             move(buf.data_ptr(), buf.numel() * buf.element_size(), other, comm, handle)
 
-    def start_lone(self, kind: str, tensor: torch.Tensor, handle: int) -> _NcclPending:
-        """One tensor to or from the peer on the stream ``handle``, outside any group; an empty
-        tensor moves nothing, on either side."""
-        if not tensor.numel():
-            return _NcclPending([], [])
-        self.move_alone(kind, tensor, handle)
-        return self._lone_pending()
-
-    def start_lone_between(
-        self,
-        native: Any,
-        kind: str,
-        tensor: torch.Tensor,
-        stream: Any,
-        caller_event: Any,
-        caller_stream: Any = None,
-    ) -> tuple[_NcclPending, Any] | None:
-        """:meth:`start_lone` with the stream's wait for ``caller_event`` (or none) before it and
-        the completion event after it, in one call of the compiled helper ``native`` (which
-        keeps the GIL through the NCCL call where :meth:`may_hold_gil`); returns what was
-        started and that event. With ``caller_stream`` (a raw stream handle) the caller's event
-        is recorded there first, in the same call. ``None``, having issued nothing (nor
-        recorded the caller's event), where it cannot: an empty tensor, no GIL-holding CUDA
-        event calls, a record or wait that failed. The calling thread's current device must
-        be the stream's."""
-        points = _events.entry_points()
-        if points is None or not tensor.numel():
-            return None
-        index = stream.device_index
-        done = _events.pooled_or_made(index, stream)
-        wait, record = points
-        failure = native.issue_lone(
-            self.lib.alone_entries[kind],
-            UINT8,
-            tensor,
-            self.other,
-            self.comm,
-            stream.cuda_stream,
-            wait,
-            0 if caller_event is None else caller_event.cuda_event,
-            caller_stream,
-            record,
-            done.cuda_event,
-            self.may_hold_gil(),
-        )
-        if failure is None:
-            pending = self.lone_pending
-            return (pending if pending is not None else self._lone_pending()), done
-        step, code = failure
-        if step == "nccl":
-            _events.recycle(done, index)
-            self.lib.check(code, "ncclSend" if kind == "send" else "ncclRecv")
-        call = "cudaStreamWaitEvent" if step == "wait" else "cudaEventRecord"
-        _events.give_up_calls(f"{call} failed ({code})")
-        _events.recycle(done, index)
-        if step in ("caller", "wait"):
-            return None  # nothing issued: the general way, with torch's calls now
-        return self._lone_pending(), _events.record_on_stream(stream)
-
     def move_alone(self, kind: str, buf: torch.Tensor, handle: int) -> None:
         """``buf``'s bytes to or from the peer on the stream ``handle``, outside any group (see
         ``NcclLibrary.move_alone``)."""
@@ -191,12 +127,7 @@ class _NativePair:
             raise TransportError(f"nccl: {error}")
         return True  # the device work itself is covered by the layer's completion event
 
-    def _lone_pending(self) -> _NcclPending:
-        pending = self.lone_pending
-        return pending if pending is not None else _NcclPending([(self, None)], [])  # aborted
-
     def abort(self) -> None:
-        self.lone_pending = None  # the cycle with it (in-flight messages keep theirs)
         if not self._aborted:
             self._aborted = True
             try:
@@ -276,21 +207,10 @@ class NcclTransport(Transport):
 
     name = "nccl"
     device_type = "cuda"
-    # A lone tensor on our own communicator goes to NCCL with its stream's handle and nothing
-    # else: no switch of the current stream (see start).
-    makes_stream_current = True
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self._staging = StagingCache()
-        # The pair of each (peer, kind) a lone tensor last went by (start_lone_between): its
-        # cache key is not worked out and looked up again until it is aborted (a fault, or
-        # the pair's eviction: both abort it).
-        self._lone_pairs: dict[tuple[int, str], _NativePair] = {}
-
-    def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
-        # ~20 µs per group call, ~350 GB/s for large messages (H200 NVLink, GPU.md).
-        return 20e-6 + nbytes / 350e9
 
     def unsupported_reason(self, *, peer: int, tensors: Sequence[torch.Tensor]) -> str | None:
         # A message's tensors share one device (validated). is_cuda, not device.type: asked on
@@ -409,33 +329,6 @@ class NcclTransport(Transport):
             staging.unpack(op.tensors, stream)
         staging.release(stream)
         return _NcclPending([(pair, None)], [])
-
-    def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
-        # On our own communicator: the one NCCL call, with no group around it. A
-        # ProcessGroupNCCL pair, or none (start raises then), takes the general way.
-        pair = communicator_cache().get(self._direction_key(op.peer, op.kind))
-        if type(pair) is not _NativePair:
-            return None
-        return pair.start_lone(op.kind, op.tensors[0], stream.cuda_stream)
-
-    def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any, caller_stream: Any = None
-    ) -> tuple[PendingOps, Any] | None:
-        # On our own communicator, with the compiled helper: the NCCL call and the CUDA calls
-        # around it as one call (_NativePair.start_lone_between).
-        native = _native.helper()
-        if native is None:
-            return None
-        kind = op.kind
-        pair = self._lone_pairs.get((op.peer, kind))
-        if pair is None or pair._aborted:
-            pair = communicator_cache().get(self._direction_key(op.peer, kind))
-            if type(pair) is not _NativePair:
-                return None
-            self._lone_pairs[(op.peer, kind)] = pair
-        return pair.start_lone_between(
-            native, kind, op.tensors[0], stream, caller_event, caller_stream
-        )
 
     def _start_grouped(self, ops: Sequence[P2POp], stream: Any) -> PendingOps:
         by_direction: dict[tuple[int, int], list[P2POp]] = {}
@@ -560,5 +453,4 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         self._staging.clear()
-        self._lone_pairs.clear()
         self._evict_cached("shutdown")

@@ -228,7 +228,7 @@ class Pair:
                 message.answered = True
             return
         if kind == "m":
-            message = self._open["send" if frame.get("dir") == "send" else "recv"].get(seq)
+            message = self._open[mine].get(seq)
             if message is not None:
                 error = MismatchError(frame.get("why", "mismatch"), field=frame.get("field"))
                 if message.kind == "send":  # a two-sided send: the receiver takes its bytes

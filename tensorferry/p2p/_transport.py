@@ -25,25 +25,23 @@ Vocabulary
 
 The call sequence
 =================
-For every unit of work (one ``tf.send``/``recv``/``sendrecv`` call, or one ``tf.batch``) the
-layer, under its engine's lock (on the caller's thread or the layer's own):
+A transport carries the messages of a two-sided route (:mod:`._two_sided`). For each message
+the layer, under its pair's lock (on the caller's thread, or a thread driving the pair):
 
-1. picks a transport per message: the one named by the caller, or for ``"auto"`` the fitting
-   transport with the lowest :meth:`Transport.estimate_seconds` (ties: registration order). Both
-   ranks run the same choice on the same agreed message; the choice also travels in the header
-   and a disagreement is a :class:`~tensorferry.MismatchError` (``field="transport"``);
-2. calls :meth:`Transport.unsupported_reason` at call time (on the caller's thread, before
-   anything moves) — a non-``None`` reason becomes a ``ValueError`` for the caller;
+1. picks the transport: the one named by the caller; ``"auto"`` picks ``ce`` between GPUs of
+   one host, ``nccl`` between hosts and ``gloo`` for CPU tensors, never a registered one;
+2. calls :meth:`Transport.unsupported_reason` on the caller's thread, before anything moves — a
+   non-``None`` reason becomes a ``ValueError`` for the caller;
 3. once per direction, pair and epoch, calls :meth:`Transport.prepare_direction` with that peer
-   on a helper thread (never on the issuing thread), because preparing is a rendezvous with the
-   peer and blocks until the peer prepares too. ``tf.prepare(peers)`` calls
-   :meth:`Transport.prepare` eagerly (both directions);
-4. after headers agree and ``prepare`` returned, calls :meth:`Transport.start` once per transport
-   with every message of the unit that transport carries (possibly to several peers), inside
-   ``torch.cuda.stream(stream)`` for CUDA;
-5. hands the returned :class:`PendingOps` to the completion pool, which polls
-   :meth:`PendingOps.ready` until it returns true or raises, or the transfer's deadline passes;
-   on deadline or peer loss it calls :meth:`PendingOps.abort` and :meth:`Transport.evict`.
+   on a thread of its own (preparing is a rendezvous with the peer, who may not have called
+   yet). ``tf.prepare(peers)`` calls :meth:`Transport.prepare` eagerly;
+4. issues a send at once, and a receive once the sender's header agreed (or, after a
+   mismatch, into scratch of the sender's layout): :meth:`Transport.start` with the one
+   message, for CUDA on the pair's stream for its direction, which already waits for the
+   caller's work;
+5. polls :meth:`PendingOps.ready` when it looks for progress; a receive ends only once its
+   sender also said that it sent (an aborted NCCL receive can end without its bytes). On a
+   fault it calls :meth:`Transport.evict` with ``abort=True``.
 
 Rules a transport keeps
 =======================
@@ -364,42 +362,6 @@ class Transport(abc.ABC):
     """Registry name; appears in headers, errors and communicator-cache keys."""
     device_type: ClassVar[str] = "cuda"
     """Device type of the tensors it moves: ``"cuda"`` or ``"cpu"``."""
-    static_skips_headers: ClassVar[bool] = False
-    """Whether a ``static=True`` channel may stop exchanging headers on this transport. Only
-    safe where a receive that the sender abandoned can never complete as if data arrived: over
-    NCCL a peer's abort can let a posted receive finish, so there every message keeps its
-    header (see :attr:`static_speculates`)."""
-    static_speculates: bool = False
-    """Whether a ``static=True`` channel, once agreed, issues each message that matches the
-    agreement without waiting for the peer's header, and completes it only once that header
-    arrived and agreed. A side that breaks the promise notices before it issues and faults the
-    pair (aborting the communicator, which ends the peer's side); a receive that completes
-    after such an abort never counts, since its confirming header never came. A class default
-    that a transport may set per instance, from its settings."""
-
-    makes_stream_current: ClassVar[bool] = False
-    """Whether :meth:`start` makes its ``stream`` current itself wherever it enqueues work that
-    runs on the current stream (torch operations), so the caller need not switch streams around
-    it. Switching costs several calls into torch on every transfer; a transport that mostly
-    passes its stream to a library explicitly (NCCL) skips them that way."""
-
-    issues_per_peer: ClassVar[bool] = False
-    """Whether a call's messages with one peer may be started apart from those with its other
-    peers, each as soon as they can go (``start`` called with those that can go at the time),
-    as torch's ``batch_isend_irecv`` posts every operation at once. True where operations with
-    different peers never wait for one another (gloo's pairs). Otherwise a call spanning
-    several peers starts as one group once every message in it can go (NCCL: groups queued on
-    one stream run one after another, so two of one ring step could each wait for the other's
-    peer)."""
-
-    issues_per_message: ClassVar[bool] = False
-    """With :attr:`issues_per_peer`: whether each message of a call may be started on its own,
-    as soon as it can go, apart from the call's other messages with the same peer. True where
-    a pair's messages wait only for their own counterparts (gloo: one waiter per direction,
-    and each direction's messages match in order). Then a batch finishes wherever torch's
-    ``batch_isend_irecv`` would, such as a batch of a send and a receive with one peer that
-    receives first and only then sends back; messages that can go together still start in one
-    call."""
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -424,20 +386,6 @@ class Transport(abc.ABC):
         if device.type != self.device_type:
             return f"{self.name} moves {self.device_type} tensors, got a tensor on {device}"
         return None
-
-    def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
-        """Expected time to move one message of ``nbytes`` in ``num_tensors`` tensors, or
-        ``None`` when this transport should not be chosen automatically for it.
-
-        The hook behind ``transport="auto"``: the fitting transport with the smallest estimate
-        wins. Must be a pure function of its arguments and the pair's topology, so both ranks
-        choose the same. The default returns ``None`` (explicit use only).
-        """
-        return None
-
-    prepare_in_order: ClassVar[bool] = False
-    """Rings must prepare their pairs in one global order before the first message (see
-    ``_api._prepare_ring_in_order``): set-up holds the process until the peer joins."""
 
     @abc.abstractmethod
     def prepare(self, peers: Sequence[int]) -> None:
@@ -470,26 +418,6 @@ class Transport(abc.ABC):
         Returns:
             A handle whose :meth:`PendingOps.ready` turns true when all ops finished.
         """
-
-    def start_lone(self, op: P2POp, stream: Any) -> PendingOps | None:
-        """:meth:`start` of one message of one CUDA tensor, the commonest call, by a way of
-        the transport's own with less around it; ``None``, having done nothing, where it has
-        none for ``op`` (the layer then calls :meth:`start`). The stream already waits for the
-        caller's work, and is not made current. Default: none."""
-        return None
-
-    def start_lone_between(
-        self, op: P2POp, stream: Any, caller_event: Any, caller_stream: Any = None
-    ) -> tuple[PendingOps, Any] | None:
-        """:meth:`start_lone` with the rest of the issue in the same step: ``stream``'s wait
-        for ``caller_event`` (an event of the caller's work, or ``None``) before it, and a
-        pooled completion event recorded after it (``runtime._events``), which it returns with
-        what it started. Where ``caller_stream`` is given (a raw stream handle), the caller's
-        event is first recorded there (``runtime._events.to_record_on_current_stream``). The
-        calling thread's current device is the stream's. ``None``, having done nothing (the
-        caller's event still to be recorded), where it has no such way (the layer then
-        records, waits, starts and records itself). Default: none."""
-        return None
 
     def evict(self, peer: int, *, abort: bool, reason: str = "") -> None:  # noqa: B027
         """Drops this transport's resources for the pair with ``peer`` (``abort`` after a

@@ -24,17 +24,7 @@ from tensorferry.p2p.nvlink._layout import ERR_TIMEOUT, ERROR_FIELDS, ChannelCon
 from tensorferry.p2p.nvlink._pair_setup import set_up_pair
 from tensorferry.runtime import communicator_cache
 
-__all__ = ["NvlinkTransport", "estimate_nvlink_seconds"]
-
-# Measured on 2 x H200 (graph-replayed, one way): ~11 µs per message at 256 B–4 KiB.
-# Bandwidth is the NVLink figure from GPU.md; large sizes are not measured yet.
-_LATENCY_S = 11e-6
-_BANDWIDTH = 360e9
-
-
-def estimate_nvlink_seconds(nbytes: int, num_tensors: int) -> float:
-    """Expected seconds for one message: per-tensor launch latency plus bytes at link speed."""
-    return _LATENCY_S * max(1, num_tensors) + nbytes / _BANDWIDTH
+__all__ = ["NvlinkTransport"]
 
 
 class _NvlinkPending(PendingOps):
@@ -64,8 +54,6 @@ class NvlinkTransport(Transport):
     """Moves agreed messages with the Triton copy kernels over NVLink."""
 
     name = "nvlink"
-    # Pair set-up is a symmetric-memory rendezvous; rings of 3+ ranks prepare in order.
-    prepare_in_order = True
     device_type = "cuda"
 
     def __init__(self, ctx: Any, *, config: ChannelConfig | None = None) -> None:
@@ -86,9 +74,6 @@ class NvlinkTransport(Transport):
         if self.ctx.device.type != "cuda":
             return "nvlink needs a CUDA device"
         return None
-
-    def estimate_seconds(self, *, peer: int, nbytes: int, num_tensors: int) -> float | None:
-        return estimate_nvlink_seconds(nbytes, num_tensors)
 
     def prepare(self, peers: Sequence[int]) -> None:
         for peer in peers:
