@@ -41,9 +41,7 @@ __all__ = [
     "record_again",
     "record_on_current_stream",
     "record_on_stream",
-    "record_when_issued",
     "recycle",
-    "to_record_on_current_stream",
     "stream_wait",
 ]
 
@@ -279,30 +277,6 @@ def record_on_current_stream(index: int) -> torch.cuda.Event:
     if event is None:
         event = _torch_record(index, torch.cuda.current_stream(index))
     return event
-
-
-def to_record_on_current_stream(index: int) -> tuple[torch.cuda.Event, int | None]:
-    """:func:`record_on_current_stream` put off to a moment later in the same call: a free
-    pooled event and the raw handle of the calling thread's current stream of device
-    ``index``, for :func:`record_when_issued` or a compiled caller to record it there, on this
-    thread, before the call returns to its caller (the work queued on that stream until then
-    is the caller's of this call). With no free event: one recorded now, and ``None``.
-
-    A p2p call's issue then records it in the same compiled call as the transfer stream's
-    wait for it (``issue_lone``): what recording it here cost was most of a microsecond of
-    Python calls and checks around the record (on the GPU machine's host)."""
-    event = pooled(index)
-    if event is None:
-        return record_on_current_stream(index), None
-    return event, torch._C._cuda_getCurrentRawStream(index)
-
-
-def record_when_issued(event: torch.cuda.Event, index: int, raw_stream: int) -> None:
-    """Records ``event`` (of :func:`to_record_on_current_stream`) on the raw stream handle
-    ``raw_stream`` of device ``index``: on the thread that got them, in the same call."""
-    if not _record_raw(event, index, raw_stream):
-        # The same call on the same thread: the handle is still its current stream's.
-        event.record(torch.cuda.current_stream(index))
 
 
 def record_on_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
