@@ -28,6 +28,7 @@ from tensorferry.p2p._spec import (
 )
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
+from tensorferry.runtime._events import record_on_current_stream
 
 __all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_gather"]
 
@@ -62,8 +63,8 @@ def _submit(ctx: _context.P2PContext, messages: list[Message], transfer: Transfe
     """Submits ``messages`` as ``transfer``, after the caller's current stream's work."""
     event = None
     if any(m.tensors and m.tensors[0].is_cuda for m in messages):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(ctx.device))
+        event = record_on_current_stream(ctx.device.index)
+        transfer._caller_event = event  # back to the pool once every message is issued
     pairs = [ctx.pair(m.peer) for m in messages]
     for message, pair in zip(messages, pairs, strict=True):
         message.transfer, message.caller_event = transfer, event

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p._message import ENDED, ISSUED, WAITING
+from tensorferry.runtime._events import recycle
 
 if TYPE_CHECKING:
     from tensorferry.p2p._message import Message
@@ -35,9 +36,8 @@ log = logging.getLogger(__name__)
 # a small message is done in tens of microseconds, and a sleeping thread wakes late.
 _SPIN_S = 2e-3
 _SLEEP_MAX_S = 1e-3
-# Spinning, a waiter looks again after at most this long without a frame (seconds) ...
-_FRAME_WAIT_S = 100e-6
-# ... or after this long spinning on a one-sided route's words alone (faults, deadlines).
+# Spinning on a one-sided route's words alone, a waiter looks at the rest (frames, deadlines)
+# again after this long.
 _WORD_SPIN_S = 200e-6
 
 
@@ -59,6 +59,7 @@ class Transfer:
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
         self._watched = False
+        self._caller_event: Any = None  # the caller's stream at the call (CUDA), pooled
 
     # ------------------------------------------------------------------ filling in
     def _add(self, message: Message, pair: Pair) -> None:
@@ -78,6 +79,9 @@ class Transfer:
             self._finish()
 
     def _finish(self) -> None:
+        event, self._caller_event = self._caller_event, None
+        if event is not None:  # every message ended: no wait on it is still to be enqueued
+            recycle(event)
         self._done.set()
         with self._lock:
             callbacks, self._callbacks = self._callbacks, []
@@ -117,7 +121,7 @@ class Transfer:
                 if now < spin_until:
                     self._pause_briefly()
                 else:
-                    time.sleep(pause)
+                    self._sleep(pause)
                     pause = min(pause * 2, _SLEEP_MAX_S)
         if self._error is not None:
             raise self._error
@@ -217,16 +221,11 @@ class Transfer:
         return self._done.is_set()
 
     def _pause_briefly(self) -> None:
-        """Between two looks while spinning: until a frame arrives from a peer whose frame a
-        message waits for (no thread wakes this one: the kernel does), or, when every message
-        is issued, until a word a one-sided route's device writes says done."""
-        waiting = [m for m in self._messages if m.state == WAITING]
-        if waiting:
-            fds = {p.incoming_fd() for p in self._pairs} - {None}
-            if fds:
-                select.select(list(fds), [], [], _FRAME_WAIT_S)
-                return
-        else:
+        """Between two looks while spinning. When every message is issued and a one-sided
+        route's device writes their end, spins on those words (no call per look); else yields
+        the core once and looks again: a peer's frame is read by the next look, sooner than a
+        sleeping thread would wake for it."""
+        if not any(m.state == WAITING for m in self._messages):
             words = [m for m in self._messages if m.state == ISSUED and self._route_of(m).one_sided]
             if words and len(words) == sum(m.state != ENDED for m in self._messages):
                 until = time.monotonic() + _WORD_SPIN_S
@@ -234,6 +233,14 @@ class Transfer:
                     if all(m.pending.done() > m.seq for m in words):
                         return
         os.sched_yield()
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleeps up to ``seconds``, waking when a frame arrives from one of the peers."""
+        fds = {p.incoming_fd() for p in self._pairs} - {None}
+        if fds:
+            select.select(list(fds), [], [], seconds)
+        else:
+            time.sleep(seconds)
 
     def _block(self, limit: float) -> bool:
         """Waits on this thread in a route's blocking wait (a gloo work), where nothing else of

@@ -18,6 +18,7 @@ import torch
 from tensorferry.errors import TensorFerryError, TransportError
 from tensorferry.p2p._transport import P2POp, Transport
 from tensorferry.runtime import communicator_cache
+from tensorferry.runtime._events import stream_wait
 
 if TYPE_CHECKING:
     from tensorferry.p2p._message import Message
@@ -117,7 +118,7 @@ class TwoSidedRoute:
             stream = pair.stream(message.kind)
             with torch.cuda.device(pair.ctx.device), torch.cuda.stream(stream):
                 if message.caller_event is not None:
-                    stream.wait_event(message.caller_event)
+                    stream_wait(stream, message.caller_event)
                 pending = self.transport.start([op], stream=stream)
                 done = torch.cuda.Event()
                 done.record(stream)

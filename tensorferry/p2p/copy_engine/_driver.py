@@ -1,8 +1,11 @@
 """The few CUDA driver calls the one-sided route makes, through ``ctypes`` on ``libcuda``.
 
 Each is one foreign call (about a microsecond), with no Python wrapper objects to build: the
-route makes several per message. They act in the calling thread's current context: callers
-make the rank's device current first (``torch.cuda.device``).
+route makes several per message. The calls a message makes (copy, stream memory operations,
+pointer queries) keep the GIL: they only enqueue or look up, and letting go of the GIL around
+each would hand the caller's thread to any other thread that wants it (a hand-off costs tens of
+microseconds). The calls that may block (mapping, pinning) let go of it. They act in the calling
+thread's current context: callers make the rank's device current first (``torch.cuda.device``).
 """
 
 from __future__ import annotations
@@ -46,8 +49,19 @@ def _symbol(lib: ctypes.CDLL, *names: str) -> ctypes._CFuncPtr:
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
+    """libcuda, its calls letting go of the GIL."""
+    return _declared(ctypes.CDLL)
+
+
+@functools.cache
+def _fast() -> ctypes.PyDLL:
+    """libcuda, its calls keeping the GIL (for the calls that only enqueue or look up)."""
+    return _declared(ctypes.PyDLL)
+
+
+def _declared(kind: type) -> ctypes.CDLL:
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = kind("libcuda.so.1")
     except OSError as exc:
         raise TransportError(f"the copy-engine route needs libcuda: {exc}") from None
     u64, u64p, c_uint = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint
@@ -99,7 +113,8 @@ def allocation_of(address: int) -> tuple[int, int, int]:
     out = _query.out
     if out is None:  # this thread's reusable arguments: building them cost more than the call
         out = _query.out = _Query()
-    _check(_lib().cuPointerGetAttributes(3, out.attrs, out.data, address), "cuPointerGetAttributes")
+    code = _fast().cuPointerGetAttributes(3, out.attrs, out.data, address)
+    _check(code, "cuPointerGetAttributes")
     return out.ident.value, out.base.value, out.size.value
 
 
@@ -136,18 +151,18 @@ def ipc_open(handle: bytes) -> int:
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
-    _check(_lib().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+    _check(_fast().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
 
 
 def write_value32(stream: int, address: int, value: int) -> None:
     """After the stream's earlier work (and a memory fence), stores ``value`` at ``address``."""
-    fn = _symbol(_lib(), "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+    fn = _symbol(_fast(), "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
     _check(fn(stream, address, value, 0), "cuStreamWriteValue32")
 
 
 def wait_value32(stream: int, address: int, value: int) -> None:
     """The stream's later work waits until the word at ``address`` is at least ``value``."""
-    fn = _symbol(_lib(), "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+    fn = _symbol(_fast(), "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
     _check(fn(stream, address, value, _WAIT_GEQ), "cuStreamWaitValue32")
 
 

@@ -2,14 +2,23 @@
 
 Protocol (one pair direction, sender S → receiver R, message number n, ticket t = n + 1)::
 
-    R's call:    export each buffer's allocation (a CUDA IPC handle, made once per allocation)
+    R's call:    its buffers as runs of bytes, each within one allocation (a CUDA IPC
+                 handle per allocation, made once)
                  R's pair stream: wait for the caller's stream, then  READY := t
-                 frame post(n): layout, route, [(handle, offset) per tensor], words' name
+                 frame post(n): layout, route, runs [(handle, offset, bytes)], their key,
+                 words' name
     S's call     (once the post is there, and the layouts agree):
                  S's pair stream: wait for the caller's stream; wait  READY >= t
-                                  copy every tensor into R's mapped buffer (copy engine)
+                                  copy its runs into R's mapped runs (copy engine)
                                   DONE := t                       (fenced after the copies)
     both:        done when DONE >= t, read from host memory: no call, no thread
+
+Register once, move many: both sides keep what a layout came to, by the tensors' addresses.
+R keeps its runs (and gives them a key that the post carries); S keeps the copies it made of
+its own runs and R's keyed runs. A repeated message costs each side one lookup and one
+pointer query per allocation (which tells an allocation freed and made again at the same
+address from the one it knew), whatever the number of tensors: tensors back to back in one
+allocation on both sides (a KV cache's blocks, views of one buffer) go as one copy.
 
 ``READY`` and ``DONE`` are two 32-bit words of a page of shared memory (``/dev/shm``) that R
 makes for the direction and epoch and both processes map and pin for their devices. ``READY``
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import mmap
 import os
@@ -37,6 +47,7 @@ import torch
 
 from tensorferry.errors import TransportError
 from tensorferry.p2p.copy_engine import _driver
+from tensorferry.runtime._events import stream_wait
 
 if TYPE_CHECKING:
     from tensorferry.p2p._message import Message
@@ -91,6 +102,87 @@ class _Words:
                 os.unlink(self.path)
 
 
+_CACHED = 256  # layouts kept per table: a program of ever-new addresses starts it afresh
+
+
+class _Run:
+    """Bytes back to back within one allocation: ``nbytes`` from ``address``."""
+
+    __slots__ = ("address", "base", "handle", "ident", "nbytes")
+
+    def __init__(self, address: int, nbytes: int, ident: int, base: int) -> None:
+        self.address, self.nbytes, self.ident, self.base = address, nbytes, ident, base
+        self.handle = ""
+
+
+class _Runs:
+    """A message's runs, and what a post carries of them (receiver side)."""
+
+    def __init__(self, runs: list[_Run], key: int) -> None:
+        self.runs, self.key = runs, key
+        self.posted = [[r.handle, r.address - r.base, r.nbytes] for r in runs]
+        firsts: dict[int, int] = {}
+        for run in runs:
+            firsts.setdefault(run.ident, run.address)
+        self._checks = [(address, ident) for ident, address in firsts.items()]
+
+    def current(self) -> bool:
+        """Whether every allocation is still the one these runs were made in."""
+        return all(_driver.allocation_of(a)[0] == ident for a, ident in self._checks)
+
+
+def _runs(tensors: tuple[torch.Tensor, ...]) -> list[_Run]:
+    """``tensors``' bytes in order as runs: a run grows while the next tensor follows it in
+    memory within the same allocation (a copy may not cross from one allocation into the
+    next). One pointer query per allocation."""
+    runs: list[_Run] = []
+    homes: list[tuple[int, int, int]] = []  # (base, end, ident) of the allocations seen
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes:
+            continue
+        address = tensor.data_ptr()
+        last = runs[-1] if runs else None
+        if last is not None and last.address + last.nbytes == address:
+            home = next(h for h in homes if h[2] == last.ident)
+            if address + nbytes <= home[1]:
+                last.nbytes += nbytes
+                continue
+        home = next((h for h in homes if h[0] <= address < h[1]), None)
+        if home is None:
+            ident, base, size = _driver.allocation_of(address)
+            home = (base, base + size, ident)
+            homes.append(home)
+        runs.append(_Run(address, nbytes, home[2], home[0]))
+    return runs
+
+
+def _cut(runs: list[_Run], targets: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Copies of ``runs`` into ``targets`` (``(address, bytes)``), both in message order:
+    one per stretch that lies within one run and one target."""
+    copies = []
+    i = j = done_i = done_j = 0
+    while i < len(runs) and j < len(targets):
+        run, (target, room) = runs[i], targets[j]
+        nbytes = min(run.nbytes - done_i, room - done_j)
+        copies.append((target + done_j, run.address + done_i, nbytes))
+        done_i += nbytes
+        done_j += nbytes
+        if done_i == run.nbytes:
+            i, done_i = i + 1, 0
+        if done_j == room:
+            j, done_j = j + 1, 0
+    if i < len(runs) or j < len(targets):
+        raise TransportError("ce: the receiver's buffers do not hold the message's bytes")
+    return copies
+
+
+def _bounded(table: dict) -> dict:
+    if len(table) >= _CACHED:
+        table.clear()
+    return table
+
+
 class OneSidedRoute:
     """Copy-engine writes into the receiver's buffers; see the module docstring.
 
@@ -107,6 +199,9 @@ class OneSidedRoute:
         self._lock = threading.Lock()
         self._handles: dict[int, str] = {}  # our allocations' handles (hex), by buffer id
         self._mapped: dict[str, int] = {}  # peers' allocations mapped here, by handle (hex)
+        self._exports: dict[tuple, _Runs] = {}  # our receive layouts, by (layout, addresses)
+        self._plans: dict[tuple, tuple] = {}  # our copies, by (peer, its key, layout, addresses)
+        self._keys = itertools.count(1)
         self._incoming: dict[int, tuple[int, _Words]] = {}  # peer -> (epoch, our page)
         self._outgoing: dict[int, tuple[str, _Words]] = {}  # peer -> (page name, its page)
 
@@ -116,37 +211,29 @@ class OneSidedRoute:
         returns what the post frame carries."""
         words = self._incoming_words(pair)
         stream = pair.stream("recv")
-        raw = stream.cuda_stream
         with _on_device(self.device.index):
             if message.caller_event is not None:
-                stream.wait_event(message.caller_event)
-            _driver.write_value32(raw, words.device + _READY, message.seq + 1)
-            where = self._export(message.tensors)
+                stream_wait(stream, message.caller_event)
+            _driver.write_value32(stream.cuda_stream, words.device + _READY, message.seq + 1)
+            runs = self._exported(message)
         message.pending = words
-        return {"b": where, "w": words.name}
+        return {"x": runs.key, "b": runs.posted, "w": words.name}
 
-    def _export(self, tensors: tuple[torch.Tensor, ...]) -> list:
-        """``[handle, offset]`` of each tensor: one driver call per allocation the message
-        touches (a KV cache's blocks share a few), the handles made once per allocation."""
-        seen: list[tuple[int, int, str]] = []  # (base, end, handle) of this message's
-        where = []
-        for tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes == 0:
-                where.append(["", 0])
-                continue
-            address = tensor.data_ptr()
-            known = next((k for k in seen if k[0] <= address and address + nbytes <= k[1]), None)
-            if known is None:
-                ident, base, size = _driver.allocation_of(address)
-                with self._lock:
-                    handle = self._handles.get(ident)
+    def _exported(self, message: Message) -> _Runs:
+        """The receiver's runs of ``message``'s buffers, made once per layout and addresses."""
+        key = (message.desc, tuple(t.data_ptr() for t in message.tensors))
+        known = self._exports.get(key)
+        if known is None or not known.current():
+            runs = _runs(message.tensors)
+            with self._lock:
+                for run in runs:
+                    handle = self._handles.get(run.ident)
                     if handle is None:
-                        handle = self._handles[ident] = _driver.ipc_handle(base).hex()
-                known = (base, base + size, handle)
-                seen.append(known)
-            where.append([known[2], address - known[0]])
-        return where
+                        handle = self._handles[run.ident] = _driver.ipc_handle(run.base).hex()
+                    run.handle = handle
+            known = _Runs(runs, next(self._keys))
+            _bounded(self._exports)[key] = known
+        return known
 
     def _incoming_words(self, pair: Pair) -> _Words:
         kept = self._incoming.get(pair.peer)
@@ -169,43 +256,26 @@ class OneSidedRoute:
         raw = stream.cuda_stream
         ticket = message.seq + 1
         with _on_device(self.device.index):
+            copies = self._copies(pair, message, post)
             if message.caller_event is not None:
-                stream.wait_event(message.caller_event)
+                stream_wait(stream, message.caller_event)
             _driver.wait_value32(raw, words.device + _READY, ticket)
-            for target, source, nbytes in self._copies(message.tensors, post["b"]):
+            for target, source, nbytes in copies:
                 _driver.memcpy_async(target, source, nbytes, raw)
             _driver.write_value32(raw, words.device + _DONE, ticket)
         message.pending = words
 
-    def _copies(self, tensors: tuple[torch.Tensor, ...], where: list) -> list[list[int]]:
-        """``[target, source, bytes]`` per copy. Tensors that follow each other in memory on
-        both sides, each side within one allocation (blocks of a pool, back to back), go as
-        one copy: a copy may not cross from one allocation into the next."""
-        copies: list[list[int]] = []
-        sources: list[tuple[int, int]] = []  # (base, end) of the allocations read so far
-        last_handle, last_source = None, None
-        for tensor, (handle, offset) in zip(tensors, where, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            if not nbytes:
-                continue
-            target, source = self._mapped_base(handle) + offset, tensor.data_ptr()
-            home = next((r for r in sources if r[0] <= source and source + nbytes <= r[1]), None)
-            if home is None:
-                _, base, size = _driver.allocation_of(source)
-                home = (base, base + size)
-                sources.append(home)
-            last = copies[-1] if copies else None
-            if (
-                last is not None
-                and handle == last_handle
-                and home == last_source
-                and last[0] + last[2] == target
-                and last[1] + last[2] == source
-            ):
-                last[2] += nbytes
-            else:
-                copies.append([target, source, nbytes])
-            last_handle, last_source = handle, home
+    def _copies(self, pair: Pair, message: Message, post: dict) -> list[tuple[int, int, int]]:
+        """``(target, source, bytes)`` of each copy: this side's runs cut where the receiver's
+        runs (``post``) end, made once per receiver layout and our addresses."""
+        key = (pair.peer, post["x"], message.desc, tuple(t.data_ptr() for t in message.tensors))
+        known = self._plans.get(key)
+        if known is not None and known[1].current():
+            return known[0]
+        runs = _Runs(_runs(message.tensors), 0)
+        targets = [(self._mapped_base(h) + offset, nbytes) for h, offset, nbytes in post["b"]]
+        copies = _cut(runs.runs, targets)
+        _bounded(self._plans)[key] = (copies, runs)
         return copies
 
     def _mapped_base(self, handle: str) -> int:
@@ -244,6 +314,7 @@ class OneSidedRoute:
 
     def evict(self, pair: Pair, reason: str) -> None:
         """A fault or a lost peer: this pair's pages go (a new epoch makes new ones)."""
+        self._plans.clear()
         for table in (self._incoming, self._outgoing):
             kept = table.pop(pair.peer, None)
             if kept is not None:
