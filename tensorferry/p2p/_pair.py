@@ -261,7 +261,8 @@ class Pair:
         try:
             if route.one_sided and message.kind == "recv":
                 frame = route.post(self, message)
-                self._send({"k": "p", **self._head(message), **frame})
+                if frame is not None:
+                    self._send({"k": "p", **self._head(message), **frame})
                 message.state = ISSUED
             elif not route.one_sided and message.kind == "send":
                 self._send({"k": "h", **self._head(message)})
@@ -284,7 +285,7 @@ class Pair:
         kind, seq = message.kind, message.seq
         try:
             if route.one_sided:  # a send: the receiver's post says where its bytes go
-                post = self._frames["p"].pop(seq, None)
+                post = self._frames["p"].pop(seq, None) or route.posted(self, message)
                 if post is None:
                     return False
                 if self._agrees(message, post):

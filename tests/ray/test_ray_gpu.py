@@ -25,7 +25,9 @@ NCCL_NETWORK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
 @pytest.fixture(scope="module")
 def ray_gpus():
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.actor")  # not this folder, which a bare "ray" can name
+    import ray
+
     saved = {key: os.environ.get(key) for key in NCCL_NETWORK}
     os.environ.update(NCCL_NETWORK)  # the Ray workers inherit it
     ray.init(num_cpus=4, num_gpus=2, object_store_memory=200 << 20, include_dashboard=False)

@@ -58,6 +58,8 @@ __all__ = ["OneSidedRoute"]
 log = logging.getLogger(__name__)
 
 _READY, _DONE = 0, 4  # byte offsets of the words in their page
+_RING, _SLOTS = 64, 256  # the posts' ring: its offset in the page, and its 64-bit slots
+_TICKET = 0xFFFFFFFF  # a slot holds (key << 32) | ticket
 
 
 def _on_device(index: int) -> Any:
@@ -88,13 +90,31 @@ class _Words:
         self.host = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.device = _driver.host_register(self.host, mmap.PAGESIZE)
         self._done = ctypes.c_uint32.from_address(self.host + _DONE)
+        self._ring = (ctypes.c_uint64 * _SLOTS).from_address(self.host + _RING)
+        self.told: set[int] = set()  # receiver: layout keys whose post went as a frame
+        self.layouts: dict[int, dict] = {}  # sender: those posts, by key
 
     def done(self) -> int:
         return self._done.value
 
+    def ring_post(self, seq: int, key: int) -> bool:
+        """Receiver: posts message ``seq`` of a layout the sender knows (``key``) in the ring,
+        if its slot is free (the message ``_SLOTS`` earlier is done); returns whether it did."""
+        if key not in self.told or self._done.value + _SLOTS < seq + 1:
+            return False
+        self._ring[seq % _SLOTS] = (key << 32) | ((seq + 1) & _TICKET)  # one 8-byte store
+        return True
+
+    def ring_read(self, seq: int) -> dict | None:
+        """Sender: the post of message ``seq`` if the ring holds it."""
+        slot = self._ring[seq % _SLOTS]
+        if slot & _TICKET != (seq + 1) & _TICKET:
+            return None
+        return self.layouts.get(slot >> 32)
+
     def close(self) -> None:
         _driver.host_unregister(self.host)
-        self._done = None  # type: ignore[assignment]  # no view may outlive the map
+        self._done = self._ring = None  # type: ignore[assignment]  # no view outlives the map
         with contextlib.suppress(BufferError):  # a view still held: the map goes with it
             self._map.close()
         if self.owner:
@@ -108,22 +128,29 @@ _CACHED = 256  # layouts kept per table: a program of ever-new addresses starts 
 class _Run:
     """Bytes back to back within one allocation: ``nbytes`` from ``address``."""
 
-    __slots__ = ("address", "base", "handle", "ident", "nbytes")
+    __slots__ = ("address", "base", "handle", "ident", "nbytes", "tensors")
 
     def __init__(self, address: int, nbytes: int, ident: int, base: int) -> None:
         self.address, self.nbytes, self.ident, self.base = address, nbytes, ident, base
         self.handle = ""
+        self.tensors = 1
 
 
 class _Runs:
-    """A message's runs, and what a post carries of them (receiver side)."""
+    """A message's runs, what a post carries of them (receiver side), and how to tell that
+    they still hold.
 
-    def __init__(self, runs: list[_Run], key: int) -> None:
+    A receiver's post names allocations (by handle), so all of them are checked; a sender's
+    runs name addresses only, and only one that joins tensors can come to cross from one
+    allocation into another."""
+
+    def __init__(self, runs: list[_Run], key: int, *, joined_only: bool = False) -> None:
         self.runs, self.key = runs, key
         self.posted = [[r.handle, r.address - r.base, r.nbytes] for r in runs]
         firsts: dict[int, int] = {}
         for run in runs:
-            firsts.setdefault(run.ident, run.address)
+            if run.tensors > 1 or not joined_only:
+                firsts.setdefault(run.ident, run.address)
         self._checks = [(address, ident) for ident, address in firsts.items()]
 
     def current(self) -> bool:
@@ -147,6 +174,7 @@ def _runs(tensors: tuple[torch.Tensor, ...]) -> list[_Run]:
             home = next(h for h in homes if h[2] == last.ident)
             if address + nbytes <= home[1]:
                 last.nbytes += nbytes
+                last.tensors += 1
                 continue
         home = next((h for h in homes if h[0] <= address < h[1]), None)
         if home is None:
@@ -206,9 +234,11 @@ class OneSidedRoute:
         self._outgoing: dict[int, tuple[str, _Words]] = {}  # peer -> (page name, its page)
 
     # ------------------------------------------------------------------ receiver
-    def post(self, pair: Pair, message: Message) -> dict:
+    def post(self, pair: Pair, message: Message) -> dict | None:
         """Makes ``message``'s buffers writable by the peer after the caller's earlier work;
-        returns what the post frame carries."""
+        returns what the post frame carries, or ``None`` when the post went in the ring (a
+        layout the sender knows from an earlier frame of this epoch: no frame, no system
+        call)."""
         words = self._incoming_words(pair)
         stream = pair.stream("recv")
         with _on_device(self.device.index):
@@ -217,6 +247,9 @@ class OneSidedRoute:
             _driver.write_value32(stream.cuda_stream, words.device + _READY, message.seq + 1)
             runs = self._exported(message)
         message.pending = words
+        if words.ring_post(message.seq, runs.key):
+            return None
+        words.told.add(runs.key)
         return {"x": runs.key, "b": runs.posted, "w": words.name}
 
     def _exported(self, message: Message) -> _Runs:
@@ -252,6 +285,7 @@ class OneSidedRoute:
         """Copies ``message``'s tensors where the peer's post says, after the caller's earlier
         work and the receiver's ``READY``; then sets ``DONE``."""
         words = self._outgoing_words(pair, post["w"])
+        words.layouts.setdefault(post["x"], post)
         stream = pair.stream("send")
         raw = stream.cuda_stream
         ticket = message.seq + 1
@@ -265,6 +299,11 @@ class OneSidedRoute:
             _driver.write_value32(raw, words.device + _DONE, ticket)
         message.pending = words
 
+    def posted(self, pair: Pair, message: Message) -> dict | None:
+        """The post of ``message`` found in the ring of this epoch's page, if it is there."""
+        kept = self._outgoing.get(pair.peer)
+        return None if kept is None else kept[1].ring_read(message.seq)
+
     def _copies(self, pair: Pair, message: Message, post: dict) -> list[tuple[int, int, int]]:
         """``(target, source, bytes)`` of each copy: this side's runs cut where the receiver's
         runs (``post``) end, made once per receiver layout and our addresses."""
@@ -272,7 +311,7 @@ class OneSidedRoute:
         known = self._plans.get(key)
         if known is not None and known[1].current():
             return known[0]
-        runs = _Runs(_runs(message.tensors), 0)
+        runs = _Runs(_runs(message.tensors), 0, joined_only=True)
         targets = [(self._mapped_base(h) + offset, nbytes) for h, offset, nbytes in post["b"]]
         copies = _cut(runs.runs, targets)
         _bounded(self._plans)[key] = (copies, runs)
