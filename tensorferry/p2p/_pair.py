@@ -81,6 +81,9 @@ class Pair:
         self.lock = threading.RLock()
         self.epoch = 0
         self._next = {"send": 0, "recv": 0}
+        # Announced and issued in number order: the next number of each to look at.
+        self._to_announce = {"send": 0, "recv": 0}
+        self._to_issue = {"send": 0, "recv": 0}
         self._cut = {"send": 0, "recv": 0}  # numbers below these that are not done failed
         self._faults = 0  # faults so far: both sides count alike (frames name them)
         self._awaiting: set[int] = set()  # our faults the peer has not answered
@@ -109,8 +112,7 @@ class Pair:
                 self._end(message, _sibling(self._fault_error, self.peer))
                 return
             self._open[kind][message.seq] = message
-            self._pump()
-            self._advance()
+            self._advance(poll=False)  # the peer's frames are read by whoever waits
 
     def progress(self) -> None:
         """Reads the peer's frames, ends what passed its deadline, issues what can go and
@@ -237,21 +239,32 @@ class Pair:
                     self._end(message, error)
 
     # ------------------------------------------------------------------ issue
-    def _advance(self) -> None:
+    def _advance(self, *, poll: bool = True) -> None:
         if self._awaiting:
             return  # nothing is issued until the peer answers our fault (see the docstring)
         if self._frames["h"] or self._frames["p"]:
             self._find_route_mismatches()
         for kind in ("send", "recv"):
-            for message in list(self._open[kind].values()):
-                if not message.announced:
+            last = self._next[kind]
+            seq = self._to_announce[kind]
+            while seq < last:  # (a fault on the way empties _open: look it up each time)
+                message = self._open[kind].get(seq)
+                if message is not None and not message.announced:
                     self._announce(message)
-            for message in list(self._open[kind].values()):
-                if message.state == WAITING and not self._try_issue(message):
+                seq += 1
+            self._to_announce[kind] = seq
+            seq = self._to_issue[kind]
+            while seq < last:
+                message = self._open[kind].get(seq)
+                waiting = message is not None and message.state == WAITING
+                if waiting and not self._try_issue(message):
                     break  # later messages of this direction wait for it
-            for message in list(self._open[kind].values()):
-                if message.state == ISSUED:
-                    self._poll(message)
+                seq += 1
+            self._to_issue[kind] = seq
+            if poll:
+                for message in list(self._open[kind].values()):
+                    if message.state == ISSUED and not self._poll(message):
+                        break
 
     def _announce(self, message: Message) -> None:
         """Tells the peer of ``message``: a two-sided send's header, a one-sided receive's post
@@ -357,20 +370,26 @@ class Pair:
         self._fault(error, True, cause=message)
 
     # ------------------------------------------------------------------ completion
-    def _poll(self, message: Message) -> None:
+    def _poll(self, message: Message) -> bool:
+        """Ends ``message`` if its route finished it. Returns whether later messages of its
+        direction may have finished: not after an unfinished one of a route that ends them in
+        order (a one-sided route's words count up), so a waiter looks at one, not all."""
         route = self.ctx.route(message.route)
         try:
             if not route.finished(self, message):
-                return
+                return not route.one_sided
         except TensorFerryError as exc:
             self._fault(exc, True, cause=message)
-            return
+            return False
         if not route.one_sided:
             if message.kind == "send" and route.confirms_receives and message.error is None:
                 self._confirm_sent(message)
             if not message.answered and (message.kind == "send" or route.confirms_receives):
-                return  # the receiver has not said whether it matched / the sender, that it sent
+                return (
+                    True  # the receiver has not said whether it matched / the sender, that it sent
+                )
         self._end(message, message.error)
+        return True
 
     def _confirm_sent(self, message: Message) -> None:
         """Tells the receiver its message left: a route whose receive can end without its
