@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 # a small message is done in tens of microseconds, and a sleeping thread wakes late.
 _SPIN_S = 2e-3
 _SLEEP_MAX_S = 1e-3
-# Spinning on a one-sided route's words alone, a waiter looks at the rest (frames, deadlines)
-# again after this long.
+# Spinning, a waiter for a frame looks again after at most this long without one (seconds) ...
+_FRAME_WAIT_S = 100e-6
+# ... and one spinning on a one-sided route's words alone, after this long.
 _WORD_SPIN_S = 200e-6
 
 
@@ -238,11 +239,20 @@ class Transfer:
         return self._done.is_set()
 
     def _pause_briefly(self) -> None:
-        """Between two looks while spinning. When every message is issued and a one-sided
-        route's device writes their end, spins on those words (no call per look); else yields
-        the core once and looks again: a peer's frame is read by the next look, sooner than a
-        sleeping thread would wake for it."""
-        if not any(m.state == WAITING for m in self._messages):
+        """Between two looks while spinning. A message still waiting for its peer's frame
+        sleeps in ``select`` until a frame arrives (the kernel wakes it; spinning would take
+        the core from the peer's side on a small host), unless the frame may come through
+        memory instead (a one-sided route's ring of posts): then it looks again at once. When
+        every message is issued and a one-sided route's device writes their end, it spins on
+        those words (no call per look)."""
+        waiting = [m for m in self._messages if m.state == WAITING]
+        if waiting:
+            if not all(self._route_of(m).one_sided for m in waiting):
+                fds = {p.incoming_fd() for p in self._pairs} - {None}
+                if fds:
+                    select.select(list(fds), [], [], _FRAME_WAIT_S)
+                    return
+        else:
             words = [m for m in self._messages if m.state == ISSUED and self._route_of(m).one_sided]
             if words and len(words) == sum(m.state != ENDED for m in self._messages):
                 until = time.monotonic() + _WORD_SPIN_S
