@@ -261,23 +261,6 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     # No CUDA driver in this process, or not this context: nothing launched, the caller copies.
     t = torch.ones(4)
     assert native.copy_pieces(1, 1, 0, 1, [t], [t]) is False
-    # issue_lone calls what it is given: it refuses before calling anything it cannot trust.
-    with pytest.raises(TypeError, match="issue_lone"):
-        native.issue_lone(1, 1, t)
-    entries = dict(move=1, datatype=1, tensor=t, peer=1, comm=1, stream=1, wait=1)
-    entries.update(caller_event=0, caller_stream=None, record=1, done_event=1, hold_gil=False)
-    with pytest.raises(ValueError, match="contiguous CUDA tensor"):
-        native.issue_lone(*entries.values())
-    with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
-        native.issue_lone(*{**entries, "tensor": [t]}.values())
-    for name in ("move", "wait", "record", "done_event"):
-        with pytest.raises(ValueError, match="null entry point"):
-            native.issue_lone(*{**entries, name: 0}.values())
-    # A caller's event to record (its stream given) must be there: the default stream is 0.
-    with pytest.raises(ValueError, match="caller's event to record"):
-        native.issue_lone(*{**entries, "caller_stream": 0}.values())
-    with pytest.raises(TypeError):
-        native.issue_lone(*{**entries, "caller_stream": "a stream"}.values())
     with pytest.raises(TypeError, match="send_now"):
         native.send_now(1)
     with pytest.raises(TypeError, match="recv_now"):

@@ -7,9 +7,9 @@
 // makes the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
 // copy_pieces launches the copies in and out of a message's packed buffer (see there).
-// issue_lone issues a lone tensor over NCCL with the CUDA calls around it; record_event,
-// wait_event and query_event make the event calls of tensorferry/runtime/_events.py,
-// nccl_move a packed message's NCCL call and nccl_async_error the NCCL transport's poll;
+// record_event, wait_event and query_event make the event calls of
+// tensorferry/runtime/_events.py, nccl_move a message's NCCL call and nccl_async_error the
+// NCCL transport's poll;
 // send_now and recv_now make the side channel's system calls holding the GIL (see each).
 //
 // Built on first use against the running torch (tensorferry/_native/__init__.py); never
@@ -377,13 +377,9 @@ PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
   Py_RETURN_TRUE;
 }
 
-// ---------------------------------------------------------------- one tensor over NCCL
-// A lone tensor's send or receive over NCCL makes three calls besides NCCL's own: the transfer
-// stream's wait for the caller's event, and the record of the completion event after it. From
-// Python each is a ctypes call wrapped in checks; here they are one call, with the GIL
-// released around NCCL's only (it may block on its own locks). The entry points are passed as
-// addresses the caller found (tensorferry/runtime/_events.py, tensorferry/p2p/_nccl_lib.py),
-// so nothing of CUDA or NCCL is needed to build this file.
+// ---------------------------------------------------------------- CUDA and NCCL calls
+// The entry points are passed as addresses the caller found (tensorferry/runtime/_events.py,
+// tensorferry/p2p/_nccl_lib.py), so nothing of CUDA or NCCL is needed to build this file.
 using CudaStreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
 using CudaEventRecord = int (*)(void* event, void* stream);
 using CudaEventQuery = int (*)(void* event);
@@ -392,7 +388,7 @@ using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int pee
                          void* stream);
 
 // `move` (ncclSend or ncclRecv) of `nbytes` at `buffer` on `stream`: the code it returned. The
-// GIL is released around it unless `hold_gil` (see issue_lone for when a caller may keep it).
+// GIL is released around it unless `hold_gil` (see nccl_move for when a caller may keep it).
 int move_bytes(void* move, const void* buffer, size_t nbytes, int datatype, int peer, void* comm,
                void* stream, bool hold_gil) {
   const auto call = [&] {
@@ -406,98 +402,6 @@ int move_bytes(void* move, const void* buffer, size_t nbytes, int datatype, int 
   code = call();
   Py_END_ALLOW_THREADS
   return code;
-}
-
-// issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, caller_stream,
-//            record, done_event, hold_gil) -> None or (step, code)
-//
-// Records `caller_event` on `caller_stream` where that is not None (a p2p call puts the record
-// of its caller's event off until its issue: tensorferry/runtime/_events.py), makes `stream`
-// wait for `caller_event` (none when 0), calls `move` (ncclSend or ncclRecv) with `tensor`'s
-// bytes (a contiguous CUDA tensor: the caller checked it) as `datatype`, then records
-// `done_event` on `stream`. None when all succeeded; else the step that failed, "caller" or
-// "wait" (nothing issued), "nccl" (nothing issued) or "record" (issued, no event recorded),
-// and the code it returned. The CUDA calls work in the calling thread's current device's
-// context only: the caller checks it is the stream's (and the caller's stream's).
-//
-// The GIL is released around `move` unless `hold_gil` is true. Released, another of the
-// process's threads (the completion pool's poller, in a burst of sends) takes it while NCCL
-// launches, and the caller waits for that thread to let go of it again: tens of microseconds
-// per call. Held, nothing else of the process runs while `move` does, so the caller holds it
-// only where `move` cannot block for long: with few transfers in flight, the device's launch
-// queue has room, and a connected pair's send or receive only launches.
-PyObject* issue_lone(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 12) {
-    PyErr_SetString(PyExc_TypeError,
-                    "issue_lone(move, datatype, tensor, peer, comm, stream, wait, caller_event, "
-                    "caller_stream, record, done_event, hold_gil)");
-    return nullptr;
-  }
-  void* move = nullptr;
-  void* comm = nullptr;
-  void* stream = nullptr;
-  void* wait = nullptr;
-  void* caller_event = nullptr;
-  void* caller_stream = nullptr;
-  void* record = nullptr;
-  void* done_event = nullptr;
-  const bool records_caller = args[8] != Py_None;
-  if (!pointer_arg(args[0], &move) || !pointer_arg(args[4], &comm) ||
-      !pointer_arg(args[5], &stream) || !pointer_arg(args[6], &wait) ||
-      !pointer_arg(args[7], &caller_event) ||
-      (records_caller && !pointer_arg(args[8], &caller_stream)) ||
-      !pointer_arg(args[9], &record) || !pointer_arg(args[10], &done_event)) {
-    return nullptr;
-  }
-  const long datatype = PyLong_AsLong(args[1]);
-  const long peer = PyLong_AsLong(args[3]);
-  if ((datatype == -1 || peer == -1) && PyErr_Occurred()) {
-    return nullptr;
-  }
-  const int hold_gil = PyObject_IsTrue(args[11]);
-  if (hold_gil < 0) {
-    return nullptr;
-  }
-  if (move == nullptr || wait == nullptr || record == nullptr || done_event == nullptr ||
-      (records_caller && caller_event == nullptr)) {
-    PyErr_SetString(PyExc_ValueError,
-                    "issue_lone: a null entry point, completion event or caller's event to record");
-    return nullptr;
-  }
-  if (!THPVariable_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "issue_lone: tensor must be a torch.Tensor");
-    return nullptr;
-  }
-  const at::Tensor& tensor = THPVariable_Unpack(args[2]);
-  if (!tensor.is_cuda() || !tensor.is_contiguous()) {
-    PyErr_SetString(PyExc_ValueError, "issue_lone: tensor must be a contiguous CUDA tensor");
-    return nullptr;
-  }
-  const void* buffer = tensor.data_ptr();
-  const size_t nbytes = static_cast<size_t>(tensor.nbytes());
-  const char* failed = nullptr;
-  int code = 0;
-  if (records_caller) {
-    code = reinterpret_cast<CudaEventRecord>(record)(caller_event, caller_stream);
-    failed = code != 0 ? "caller" : nullptr;
-  }
-  if (failed == nullptr && caller_event != nullptr) {
-    code = reinterpret_cast<CudaStreamWaitEvent>(wait)(stream, caller_event, 0);
-    failed = code != 0 ? "wait" : nullptr;
-  }
-  if (failed == nullptr) {
-    code = move_bytes(move, buffer, nbytes, static_cast<int>(datatype), static_cast<int>(peer),
-                      comm, stream, hold_gil != 0);
-    failed = code != 0 ? "nccl" : nullptr;
-  }
-  if (failed == nullptr) {
-    code = reinterpret_cast<CudaEventRecord>(record)(done_event, stream);
-    failed = code != 0 ? "record" : nullptr;
-  }
-  if (failed == nullptr) {
-    Py_RETURN_NONE;
-  }
-  return Py_BuildValue("(si)", failed, code);
 }
 
 // record_event(record, event, stream) -> int, wait_event(wait, stream, event, flags) -> int,
@@ -554,10 +458,15 @@ PyObject* query_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
 // nccl_move(move, buffer, nbytes, datatype, peer, comm, stream, hold_gil) -> int
 //
 // `move` (ncclSend or ncclRecv, outside any group) of `nbytes` at the address `buffer` as
-// `datatype` on `stream`: the code it returned. The GIL is released around it unless
-// `hold_gil` (see issue_lone for when a caller may keep it). What a message of several tensors
-// (its packed buffer) makes, where issue_lone serves a lone tensor; through ctypes its seven
-// arguments cost microseconds of conversion.
+// `datatype` on `stream`: the code it returned; through ctypes its seven arguments cost
+// microseconds of conversion.
+//
+// The GIL is released around `move` unless `hold_gil` is true. Released, another of the
+// process's threads (the completion pool's poller, in a burst of sends) takes it while NCCL
+// launches, and the caller waits for that thread to let go of it again: tens of microseconds
+// per call. Held, nothing else of the process runs while `move` does, so the caller holds it
+// only where `move` cannot block for long: with few transfers in flight, the device's launch
+// queue has room, and a connected pair's send or receive only launches.
 PyObject* nccl_move(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 8) {
     PyErr_SetString(PyExc_TypeError,
@@ -665,8 +574,6 @@ PyMethodDef methods[] = {
     {"listed_once", listed_once, METH_O, "Whether no object is listed twice."},
     {"copy_pieces", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(copy_pieces)),
      METH_FASTCALL, "Copies tensors into tensors with one kernel launch (or returns False)."},
-    {"issue_lone", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(issue_lone)),
-     METH_FASTCALL, "One tensor over NCCL between the caller's event and the done event."},
     {"record_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_event)),
      METH_FASTCALL, "cudaEventRecord through its entry point, the GIL held."},
     {"wait_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wait_event)),

@@ -81,8 +81,8 @@ class NcclLibrary:
         # quick ones above keep it where the caller knows the call only launches.
         self._send_alone = _declare(waits.ncclSend, transfer_args, res)
         self._recv_alone = _declare(waits.ncclRecv, transfer_args, res)
-        # Their addresses, for the compiled helper's one call around a lone tensor
-        # (tensorferry/_native: issue_lone), which lets go of the GIL around them or not.
+        # Their addresses, for the compiled helper's call of either outside a group
+        # (tensorferry/_native: nccl_move), which lets go of the GIL around it or not.
         self.alone_entries = {
             kind: ctypes.cast(fn, ctypes.c_void_p).value
             for kind, fn in (("send", quick.ncclSend), ("recv", quick.ncclRecv))

@@ -230,18 +230,6 @@ def pooled(index: int) -> Any:
     return None
 
 
-def pooled_or_made(index: int, stream: torch.cuda.Stream) -> Any:
-    """A free pooled event of device ``index``, or, with none free, a new one, made (its CUDA
-    event created) by recording it on ``stream`` through torch: the caller records it again
-    where it needs it. Give it back with :func:`recycle`; the pool keeps up to ``_MAX_FREE``.
-
-    For a caller that needs an event's handle before it records it: falling back to another
-    way whenever none was free would never add one to the pool (that way takes as many as it
-    gives back), so a process whose pool held fewer than such a caller needs stayed there."""
-    event = pooled(index)
-    return event if event is not None else _torch_record(index, stream)
-
-
 def _record_raw(event: torch.cuda.Event, index: int, raw_stream: Any) -> bool:
     """Records ``event`` (its CUDA event created) on the raw stream handle ``raw_stream`` of
     device ``index`` through the GIL-holding call: whether it did. Not where there is no such

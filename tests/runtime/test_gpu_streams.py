@@ -181,20 +181,3 @@ def test_the_event_calls_check_tells_working_calls_from_a_record_that_does_nothi
     problem = _events._misbehaviour(broken, _events._CHECK_SPINS[0])
     assert problem is not None and problem.startswith(_events._FINISHED_TOO_SOON)
     assert _events._checked(broken) is None, "the longer second look finds the same"
-
-
-def test_an_event_needed_before_its_record_is_made_when_the_pool_is_empty():
-    # A caller that needs an event's handle before it records it (the compiled issue of a lone
-    # tensor) gets a new one when none is free, rather than going without: otherwise the pool
-    # never grew past what the other ways give back, and those callers never got one.
-    from tensorferry.runtime import _events
-
-    _events._free.pop(0, None)
-    stream = torch.cuda.Stream(0)
-    made = _events.pooled_or_made(0, stream)
-    assert made.cuda_event, "its CUDA event exists, for a record through its handle"
-    stream.synchronize()
-    assert made.query()
-    _events.recycle(made, 0)
-    assert _events.pooled_or_made(0, stream) is made, "given back, it is the next one out"
-    _events.recycle(made, 0)
