@@ -34,8 +34,10 @@ def test_after_pair_faults_the_pair_works_and_nothing_leaked():
     try:
         gained = pool.run("faults_leave_nothing_behind", 40, timeout=120)
         # The last few faults' gloo groups are kept a while (see _gloo._Group.abort): a bound,
-        # not a count per fault (40 faults left 200 descriptors before).
-        assert gained[0]["fds"] <= 20 and gained[0]["threads"] <= 3, gained
+        # not a count per fault (40 faults left 200 descriptors before). Four kept groups and
+        # the live one, a few descriptors each: 7 to 25 in runs, by how far each kept group's
+        # making had come when its fault came.
+        assert gained[0]["fds"] <= 30 and gained[0]["threads"] <= 3, gained
         assert gained[1]["late"] == ["failed at once"], gained
     finally:
         pool.close()
