@@ -10,7 +10,21 @@ from collections.abc import Iterable
 
 from tensorferry.runtime._devices import cuda_device_count
 
-__all__ = ["cuda_device_count", "require_cuda_devices", "require_transports_for"]
+__all__ = [
+    "cuda_device_count",
+    "on_two_gpus",
+    "require_cuda_devices",
+    "require_transports_for",
+]
+
+
+def on_two_gpus(device: str, *, check: bool = True) -> bool:
+    """Whether ``--device device`` runs on GPUs 0 and 1. With ``check``, raises ``SystemExit``
+    where it does and this machine has fewer than two."""
+    use_cuda = device == "cuda" or (device == "auto" and cuda_device_count() >= 2)
+    if use_cuda and check:
+        require_cuda_devices(2, "--device cuda")
+    return use_cuda
 
 
 def require_cuda_devices(count: int, what: str) -> None:

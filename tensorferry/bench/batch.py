@@ -30,7 +30,12 @@ import statistics
 import time
 from typing import Any
 
-from tensorferry.cli._args import add_bench_output_arguments, non_negative_int, positive_int
+from tensorferry.cli._args import (
+    add_bench_output_arguments,
+    add_device_argument,
+    non_negative_int,
+    positive_int,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -39,13 +44,7 @@ _ONE_BYTES = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="cuda: NCCL between GPUs 0 and 1 (needs two CUDA GPUs); cpu: gloo; auto: cuda "
-        "when this machine has two GPUs",
-    )
+    add_device_argument(parser, cuda="NCCL between GPUs 0 and 1", cpu="gloo")
     parser.add_argument("--count", type=positive_int, default=64, help="tensors per iteration")
     parser.add_argument("--bytes", type=positive_int, default=4096, help="bytes per tensor")
     parser.add_argument(
@@ -64,13 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorferry.bench._devices import cuda_device_count, require_cuda_devices
+    from tensorferry.bench._devices import on_two_gpus
     from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_device_count() >= 2)
-    if use_cuda:
-        require_cuda_devices(2, "--device cuda")
+    use_cuda = on_two_gpus(args.device)
     if args.count < 1 or args.bytes < 4 or args.bytes % 4:
         raise SystemExit("--count must be >= 1 and --bytes a positive multiple of 4")
     config = {

@@ -33,7 +33,7 @@ import argparse
 import os
 
 from tensorferry.bench._peers_plan import Plan
-from tensorferry.cli._args import add_bench_output_arguments, positive_float
+from tensorferry.cli._args import add_bench_output_arguments, add_device_argument, positive_float
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,12 +43,10 @@ _TITLE = "tensorferry bench peers: torch.distributed, NIXL and tensorferry, time
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorferry.bench._peers_plan import ROW_KEYS
 
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cuda", "cpu"),
-        default="auto",
-        help="cuda: GPUs 0 and 1 (needs two CUDA GPUs), torch over NCCL; cpu: two CPU "
-        "processes, torch over gloo, smaller sizes; auto: cuda when this machine has two GPUs",
+    add_device_argument(
+        parser,
+        cuda="GPUs 0 and 1, torch over NCCL",
+        cpu="two CPU processes, torch over gloo, smaller sizes",
     )
     parser.add_argument(
         "--rows",
@@ -76,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorferry.bench._devices import cuda_device_count, require_cuda_devices
+    from tensorferry.bench._devices import on_two_gpus
     from tensorferry.bench._peers_nixl import unavailable_reason
     from tensorferry.bench._peers_plan import make_plan, parse_rows
     from tensorferry.bench._peers_rank import rank_main
@@ -86,9 +84,7 @@ def run(args: argparse.Namespace) -> int:
         rows = parse_rows(args.rows)
     except ValueError as exc:
         raise SystemExit(f"--rows {args.rows!r}: {exc}") from None
-    use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_device_count() >= 2)
-    if use_cuda and not under_torchrun():
-        require_cuda_devices(2, "--device cuda")
+    use_cuda = on_two_gpus(args.device, check=not under_torchrun())
     plan = make_plan(
         "cuda" if use_cuda else "cpu",
         quick=args.quick,

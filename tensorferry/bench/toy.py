@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from tensorferry.cli._args import add_bench_output_arguments, positive_int
+from tensorferry.cli._args import add_bench_output_arguments, add_device_argument, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -31,13 +31,7 @@ PROGRAMS = ("basic_overlap", "overlap", "pp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="cuda: NCCL between GPUs 0 and 1 (needs two CUDA GPUs); cpu: gloo; auto: cuda when "
-        "this machine has two GPUs (default: auto)",
-    )
+    add_device_argument(parser, cuda="NCCL between GPUs 0 and 1", cpu="gloo")
     parser.add_argument(
         "--programs",
         default=",".join(PROGRAMS),
@@ -59,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorferry.bench._devices import cuda_device_count, require_cuda_devices
+    from tensorferry.bench._devices import on_two_gpus
     from tensorferry.bench._report import report
     from tensorferry.p2p._launch import run_world
 
@@ -70,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - {"cached", "uncached"}:
         raise SystemExit(f"--modes must be a subset of cached,uncached, got {args.modes}")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_device_count() >= 2)
-    if use_cuda:
-        require_cuda_devices(2, "--device cuda")
+    use_cuda = on_two_gpus(args.device)
     config = {
         "programs": programs,
         "modes": modes,

@@ -13,6 +13,7 @@ __all__ = [
     "BENCH_RESULTS",
     "DefaultsHelpFormatter",
     "add_bench_output_arguments",
+    "add_device_argument",
     "folder_problem",
     "non_negative_int",
     "positive_float",
@@ -41,6 +42,19 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         ):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def add_device_argument(parser: argparse.ArgumentParser, *, cuda: str, cpu: str) -> None:
+    """``--device {auto,cpu,cuda}`` of a benchmark between two ranks: ``cuda`` and ``cpu`` say
+    what runs on each; ``auto`` is ``cuda`` where this machine has two GPUs (see
+    :func:`tensorferry.bench._devices.on_two_gpus`)."""
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help=f"cuda: {cuda} (needs two CUDA GPUs); cpu: {cpu}; auto: cuda when this machine "
+        "has two GPUs",
+    )
 
 
 def add_bench_output_arguments(
