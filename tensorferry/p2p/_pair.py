@@ -385,9 +385,8 @@ class Pair:
             if message.kind == "send" and route.confirms_receives and message.error is None:
                 self._confirm_sent(message)
             if not message.answered and (message.kind == "send" or route.confirms_receives):
-                return (
-                    True  # the receiver has not said whether it matched / the sender, that it sent
-                )
+                # The receiver has not said whether it matched / the sender, that it sent.
+                return True
         self._end(message, message.error)
         return True
 

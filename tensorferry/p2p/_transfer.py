@@ -248,9 +248,9 @@ class Transfer:
         waiting = [m for m in self._messages if m.state == WAITING]
         if waiting:
             if not all(self._route_of(m).one_sided for m in waiting):
-                fds = {p.incoming_fd() for p in self._pairs} - {None}
+                fds = self._incoming_fds()
                 if fds:
-                    select.select(list(fds), [], [], _FRAME_WAIT_S)
+                    select.select(fds, [], [], _FRAME_WAIT_S)
                     return
         else:
             words = [m for m in self._messages if m.state == ISSUED and self._route_of(m).one_sided]
@@ -263,11 +263,15 @@ class Transfer:
 
     def _sleep(self, seconds: float) -> None:
         """Sleeps up to ``seconds``, waking when a frame arrives from one of the peers."""
-        fds = {p.incoming_fd() for p in self._pairs} - {None}
+        fds = self._incoming_fds()
         if fds:
-            select.select(list(fds), [], [], seconds)
+            select.select(fds, [], [], seconds)
         else:
             time.sleep(seconds)
+
+    def _incoming_fds(self) -> list[int]:
+        """The descriptors the transfer's peers' frames arrive on."""
+        return [fd for fd in {p.incoming_fd() for p in self._pairs} if fd is not None]
 
     def _block(self, limit: float) -> bool:
         """Waits on this thread in a route's blocking wait (a gloo work), where nothing else of
