@@ -1,37 +1,42 @@
 """The CPU route: CPU tensors over gloo, one ``ProcessGroupGloo`` per pair of ranks and epoch.
 
-Two-sided (see :mod:`._pair`): the sender's call issues its gloo send at once; the receiver
-issues its receive once the sender's header matched (or, after a mismatch, into scratch).
-Each pair's group is made directly on a per-pair prefix of the world store (rank 0/1 within
-the pair), so only the two ranks take part.
+The receiver posts first (see :mod:`._pair`): its call posts gloo receives into its buffers
+under the message's number as gloo's tag, and its post frame tells the sender its layout. The
+sender compares, then sends into those receives; gloo's own notice that a receive is posted has
+usually arrived by then, so the bytes leave at once. Where the layouts differ the sender writes
+``m`` and answers each posted receive with an empty send: the receive ends with no byte written,
+and gloo's books of the pair balance (the tag is never used again). Each pair's group is made
+directly on a per-pair prefix of the world store (rank 0/1 within the pair), so only the two
+ranks take part.
+
+A message travels as its *head* (a status byte, then its tensors under :data:`PACK_BELOW` bytes
+packed: gloo pays tens of microseconds per operation) and each larger tensor alone, with no
+copy. The status byte tells a receive its sender's bytes (``_AGREED``) from a withdrawal (0).
 
 Completion: a gloo send or receive ends only through its work's ``wait()``, which blocks.
 ``Transfer.wait`` waits in it on the caller's own thread, as ``torch.distributed``'s callers
-do, where that holds up nothing: a receive at once (its bytes come from a send the peer issued
-already), a send once the peer answered its header (the peer posts its receive right then).
-Works nobody waits for that way (a done-callback, ``done()`` polled, a send never waited for)
-go to one of the pair's two waiter threads, one per direction.
-
-Packing: gloo pays tens of microseconds per operation, so the small tensors of a message travel
-packed into one byte buffer; large ones go alone, with no copy.
+do: an issued message needs nothing more of that thread. Works nobody waits for that way (a
+done-callback, ``done()`` polled, a send never waited for) go to one of the pair's two waiter
+threads, one per direction.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tensorferry.errors import PeerLostError, TensorFerryError, TransferTimeoutError, TransportError
-from tensorferry.p2p._packing import as_bytes, pack, unpack, wire_plan
+from tensorferry.p2p._packing import as_bytes
 from tensorferry.p2p._transport import TransportContext, cached_pair
-from tensorferry.p2p._two_sided import scratch_for
 from tensorferry.runtime import communicator_cache
 
 if TYPE_CHECKING:
@@ -43,7 +48,10 @@ __all__ = ["GlooRoute", "PACK_BELOW"]
 log = logging.getLogger(__name__)
 
 PACK_BELOW = 256 << 10
-_TAG = 0  # messages of a direction are issued in number order: gloo matches them in order
+# A message's head starts with a status byte: _AGREED when the sender's layout agreed, 0 when
+# the post was withdrawn (the receiver sets it to 0 before posting).
+_STATUS = 1
+_AGREED = b"\x01"
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
 _MAKING = "making"
 # Works nobody claimed this long after their start go to the pair's waiter thread (a send
@@ -56,25 +64,56 @@ _given_up: collections.deque = collections.deque(maxlen=4)
 
 class _Works:
     """A message's gloo works, waited for by one thread (its direction's waiter, or the caller
-    of ``Transfer.wait``); ``finished`` once they ended (its fields are set before it)."""
+    of ``Transfer.wait``); ``finished`` once they ended (its fields are set before it). A
+    receive's ``head`` is unpacked into its ``small`` tensors once its status byte says the layouts
+    agreed; else the receive was ``withdrawn``."""
 
-    __slots__ = ("claimed", "error", "finished", "keep", "peer", "started", "to_unpack", "works")
+    __slots__ = (
+        "claimed",
+        "error",
+        "finished",
+        "head",
+        "keep",
+        "peer",
+        "small",
+        "started",
+        "withdrawn",
+        "works",
+    )
 
-    def __init__(self, works: list, to_unpack: list, keep: Any, peer: int) -> None:
-        self.works, self.to_unpack, self.keep, self.peer = works, to_unpack, keep, peer
+    def __init__(
+        self,
+        works: list,
+        peer: int,
+        *,
+        head: torch.Tensor | None = None,
+        small: Sequence[tuple[torch.Tensor, int]] = (),
+        keep: Any = None,
+    ) -> None:
+        self.works, self.peer, self.head, self.small, self.keep = works, peer, head, small, keep
         self.started = time.monotonic()
         self.claimed = threading.Lock()  # held by the one thread that waits for the works
         self.finished = False
+        self.withdrawn = False
         self.error: BaseException | None = None
 
-    def wait(self, until: float) -> None:
-        """Waits for the works until monotonic ``until`` at the latest (then they fail)."""
+    def run(self, until: float) -> None:
+        """Waits for the works until monotonic ``until`` at the latest (then they fail), then
+        lets go of ``claimed``, which the calling thread holds: a thread waiting to acquire it
+        learns they ended."""
+        try:
+            if not self.finished:
+                self._wait(until)
+        finally:
+            self.claimed.release()
+
+    def _wait(self, until: float) -> None:
         try:
             for work in self.works:
                 left = max(0.001, until - time.monotonic())
                 work.wait(_timedelta(left))
-            for packed, targets in self.to_unpack:
-                unpack(packed, targets)
+            if self.head is not None:
+                self._unpack()
         except Exception as exc:
             text = str(exc)
             if any(hint in text for hint in _LOST_HINTS):
@@ -85,6 +124,43 @@ class _Works:
                 self.error = TransportError(f"gloo: transfer with rank {self.peer} failed: {text}")
         self.works = []  # dropped: a group given up on holds its buffers only weakly
         self.finished = True
+
+    def _unpack(self) -> None:
+        """A receive: copies the head's tensors out, unless the message was withdrawn."""
+        at = self.head.data_ptr()
+        self.withdrawn = ctypes.string_at(at, _STATUS) != _AGREED
+        if self.withdrawn:
+            return
+        at += _STATUS
+        for tensor, nbytes in self.small:
+            ctypes.memmove(tensor.data_ptr(), at, nbytes)
+            at += nbytes
+
+
+class _Wire:
+    """How a message travels (both sides derive it from the layout they agreed on): its head
+    (the status byte, then the ``small`` tensors' bytes back to back) and its ``alone``
+    tensors, as bytes."""
+
+    __slots__ = ("alone", "head_bytes", "small")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.small: list[tuple[torch.Tensor, int]] = []
+        self.alone: list[torch.Tensor] = []
+        self.head_bytes = _STATUS
+        for tensor in tensors:
+            nbytes = tensor.nbytes
+            if nbytes >= PACK_BELOW:
+                self.alone.append(as_bytes(tensor))
+            elif nbytes:
+                self.small.append((tensor, nbytes))
+                self.head_bytes += nbytes
+
+
+def _tag(message: Message) -> int:
+    """gloo's tag of ``message``: its number, so a receive answered by empty sends never meets
+    a later message's bytes."""
+    return message.seq & 0x7FFFFFFF
 
 
 def _timedelta(seconds: float) -> Any:
@@ -147,7 +223,7 @@ def _wait_loop(jobs: queue.SimpleQueue) -> None:
         works, until = job
         _waiting[me] = until
         try:
-            works.wait(until)
+            works.run(until)
         finally:
             _waiting.pop(me, None)
 
@@ -174,8 +250,9 @@ class GlooRoute:
     """
 
     name = "gloo"
-    one_sided = False
-    confirms_receives = False  # a gloo receive given up on fails; it never ends as done
+    receiver_posts = True
+    one_sided = False  # posts come as frames; completion is gloo's
+    confirms_receives = False
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -265,59 +342,90 @@ class GlooRoute:
         return made[1]
 
     # ------------------------------------------------------------------ messages
-    def start(self, pair: Pair, message: Message, *, into: Any = None) -> None:
+    def post(self, pair: Pair, message: Message) -> dict:
+        """Posts ``message``'s receives: its head, then each large tensor alone (see the module
+        docstring); returns what the post frame carries (how many receives to answer)."""
         group = self._group(pair)
-        tensors = message.tensors if into is None else scratch_for(into, torch.device("cpu"))
-        packed_idx, alone_idx = wire_plan(tensors, pack_below=PACK_BELOW)
-        sending = message.kind == "send"
-        buffers: list[torch.Tensor] = []
-        to_unpack = []
-        if packed_idx:
-            small = [tensors[i] for i in packed_idx]
-            if sending:
-                buffers.append(pack(small))
-            else:
-                total = sum(t.numel() * t.element_size() for t in small)
-                buffers.append(torch.empty(total, dtype=torch.uint8))
-                to_unpack.append((buffers[-1], small))
-        buffers.extend(as_bytes(tensors[i]) for i in alone_idx)
-        if not buffers:  # only empty tensors: a token still travels, so the receive waits
-            buffers.append(torch.zeros(1, dtype=torch.uint8))
-        move = group.pg.send if sending else group.pg.recv
-        works = _Works(
-            [move([buf], group.other, _TAG) for buf in buffers],
-            to_unpack,
-            (tensors, buffers),
-            pair.peer,
-        )
-        message.pending = works
-        self._groups_of[id(works)] = group  # until a thread claims the wait for them
+        wire = _Wire(message.tensors)
+        head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+        ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
+        buffers = [head, *wire.alone]
+        tag = _tag(message)
+        works = [group.pg.recv([buf], group.other, tag) for buf in buffers]
+        message.pending = _Works(works, pair.peer, head=head, small=wire.small)
+        self._groups_of[id(message.pending)] = group  # until a thread claims the wait
+        return {"g": len(buffers)}
+
+    def posted(self, pair: Pair, message: Message) -> None:
+        return None  # posts come as frames only
+
+    def write(self, pair: Pair, message: Message, post: dict) -> None:
+        """Sends ``message`` into the receives the peer posted: its head (the status byte
+        saying the layouts agreed, then the small tensors back to back), then each large
+        tensor."""
+        group = self._group(pair)
+        wire = _Wire(message.tensors)
+        head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+        at = head.data_ptr()
+        ctypes.memmove(at, _AGREED, _STATUS)
+        at += _STATUS
+        for tensor, nbytes in wire.small:  # (contiguous CPU tensors: plain bytes)
+            ctypes.memmove(at, tensor.data_ptr(), nbytes)
+            at += nbytes
+        buffers = [head, *wire.alone]
+        tag = _tag(message)
+        works = [group.pg.send([buf], group.other, tag) for buf in buffers]
+        message.pending = _Works(works, pair.peer, keep=buffers)
+        self._groups_of[id(message.pending)] = group
+
+    def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
+        """The layouts differ: answers each receive the peer posted with an empty send, which
+        ends it without a byte written (its head's status byte stays 0), so gloo's books of
+        the pair balance. Nobody waits for these on the caller's thread."""
+        group = self._group(pair)
+        empty = torch.empty(0, dtype=torch.uint8)
+        tag = _tag(message)
+        works = [group.pg.send([empty], group.other, tag) for _ in range(int(post.get("g", 1)))]
+        drains = _Works(works, pair.peer, keep=empty)
+        drains.claimed.acquire()  # (the waiter lets go of it)
+        group.waiter("send").put((drains, time.monotonic() + self.ctx.timeout.total_seconds()))
 
     def finished(self, pair: Pair, message: Message) -> bool:
+        """Whether ``message``'s works ended. A withdrawn receive ends once the sender's
+        ``m`` frame (written before its empty sends) gave it its error.
+
+        Raises:
+            TensorFerryError: the works failed.
+        """
         works: _Works = message.pending
         if works.finished:
             if works.error is not None:
                 raise works.error
-            return True
+            return not works.withdrawn or message.error is not None
         if id(works) in self._groups_of and time.monotonic() > works.started + _UNCLAIMED_S:
             self.hand_off(message, message.transfer.deadline)  # nobody waits in it: a thread
         return False
 
-    def block(self, message: Message, until: float) -> bool:
-        """Waits on this thread for ``message``'s works, until monotonic ``until`` at the
-        latest, where that can hold up nothing; returns whether it did.
+    def block(self, message: Message, limit: float, deadline: float) -> bool:
+        """Waits on this thread until ``message``'s works ended, or until monotonic ``limit``;
+        returns whether it waited. An issued message needs nothing more of this thread: a
+        send goes into receives the peer posted already, a receive ends by the peer's send
+        (or its empty sends, when the layouts differ).
 
-        A receive's bytes come from a send the peer issued already. A send ends once the peer
-        posted its receive, which it does right after it answered our header: so a send is
-        waited for here only once that answer came (before, this thread may be what reads a
-        header the peer's progress needs)."""
+        This thread waits in gloo's own wait when the wait may last until the transfer's
+        ``deadline`` (gloo's wait cannot end early without failing the pair's group); for a
+        shorter ``limit`` a waiter thread waits in gloo and this one waits for that thread."""
         works: _Works = message.pending
-        if message.kind == "send" and not message.answered:
+        if works.finished:
             return False
-        if works.finished or not works.claimed.acquire(blocking=False):
-            return False
-        self._groups_of.pop(id(works), None)
-        works.wait(until)
+        if limit >= deadline and works.claimed.acquire(blocking=False):
+            self._groups_of.pop(id(works), None)
+            works.run(deadline)
+            return True
+        self.hand_off(message, deadline)
+        left = min(limit, deadline) - time.monotonic()
+        if left > 0 and works.claimed.acquire(timeout=left):
+            works.claimed.release()
         return True
 
     def hand_off(self, message: Message, until: float) -> None:

@@ -7,20 +7,23 @@ JSON dicts on the control links, :mod:`._links`) say what each side posted:
 =========  ==============  =====================================================================
 frame      from            meaning
 =========  ==============  =====================================================================
-``h``      sender          header of message n of a two-sided route: layout and route
+``h``      sender          header of message n of a two-sided route (nccl): layout and route
 ``a``      receiver        message n of a two-sided route matched; its receive is issued
 ``s``      sender          message n left (NCCL: an aborted receive can end without its bytes)
-``p``      receiver        post of message n of a one-sided route: layout, route, where it goes
+``p``      receiver        post of message n of a route the receiver posts first (ce, gloo):
+                           layout, route, where it goes
 ``m``      the comparer    message n did not match (``dir``: whose message the frame is about)
 ``f``      either          fault number ``e``: every open message fails; the sender's counts
 ``fa``     the other side  the answer to ``f``: its counts
 ``bye``    either          ``tf.shutdown()``: the pair ends
 =========  ==============  =====================================================================
 
-Whoever issues the data movement compares the two layouts: the receiver of a two-sided route
-(nccl, gloo: the sender issues at once, and after a mismatch the receiver takes its bytes into
-scratch, so that nothing waits), the sender of a one-sided route (ce: it writes into the
-receiver's posted buffers). Messages of a direction are issued in number order.
+Whoever issues the data movement compares the two layouts. On a route the receiver posts first
+(ce, gloo) that is the sender: the receiver's call posts its buffers, and the sender writes into
+them (ce) or sends into the receives posted there (gloo); after a mismatch it withdraws the post
+(gloo: empty sends end the posted receives). On a two-sided route (nccl) the sender issues at
+once and the receiver compares (after a mismatch it takes the bytes into scratch, so that
+nothing waits). Messages of a direction are issued in number order.
 
 A fault (a deadline passed, a route failed) fails every open message of the pair on both sides
 and aborts the pair's route resources: the next message makes fresh ones (a new *epoch*, which
@@ -235,8 +238,10 @@ class Pair:
                 error = MismatchError(frame.get("why", "mismatch"), field=frame.get("field"))
                 if message.kind == "send":  # a two-sided send: the receiver takes its bytes
                     message.error, message.answered = error, True  # into scratch: it goes on
-                else:
-                    self._end(message, error)
+                elif self.ctx.route(message.route).one_sided:
+                    self._end(message, error)  # nothing of it waits on the route
+                else:  # a posted gloo receive ends once the sender's empty sends reach it
+                    message.error = error
 
     # ------------------------------------------------------------------ issue
     def _advance(self, *, poll: bool = True) -> None:
@@ -249,8 +254,8 @@ class Pair:
             seq = self._to_announce[kind]
             while seq < last:  # (a fault on the way empties _open: look it up each time)
                 message = self._open[kind].get(seq)
-                if message is not None and not message.announced:
-                    self._announce(message)
+                if message is not None and not message.announced and not self._announce(message):
+                    break  # its route is still being made: later messages wait for it
                 seq += 1
             self._to_announce[kind] = seq
             seq = self._to_issue[kind]
@@ -266,29 +271,33 @@ class Pair:
                     if message.state == ISSUED and not self._poll(message):
                         break
 
-    def _announce(self, message: Message) -> None:
-        """Tells the peer of ``message``: a two-sided send's header, a one-sided receive's post
-        (which also issues it: the sender writes once it reads the post)."""
-        message.announced = True
+    def _announce(self, message: Message) -> bool:
+        """Tells the peer of ``message``: a two-sided send's header, a posted receive's post
+        (which also issues it: the sender sends once it reads the post). Returns ``False``
+        when the route's resources with the peer are still being made."""
         route = self.ctx.route(message.route)
         try:
-            if route.one_sided and message.kind == "recv":
+            if route.receiver_posts and message.kind == "recv":
+                if not route.prepared(self, "recv"):
+                    return False
                 frame = route.post(self, message)
                 if frame is not None:
                     self._send({"k": "p", **self._head(message), **frame})
                 message.state = ISSUED
-            elif not route.one_sided and message.kind == "send":
+            elif not route.receiver_posts and message.kind == "send":
                 self._send({"k": "h", **self._head(message)})
         except TensorFerryError as exc:
             self._end(message, exc)
+        message.announced = True
+        return True
 
     def _find_route_mismatches(self) -> None:
-        """A header for a one-sided receive, or a post for a two-sided send: the two sides
+        """A header for a posted receive, or a post for a two-sided send: the two sides
         chose different routes for one message."""
-        for kind, frame_kind, one_sided in (("recv", "h", True), ("send", "p", False)):
+        for kind, frame_kind, posts in (("recv", "h", True), ("send", "p", False)):
             for seq, frame in list(self._frames[frame_kind].items()):
                 message = self._open[kind].get(seq)
-                if message is not None and self.ctx.route(message.route).one_sided == one_sided:
+                if message is not None and self.ctx.route(message.route).receiver_posts == posts:
                     self._route_mismatch(message, frame)
                     return
 
@@ -297,7 +306,9 @@ class Pair:
         route = self.ctx.route(message.route)
         kind, seq = message.kind, message.seq
         try:
-            if route.one_sided:  # a send: the receiver's post says where its bytes go
+            if not route.prepared(self, kind):
+                return False
+            if route.receiver_posts:  # a send: the receiver's post says where its bytes go
                 post = self._frames["p"].pop(seq, None) or route.posted(self, message)
                 if post is None:
                     return False
@@ -305,8 +316,6 @@ class Pair:
                     route.write(self, message, post)
                     message.state = ISSUED
                 return True
-            if not route.prepared(self, kind):
-                return False
             if kind == "send":
                 route.start(self, message)
                 message.state = ISSUED
@@ -356,6 +365,8 @@ class Pair:
                 }
             )
             if sending:
+                if self.ctx.route(message.route).receiver_posts:
+                    self.ctx.route(message.route).withdraw(self, message, frame)
                 self._end(message, exc)
             else:
                 message.error = exc  # a two-sided receive: ends once the scratch receive did
@@ -381,7 +392,7 @@ class Pair:
         except TensorFerryError as exc:
             self._fault(exc, True, cause=message)
             return False
-        if not route.one_sided:
+        if not route.receiver_posts:
             if message.kind == "send" and route.confirms_receives and message.error is None:
                 self._confirm_sent(message)
             if not message.answered and (message.kind == "send" or route.confirms_receives):
@@ -509,8 +520,8 @@ class Pair:
         self._in = self._out = None
         for kind in ("send", "recv"):
             for message in list(self._open[kind].values()):
-                one_sided = self.ctx.route(message.route).one_sided
-                unanswered = kind == "send" and not one_sided and not message.answered
+                posts = self.ctx.route(message.route).receiver_posts
+                unanswered = kind == "send" and not posts and not message.answered
                 if message.state == WAITING or unanswered:
                     self._end(message, self.lost)
 

@@ -274,19 +274,16 @@ class Transfer:
         return [fd for fd in {p.incoming_fd() for p in self._pairs} if fd is not None]
 
     def _block(self, limit: float) -> bool:
-        """Waits on this thread in a route's blocking wait (a gloo work), where nothing else of
-        the transfer needs this thread meanwhile; returns whether it did."""
+        """Waits on this thread in a route's blocking wait (a gloo work) until it ends or
+        ``limit``, where nothing else of the transfer needs this thread meanwhile; returns
+        whether it did."""
         if any(m.state == WAITING for m in self._messages):
             return False
         for message in self._messages:
             if message.state == ISSUED:
                 route = self._route_of(message)
-                if hasattr(route, "block"):
-                    if limit < self.deadline:  # a shorter wait must not end the work early
-                        route.hand_off(message, self.deadline)
-                        continue
-                    if route.block(message, self.deadline):
-                        return True
+                if hasattr(route, "block") and route.block(message, limit, self.deadline):
+                    return True
         return False
 
     def _route_of(self, message: Message) -> Any:

@@ -41,6 +41,7 @@ def scratch_for(desc: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
 class TwoSidedRoute:
     """A transport's messages, issued eagerly by the sender."""
 
+    receiver_posts = False
     one_sided = False
     # A receive of an NCCL communicator aborted under it can end without its bytes: it ends
     # only once its sender said it sent (frame ``s``).

@@ -1516,23 +1516,23 @@ _STORE_KEYS = itertools.count()
 
 
 def exit_with_a_gloo_wait_stuck(rank: int, world: int, linger: float) -> str:
-    """Rank 1 sends rank 0 two messages, then a third that rank 0 never receives: its gloo send
-    waits for a receive that never comes. Rank 1 leaves with that wait under way; rank 0 stays
-    ``linger`` seconds before it leaves too."""
+    """Rank 0 sends rank 1 two messages; rank 1 then posts a third receive that rank 0 never
+    sends: its gloo receive waits for bytes that never come. Rank 1 leaves with that wait under
+    way; rank 0 stays ``linger`` seconds before it leaves too."""
     if rank > 1:
         return "idle"
-    sent = payload(1, 0, 71, (4,), torch.float32)
     if rank == 0:
+        sent = payload(0, 1, 71, (4,), torch.float32)
         for _ in range(2):
-            tf.recv(poisoned((4,), torch.float32), 1, timeout=T).wait(T)
+            tf.send(sent, 1, timeout=T).wait(T)
         time.sleep(linger)
         return "lingered"
     for _ in range(2):
-        tf.send(sent, 0, timeout=T).wait(T)
-    stuck = tf.send(sent, 0, timeout=10 * T)
-    time.sleep(0.5)  # issued at once: gloo's wait for it is under way
+        tf.recv(poisoned((4,), torch.float32), 0, timeout=T).wait(T)
+    stuck = tf.recv(poisoned((4,), torch.float32), 0, timeout=10 * T)
+    time.sleep(0.5)  # posted at once: gloo's wait for it can begin
     stuck.done()  # handed to the pair's waiter thread
-    return "left with a send in flight" if not stuck.done() else "its send finished?"
+    return "left with a receive in flight" if not stuck.done() else "its receive finished?"
 
 
 def empty_static_receive_waits_for_its_send(rank: int, world: int) -> dict | None:

@@ -63,7 +63,7 @@ def test_a_process_exits_cleanly_after_its_peer_never_came():
 
 
 def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
-    """A process that leaves with a gloo wait under way (a transfer the peer never does) waits
+    """A process that leaves with a gloo wait under way (a receive the peer never sends) waits
     for it before the interpreter finalizes, for up to 10 s, and says so: a wait that came out
     of torch while the interpreter finalized aborted the process ("terminate called without an
     active exception", exit code -6). The peer stays longer, so the wait cannot end sooner."""
@@ -85,7 +85,7 @@ def test_an_exit_lets_a_gloo_wait_under_way_end_first(capfd):
             proc.start()
         try:
             rank, status, result = queue.get(timeout=60)
-            assert (rank, status, result) == (1, "ok", "left with a send in flight"), result
+            assert (rank, status, result) == (1, "ok", "left with a receive in flight"), result
             left = time.monotonic()
             procs[1].join(40)
             exit_took = time.monotonic() - left

@@ -6,7 +6,10 @@ Run by ``tests/test_multinode.py`` as two torchrun "nodes" on loopback::
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank R \\
         --master-addr 127.0.0.1 --master-port P tests/p2p/torchrun_suite.py
 
-Exit code 0 on every rank means every case passed there. Needs a world of at least 2.
+Exit code 0 on every rank means every case passed there. Needs a world of at least 2. With
+``TF_TEST_TRANSPORT=nccl`` the GPU cases take NCCL where ``"auto"`` would take the copy engine:
+with ``NCCL_NET=Socket NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` that is the route across hosts,
+over NCCL's socket transport, on one host.
 """
 
 from __future__ import annotations
@@ -111,6 +114,11 @@ def main() -> int:
         rank_tag = f"rank {os.environ.get('RANK', '?')}"
         logging.basicConfig(format=f"%(relativeCreated)8.0f {rank_tag} %(name)s: %(message)s")
         logging.getLogger("tensorferry").setLevel(os.environ["TENSORFERRY_LOG_LEVEL"].upper())
+    forced = os.environ.get("TF_TEST_TRANSPORT")
+    if forced:  # "auto" picks it between GPUs: a route across hosts, run on one host
+        from tensorferry.p2p import _context
+
+        _context.P2PContext.default_route = lambda self, peer: forced
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     tf.init(timeout=30)  # reuses the process group's store, rank and world size
     rank, world = tf.get_rank(), tf.get_world_size()

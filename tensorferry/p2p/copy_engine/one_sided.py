@@ -225,7 +225,8 @@ class OneSidedRoute:
     """
 
     name = "ce"
-    one_sided = True
+    receiver_posts = True
+    one_sided = True  # posts may come through memory; completion is a word the device writes
     confirms_receives = False  # a receive ends by the word its sender's device writes
 
     def __init__(self, device: torch.device) -> None:
@@ -347,6 +348,9 @@ class OneSidedRoute:
     # ------------------------------------------------------------------ both
     def prepared(self, pair: Pair, kind: str) -> bool:
         return True  # nothing to meet over: a pair's first post carries all the sender needs
+
+    def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
+        pass  # nothing of a post waits on the route: the receive ends by the m frame
 
     def finished(self, pair: Pair, message: Message) -> bool:
         return message.pending.done() >= message.seq + 1
