@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -155,6 +155,14 @@ class _Wire:
             elif nbytes:
                 self.small.append((tensor, nbytes))
                 self.head_bytes += nbytes
+
+
+def _gloo_calls(issue: Callable[[], list]) -> list:
+    """``issue()``'s works; gloo's own errors (a pair it closed) as ``TransportError``."""
+    try:
+        return issue()
+    except RuntimeError as exc:
+        raise TransportError(f"gloo: {str(exc).strip()}") from None
 
 
 def _tag(message: Message) -> int:
@@ -342,19 +350,21 @@ class GlooRoute:
         return made[1]
 
     # ------------------------------------------------------------------ messages
-    def post(self, pair: Pair, message: Message) -> dict:
-        """Posts ``message``'s receives: its head, then each large tensor alone (see the module
-        docstring); returns what the post frame carries (how many receives to answer)."""
+    def post(self, pair: Pair, message: Message) -> None:
+        """Writes ``message``'s post frame (its layout, and how many receives to answer), then
+        posts its receives: its head, then each large tensor alone (see the module
+        docstring). The frame goes first: it is what the sender waits for, and a send that
+        comes before its receive is posted waits in gloo."""
         group = self._group(pair)
         wire = _Wire(message.tensors)
+        pair.send_post(message, {"g": 1 + len(wire.alone)})
         head = torch.empty(wire.head_bytes, dtype=torch.uint8)
         ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
         buffers = [head, *wire.alone]
         tag = _tag(message)
-        works = [group.pg.recv([buf], group.other, tag) for buf in buffers]
+        works = _gloo_calls(lambda: [group.pg.recv([b], group.other, tag) for b in buffers])
         message.pending = _Works(works, pair.peer, head=head, small=wire.small)
         self._groups_of[id(message.pending)] = group  # until a thread claims the wait
-        return {"g": len(buffers)}
 
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
@@ -374,7 +384,7 @@ class GlooRoute:
             at += nbytes
         buffers = [head, *wire.alone]
         tag = _tag(message)
-        works = [group.pg.send([buf], group.other, tag) for buf in buffers]
+        works = _gloo_calls(lambda: [group.pg.send([b], group.other, tag) for b in buffers])
         message.pending = _Works(works, pair.peer, keep=buffers)
         self._groups_of[id(message.pending)] = group
 
@@ -384,8 +394,9 @@ class GlooRoute:
         the pair balance. Nobody waits for these on the caller's thread."""
         group = self._group(pair)
         empty = torch.empty(0, dtype=torch.uint8)
-        tag = _tag(message)
-        works = [group.pg.send([empty], group.other, tag) for _ in range(int(post.get("g", 1)))]
+        tag, count = _tag(message), int(post.get("g", 1))
+        send = group.pg.send
+        works = _gloo_calls(lambda: [send([empty], group.other, tag) for _ in range(count)])
         drains = _Works(works, pair.peer, keep=empty)
         drains.claimed.acquire()  # (the waiter lets go of it)
         group.waiter("send").put((drains, time.monotonic() + self.ctx.timeout.total_seconds()))

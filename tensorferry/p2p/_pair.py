@@ -180,6 +180,10 @@ class Pair:
             "r": message.route,
         }
 
+    def send_post(self, message: Message, fields: dict) -> None:
+        """Writes ``message``'s post frame, with the route's ``fields``."""
+        self._send({"k": "p", **self._head(message), **fields})
+
     def _send(self, frame: dict) -> None:
         """Writes ``frame`` to the peer, connecting first if need be.
 
@@ -282,12 +286,15 @@ class Pair:
                     return False
                 frame = route.post(self, message)
                 if frame is not None:
-                    self._send({"k": "p", **self._head(message), **frame})
+                    self.send_post(message, frame)
                 message.state = ISSUED
             elif not route.receiver_posts and message.kind == "send":
                 self._send({"k": "h", **self._head(message)})
-        except TensorFerryError as exc:
-            self._end(message, exc)
+        except TensorFerryError as exc:  # the pair is lost, or its route failed: a fault
+            if self.lost is not None:
+                self._end(message, exc)
+            elif message.state != ENDED:
+                self._fault(exc, True, cause=message)
         message.announced = True
         return True
 

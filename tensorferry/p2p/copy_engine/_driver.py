@@ -5,7 +5,9 @@ route makes several per message. The calls a message makes (copy, stream memory 
 pointer queries) keep the GIL: they only enqueue or look up, and letting go of the GIL around
 each would hand the caller's thread to any other thread that wants it (a hand-off costs tens of
 microseconds). The calls that may block (mapping, pinning) let go of it. They act in the calling
-thread's current context: callers make the rank's device current first (``torch.cuda.device``).
+thread's current context: callers make the rank's device current first (``torch.cuda.device``,
+or :func:`bind_context` where it is current already: a thread that made no CUDA runtime call,
+such as a library thread, has no context even though device 0 reads as current).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tensorferry.errors import TransportError
 __all__ = [
     "IPC_HANDLE_BYTES",
     "allocation_of",
+    "bind_context",
     "host_register",
     "host_unregister",
     "ipc_handle",
@@ -95,6 +98,10 @@ def _declared(kind: type) -> ctypes.CDLL:
         c_uint,
     ]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -164,6 +171,26 @@ def wait_value32(stream: int, address: int, value: int) -> None:
     """The stream's later work waits until the word at ``address`` is at least ``value``."""
     fn = _symbol(_fast(), "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
     _check(fn(stream, address, value, _WAIT_GEQ), "cuStreamWaitValue32")
+
+
+_bound = threading.local()  # the device whose primary context this thread made current
+
+
+def bind_context(index: int) -> None:
+    """Makes device ``index``'s primary context current on this thread unless this thread has
+    done so already (a thread-local look after the first time)."""
+    if getattr(_bound, "index", None) == index:
+        return
+    lib = _lib()
+    current = ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if not current.value:
+        device = ctypes.c_int()
+        _check(lib.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+        retained = lib.cuDevicePrimaryCtxRetain(ctypes.byref(current), device)
+        _check(retained, "cuDevicePrimaryCtxRetain")
+        _check(lib.cuCtxSetCurrent(current), "cuCtxSetCurrent")
+    _bound.index = index
 
 
 def host_register(address: int, nbytes: int) -> int:

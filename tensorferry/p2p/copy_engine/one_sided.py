@@ -65,8 +65,10 @@ _TICKET = 0xFFFFFFFF  # a slot holds (key << 32) | ticket
 
 def _on_device(index: int) -> Any:
     """The rank's device made current for the driver calls that follow, unless it is already
-    (the usual case: a switch and back cost more than the calls)."""
+    (the usual case: a switch and back cost more than the calls). Its context is then made
+    current too, once per thread: a library thread (the pairs' watcher) may issue."""
     if torch.cuda.current_device() == index:
+        _driver.bind_context(index)
         return contextlib.nullcontext()
     return torch.cuda.device(index)
 
@@ -282,7 +284,7 @@ class OneSidedRoute:
         if kept is not None:
             kept[1].close()
         name = f"tensorferry-{os.getpid()}-{pair.peer}-{pair.epoch}-{secrets.token_hex(4)}"
-        with torch.cuda.device(self.device):
+        with _on_device(self.device.index):
             words = _Words(name, create=True)
         self._incoming[pair.peer] = (pair.epoch, words)
         return words
@@ -340,7 +342,7 @@ class OneSidedRoute:
             return kept[1]
         if kept is not None:
             kept[1].close()
-        with torch.cuda.device(self.device):
+        with _on_device(self.device.index):
             words = _Words(name, create=False)
         self._outgoing[pair.peer] = (name, words)
         return words
@@ -357,7 +359,7 @@ class OneSidedRoute:
 
     def order_stream(self, pair: Pair, message: Message, stream: Any) -> None:
         """Makes ``stream`` wait, on the device, for ``message``'s bytes."""
-        with torch.cuda.device(self.device):
+        with _on_device(self.device.index):
             _driver.wait_value32(
                 stream.cuda_stream, message.pending.device + _DONE, message.seq + 1
             )
