@@ -10,6 +10,7 @@ B meets the k-th message B receives from A, whichever calls (send, sendrecv, bat
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from tensorferry._seconds import checked_seconds
+from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p import _context
 from tensorferry.p2p._message import Message
 from tensorferry.p2p._spec import (
@@ -417,7 +419,23 @@ def _check_gathers_apart(
 def _reset_pair(peer: int, *, timeout: float | None = None) -> None:
     """Moves the pair with ``peer`` to a fresh epoch: its communicators are closed and the next
     transfer makes new ones. Benchmark use only (the "uncached" baseline); both ranks call it
-    at the same point of their programs with nothing in flight between them."""
+    at the same point of their programs with nothing in flight between them, and it returns
+    once both did (or raises ``TransferTimeoutError`` after ``timeout``)."""
     ctx = _context.current()
     peer = check_peer(peer, rank=ctx.rank, world_size=ctx.world_size, what="peer")
-    ctx.pair(peer).reset()
+    pair = ctx.pair(peer)
+    pair.reset()
+    # The ranks meet before either goes on: a frame of the new epoch from the peer must not
+    # arrive before this side let go of the old epoch's resources (a sender would forget the
+    # layouts the peer's first posts told it).
+    low, high = sorted((ctx.rank, peer))
+    key = f"tensorferry/reset/{low}-{high}/{pair.resets}"
+    seconds = ctx.timeout_s if timeout is None else timeout
+    ctx.store.set(f"{key}/{ctx.rank}", b"1")
+    try:
+        ctx.store.wait([f"{key}/{peer}"], datetime.timedelta(seconds=seconds))
+    except Exception as exc:
+        raise TransferTimeoutError(
+            f"resetting the pair with rank {peer}: rank {peer} did not reset it within "
+            f"{seconds:g} s ({str(exc).strip().splitlines()[0] if str(exc).strip() else exc})"
+        ) from None

@@ -83,6 +83,7 @@ class Pair:
         self.peer = peer
         self.lock = threading.RLock()
         self.epoch = 0
+        self.resets = 0  # reset() calls so far
         self._next = {"send": 0, "recv": 0}
         # Announced and issued in number order: the next number of each to look at.
         self._to_announce = {"send": 0, "recv": 0}
@@ -158,6 +159,7 @@ class Pair:
         call it at the same point of their programs, with nothing in flight between them)."""
         with self.lock:
             self.epoch += 1
+            self.resets += 1
             self.ctx.evict_routes(self, reason="reset")
 
     def stream(self, kind: str) -> Any:
