@@ -402,7 +402,9 @@ class Pair:
             self._fault(exc, True, cause=message)
             return False
         if not route.receiver_posts:
-            if message.kind == "send" and route.confirms_receives and message.error is None:
+            if message.kind == "send" and route.confirms_receives:
+                # (after a mismatch too: the receiver took the bytes into scratch, and that
+                # receive ends only on this word)
                 self._confirm_sent(message)
             if not message.answered and (message.kind == "send" or route.confirms_receives):
                 # The receiver has not said whether it matched / the sender, that it sent.

@@ -129,7 +129,16 @@ class TwoSidedRoute:
         message.pending = (pending, tensors)
 
     def finished(self, pair: Pair, message: Message) -> bool:
-        return message.pending[0].ready()
+        """Whether ``message``'s device work ended (its completion event): before that, a
+        receive's bytes may not be there yet, and a send's buffer is still being read.
+
+        Raises:
+            TransportError: the transport failed it.
+        """
+        if not message.pending[0].ready():
+            return False
+        done = message.done_event
+        return done is None or done.query()
 
     def order_stream(self, pair: Pair, message: Message, stream: Any) -> None:
         if message.done_event is not None:

@@ -906,6 +906,27 @@ def _outcomes(handles: list) -> dict[str, int]:
     return outcomes
 
 
+def send_ends_once_its_bytes_are_read(rank: int, world: int, transport: str) -> str:
+    """Rank 0's send can only read its tensor after half a second of work on its stream; once
+    its ``wait()`` returned, rank 0 overwrites the tensor on another stream at once, which the
+    contract allows. Rank 1 must receive the bytes from before. (Over NCCL a send once ended
+    when the receiver's answer came, before its kernel had read the tensor: a fast link hid
+    it, and a freed tensor's memory taken by the next one sent the wrong bytes.)"""
+    if rank > 1:
+        return "idle"
+    sent = payload(0, 1, 4242, (1 << 16,), torch.float32)
+    if rank == 0:
+        data = sent.clone()
+        torch.cuda._sleep(int(1e9))  # (cycles: about half a second)
+        tf.send(data, 1, transport=transport).wait(T)
+        with torch.cuda.stream(torch.cuda.Stream(D())):
+            data.fill_(-1.0)
+        torch.cuda.synchronize(D())
+        return "sent"
+    got = tf.recv(poisoned((1 << 16,), torch.float32), 0, transport=transport).result(T)
+    return "ok" if same_bytes(got, sent) else "wrong bytes"
+
+
 def burst_received(rank: int, world: int, count: int, elements: int) -> str:
     """Rank 0 sends rank 1 ``count`` messages of ``elements`` float32 values at once on an
     agreed static channel, more than a transfer stream takes (``Issuing._room_for``: the

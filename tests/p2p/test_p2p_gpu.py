@@ -189,6 +189,11 @@ def test_no_rank_makes_a_context_on_another_device(pool):
     assert pool.run("contexts_on_other_devices") == [[], []]
 
 
+@pytest.mark.parametrize("transport", ["nccl", "ce"])
+def test_a_send_ends_once_its_bytes_are_read(pool, transport):
+    assert pool.run("send_ends_once_its_bytes_are_read", transport) == ["sent", "ok"]
+
+
 def test_a_burst_beyond_a_streams_room_arrives_whole(pool):
     # 600 messages of 256 KiB each way at once: 256 queue on each rank's transfer stream, the
     # rest wait in the engine and go as those end.
