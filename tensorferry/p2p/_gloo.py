@@ -15,9 +15,10 @@ copy. The status byte tells a receive its sender's bytes (``_AGREED``) from a wi
 
 Completion: a gloo send or receive ends only through its work's ``wait()``, which blocks.
 ``Transfer.wait`` waits in it on the caller's own thread, as ``torch.distributed``'s callers
-do: an issued message needs nothing more of that thread. Works nobody waits for that way (a
-done-callback, ``done()`` polled, a send never waited for) go to one of the pair's two waiter
-threads, one per direction.
+do (an issued message needs nothing more of that thread), when its wait may last until the
+transfer's deadline. Works nobody waits for that way (a shorter ``wait(timeout)``, whose caller
+then waits for the waiter; a done-callback; ``done()`` polled; a send never waited for) go to
+one of the pair's two waiter threads, one per direction.
 """
 
 from __future__ import annotations
