@@ -21,6 +21,7 @@ import torch
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p import _context
+from tensorferry.p2p._links import first_line
 from tensorferry.p2p._message import Message
 from tensorferry.p2p._spec import (
     as_recv_list,
@@ -437,5 +438,5 @@ def _reset_pair(peer: int, *, timeout: float | None = None) -> None:
     except Exception as exc:
         raise TransferTimeoutError(
             f"resetting the pair with rank {peer}: rank {peer} did not reset it within "
-            f"{seconds:g} s ({str(exc).strip().splitlines()[0] if str(exc).strip() else exc})"
+            f"{seconds:g} s ({first_line(exc)})"
         ) from None

@@ -27,7 +27,7 @@ from tensorferry import _native, envs
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import TensorFerryError
 from tensorferry.p2p import _link
-from tensorferry.p2p._links import Links
+from tensorferry.p2p._links import Links, first_line
 from tensorferry.p2p._pair import Pair
 from tensorferry.p2p._transport import Transport, TransportContext, registered_transports
 from tensorferry.p2p._two_sided import TwoSidedRoute
@@ -460,9 +460,7 @@ def _rendezvous(
             dist.rendezvous(method, rank, world_size, timeout=datetime.timedelta(seconds=timeout_s))
         )
     except dist.DistError as exc:  # its text ends in a C++ backtrace: keep the first line
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise type(exc)(f"tf.init: the rendezvous at {method} failed: {first}") from None
+        raise type(exc)(f"tf.init: the rendezvous at {method} failed: {first_line(exc)}") from None
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store, rank, world_size, master
 

@@ -80,7 +80,7 @@ class Links:
         except Exception as exc:  # a DistStoreError, or the store's host is gone
             raise PeerLostError(
                 f"cannot reach rank {peer}: its address could not be read from the "
-                f"rendezvous store ({_first_line(exc)}); the store's host may be gone"
+                f"rendezvous store ({first_line(exc)}); the store's host may be gone"
             ) from None
         try:
             sock = _link.connect(address, my_rank=self.rank, timeout=timeout)
@@ -154,6 +154,8 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
     return data
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s text (torch's errors end in a C++ backtrace), or its
+    type's name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

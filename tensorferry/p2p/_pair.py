@@ -59,6 +59,7 @@ from tensorferry.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from tensorferry.p2p._links import first_line
 from tensorferry.p2p._message import ENDED, ISSUED, WAITING, Message
 from tensorferry.p2p._spec import compare, descriptor_from_text, descriptor_text
 
@@ -374,8 +375,9 @@ class Pair:
                 }
             )
             if sending:
-                if self.ctx.route(message.route).receiver_posts:
-                    self.ctx.route(message.route).withdraw(self, message, frame)
+                route = self.ctx.route(message.route)
+                if route.receiver_posts:
+                    route.withdraw(self, message, frame)
                 self._end(message, exc)
             else:
                 message.error = exc  # a two-sided receive: ends once the scratch receive did
@@ -442,10 +444,9 @@ class Pair:
         try:
             self.ctx.store.check([f"addr/{self.peer}"])
         except Exception as exc:
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             return PeerLostError(
                 f"{message.describe()}: rank {self.peer} never reached this rank, and the "
-                f"rendezvous store does not answer ({text}): its host may be gone"
+                f"rendezvous store does not answer ({first_line(exc)}): its host may be gone"
             )
         return None
 
