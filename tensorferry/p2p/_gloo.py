@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorferry.errors import PeerLostError, TensorFerryError, TransferTimeoutError, TransportError
+from tensorferry.p2p._links import first_line
 from tensorferry.p2p._packing import as_bytes
 from tensorferry.p2p._transport import TransportContext, cached_pair
 from tensorferry.runtime import communicator_cache
@@ -319,7 +320,7 @@ class GlooRoute:
         except TensorFerryError as exc:
             outcome = exc
         except Exception as exc:
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = first_line(exc)
             lost = any(hint in text for hint in (*_LOST_HINTS, "Connection was likely closed"))
             cls = PeerLostError if lost else TransportError
             outcome = cls(f"gloo: making the pair with rank {peer} failed: {text}")
@@ -361,11 +362,7 @@ class GlooRoute:
         pair.send_post(message, {"g": 1 + len(wire.alone)})
         head = torch.empty(wire.head_bytes, dtype=torch.uint8)
         ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
-        buffers = [head, *wire.alone]
-        tag = _tag(message)
-        works = _gloo_calls(lambda: [group.pg.recv([b], group.other, tag) for b in buffers])
-        message.pending = _Works(works, pair.peer, head=head, small=wire.small)
-        self._groups_of[id(message.pending)] = group  # until a thread claims the wait
+        self._issue(message, group, group.pg.recv, [head, *wire.alone], head=head, small=wire.small)
 
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
@@ -384,9 +381,16 @@ class GlooRoute:
             ctypes.memmove(at, tensor.data_ptr(), nbytes)
             at += nbytes
         buffers = [head, *wire.alone]
+        self._issue(message, group, group.pg.send, buffers, keep=buffers)
+
+    def _issue(
+        self, message: Message, group: _Group, move: Callable, buffers: list, **fields: Any
+    ) -> None:
+        """``move`` (the group's send or receive) of each of ``buffers`` under ``message``'s
+        tag; their works become the message's, unclaimed until a thread waits for them."""
         tag = _tag(message)
-        works = _gloo_calls(lambda: [group.pg.send([b], group.other, tag) for b in buffers])
-        message.pending = _Works(works, pair.peer, keep=buffers)
+        works = _gloo_calls(lambda: [move([b], group.other, tag) for b in buffers])
+        message.pending = _Works(works, message.peer, **fields)
         self._groups_of[id(message.pending)] = group
 
     def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
