@@ -1,0 +1,122 @@
+"""A pair's frames in the order a peer's wires can deliver them, in one process: a
+:class:`~tensorferry.p2p._pair.Pair` fed frames by hand, over a route whose device work is
+always finished (what NCCL's routes look like to the pair)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorferry.p2p._message import ENDED, ISSUED, Message
+from tensorferry.p2p._pair import Pair
+from tensorferry.p2p._spec import describe, descriptor_text
+from tensorferry.p2p._transport import P2POp
+
+
+class _Route:
+    """A two-sided route that confirms receives (as NCCL's does) and finishes at once."""
+
+    name = "two-sided"
+    receiver_posts = False
+    one_sided = False
+    confirms_receives = True
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def prepared(self, pair: Pair, kind: str) -> bool:
+        return True
+
+    def start(self, pair: Pair, message: Message, *, into=None) -> None:
+        self.started.append(message.seq)
+        message.pending = "issued"
+
+    def finished(self, pair: Pair, message: Message) -> bool:
+        return True
+
+
+class _Out:
+    """Our link to the peer: keeps what we write."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.frames: list[dict] = []
+
+    def send(self, frame: dict) -> None:
+        self.frames.append(frame)
+
+    def receive(self) -> list:
+        return []
+
+
+class _Context:
+    rank, timeout_s = 0, 5.0
+
+    def __init__(self) -> None:
+        self.two_sided = _Route()
+
+    def route(self, name: str) -> _Route:
+        return self.two_sided
+
+    def evict_routes(self, pair: Pair, *, reason: str) -> None:
+        pass
+
+
+@pytest.fixture
+def pair():
+    pair = Pair(_Context(), peer=1)
+    pair._out = _Out()
+    return pair
+
+
+def _receive(pair: Pair) -> Message:
+    tensor = torch.zeros(4)
+    message = Message(P2POp("recv", 1, (tensor,), describe([tensor])), "two-sided", None)
+    pair.submit(message)
+    return message
+
+
+def _header(seq: int) -> dict:
+    return {
+        "k": "h",
+        "e": 0,
+        "n": seq,
+        "d": descriptor_text(describe([torch.zeros(4)])),
+        "r": "two-sided",
+    }
+
+
+def test_a_receive_called_after_its_send_ended_ends(pair):
+    # The sender's header and its "sent" come before the receive is called: a small NCCL
+    # message ends on the sender once its bytes are buffered.
+    pair._on_frame(_header(0))
+    pair._on_frame({"k": "s", "e": 0, "n": 0})
+    message = _receive(pair)
+    pair.progress()
+    assert pair.ctx.two_sided.started == [0]
+    assert message.state == ENDED and message.error is None
+    assert {"k": "a", "e": 0, "n": 0} in pair._out.frames
+
+
+def test_a_receive_waits_for_its_senders_word(pair):
+    message = _receive(pair)
+    pair._on_frame(_header(0))
+    pair.progress()
+    assert message.state == ISSUED  # its bytes may not be there: the send has not ended
+    pair._on_frame({"k": "s", "e": 0, "n": 0})
+    pair.progress()
+    assert message.state == ENDED and message.error is None
+
+
+def test_a_sent_word_for_a_receive_not_issued_yet_is_kept(pair):
+    first, second = _receive(pair), _receive(pair)
+    pair._on_frame(_header(1))  # message 1's header and word come first
+    pair._on_frame({"k": "s", "e": 0, "n": 1})
+    pair.progress()
+    assert first.state != ENDED and second.state != ENDED  # issued in number order
+    for frame in (_header(0), {"k": "s", "e": 0, "n": 0}):
+        pair._on_frame(frame)
+    pair.progress()
+    assert first.state == ENDED and second.state == ENDED
+    assert first.error is None and second.error is None
