@@ -95,7 +95,7 @@ class Pair:
         self._fault_error: BaseException | None = None  # what failed the messages below cut
         self._open: dict[str, dict[int, Message]] = {"send": {}, "recv": {}}
         self._frames: dict[str, dict[int, dict]] = {"h": {}, "p": {}}  # came before their call
-        self._out: Any = None  # our link to the peer (we write)
+        self._out: Any = None  # our link to the peer (we write; the peer only its bye)
         self._in: Any = None  # the peer's link to us (we read)
         self._out_read_at = 0.0
         self.lost: BaseException | None = None
@@ -201,23 +201,43 @@ class Pair:
             raise self.lost from None  # type: ignore[misc]
 
     def _pump(self) -> None:
-        """Handles every frame the peer sent so far; notices a peer that is gone."""
+        """Writes what our link still holds, handles every frame the peer sent so far; notices
+        a peer that is gone."""
         if self.lost is not None:
             return  # nothing more comes (what is issued still finishes: see _on_bye)
+        if self._out is not None and self._out.wants_write:
+            # Frames a full socket did not take (a burst of posts): nothing else writes them.
+            try:
+                self._out.flush()
+            except OSError as exc:
+                self._lose(PeerLostError(f"rank {self.peer} is gone ({exc})"))
+                return
+        if self._read_incoming():
+            return
+        now = time.monotonic()
+        if self._out is not None and now > self._out_read_at + _OUT_READ_S:
+            self._out_read_at = now
+            # The peer writes on our link only its bye (when it never made its own link), then
+            # closes it. Its last frames on its own link may have come after our read of it
+            # above: they are handled first.
+            frames = self._out.receive()
+            if frames is None and not self._read_incoming():
+                self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+            for frame in frames or ():
+                self._on_frame(frame)
+
+    def _read_incoming(self) -> bool:
+        """Handles the frames on the peer's link; returns whether the pair is now lost."""
         if self._in is not None:
             frames = self._in.receive()
             if frames is None:
                 self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
-                return
+                return True
             for frame in frames:
                 self._on_frame(frame)
                 if self.lost is not None:
-                    return
-        now = time.monotonic()
-        if self._out is not None and now > self._out_read_at + _OUT_READ_S:
-            self._out_read_at = now
-            if self._out.receive() is None:  # never written to: only its end comes
-                self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+                    return True
+        return False
 
     def _on_frame(self, frame: dict) -> None:
         kind = frame.get("k")
@@ -561,9 +581,12 @@ class Pair:
     def close(self, reason: BaseException) -> None:
         """``tf.shutdown()``: tells the peer, fails what is open, lets go of everything."""
         with self.lock:
-            if self.lost is None and self._out is not None:
+            # A rank that only sent over a route the receiver posts first never wrote a frame,
+            # so it never made its own link: the bye then goes back on the peer's.
+            link = self._out if self._out is not None else self._in
+            if self.lost is None and link is not None and not link.closed:
                 with contextlib.suppress(OSError):
-                    self._out.send({"k": "bye"})
+                    link.send({"k": "bye"})
             self._lose(reason)
             if self._client is not None:
                 self._client.close()

@@ -4,6 +4,8 @@ always finished (what NCCL's routes look like to the pair)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -39,6 +41,7 @@ class _Out:
     """Our link to the peer: keeps what we write."""
 
     closed = False
+    wants_write = False  # the socket took every frame
 
     def __init__(self) -> None:
         self.frames: list[dict] = []
@@ -120,3 +123,57 @@ def test_a_sent_word_for_a_receive_not_issued_yet_is_kept(pair):
     pair.progress()
     assert first.state == ENDED and second.state == ENDED
     assert first.error is None and second.error is None
+
+
+def test_frames_a_full_socket_did_not_take_are_written_later(pair):
+    # A burst of posts (600 receives called at once) fills the socket: what it did not take
+    # waits in the link, and the pair's next step writes it though no frame follows.
+    import socket
+
+    from tensorferry.p2p._link import Link
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    pair._out, peer = Link(ours, 1), Link(theirs, 0)
+    try:
+        sent = 0
+        while not pair._out.wants_write:
+            pair._send({"k": "p", "e": 0, "n": sent, "pad": "x" * 200})
+            sent += 1
+        received: list[dict] = []
+        for _ in range(1000):
+            received += peer.receive()
+            if len(received) == sent:
+                break
+            pair.progress()
+        assert [frame["n"] for frame in received] == list(range(sent))
+    finally:
+        pair._out.close()
+        peer.close()
+
+
+def test_a_rank_that_only_sent_says_bye_on_its_peers_link(pair):
+    # Over a route the receiver posts first, a rank that only sends never writes a frame and
+    # never makes its own link. Its tf.shutdown() still says bye, so a receive already issued
+    # on the peer (its bytes may be there) is not failed as if the rank had died.
+    import socket
+
+    from tensorferry.p2p._link import Link
+
+    senders_end, receivers_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender = Pair(_Context(), peer=1)
+    sender._in = Link(senders_end, 1)  # the link the receiver made to it
+    pair._out = Link(receivers_end, 0)  # the receiver's own link
+    pair._on_frame(_header(0))
+    message = _receive(pair)
+    pair.progress()
+    assert message.state == ISSUED
+    sender.close(RuntimeError("tf.shutdown()"))
+    for _ in range(200):  # our link is read every few milliseconds
+        pair.progress()
+        if pair.lost is not None:
+            break
+        time.sleep(0.005)
+    assert "shut down" in str(pair.lost)
+    assert message.state == ISSUED  # not failed: its route says how it ends
