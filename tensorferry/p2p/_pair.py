@@ -197,7 +197,7 @@ class Pair:
         try:
             self._out.send(frame)
         except OSError as exc:
-            self._lose(PeerLostError(f"rank {self.peer} is gone ({exc})"))
+            self._gone(str(exc))
             raise self.lost from None  # type: ignore[misc]
 
     def _pump(self) -> None:
@@ -210,7 +210,7 @@ class Pair:
             try:
                 self._out.flush()
             except OSError as exc:
-                self._lose(PeerLostError(f"rank {self.peer} is gone ({exc})"))
+                self._gone(str(exc))
                 return
         if self._read_incoming():
             return
@@ -222,7 +222,7 @@ class Pair:
             # above: they are handled first.
             frames = self._out.receive()
             if frames is None and not self._read_incoming():
-                self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+                self._gone("its connection closed")
             for frame in frames or ():
                 self._on_frame(frame)
 
@@ -231,7 +231,7 @@ class Pair:
         if self._in is not None:
             frames = self._in.receive()
             if frames is None:
-                self._lose(PeerLostError(f"rank {self.peer} is gone (its connection closed)"))
+                self._gone("its connection closed")
                 return True
             for frame in frames:
                 self._on_frame(frame)
@@ -562,6 +562,10 @@ class Pair:
                 unanswered = kind == "send" and not posts and not message.answered
                 if message.state == WAITING or unanswered:
                     self._end(message, self.lost)
+
+    def _gone(self, why: str) -> None:
+        """The peer's link broke or closed without a bye: it is lost."""
+        self._lose(PeerLostError(f"rank {self.peer} is gone ({why})"))
 
     def _lose(self, error: BaseException) -> None:
         """The peer is gone: every open message fails with ``error``, and so does every later
