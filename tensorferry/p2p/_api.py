@@ -68,12 +68,13 @@ def _submit(ctx: _context.P2PContext, messages: list[Message], transfer: Transfe
     if any(m.tensors and m.tensors[0].is_cuda for m in messages):
         event = record_on_current_stream(ctx.device.index)
         transfer._caller_event = event  # back to the pool once every message is issued
-    pairs = [ctx.pair(m.peer) for m in messages]
-    for message, pair in zip(messages, pairs, strict=True):
+    by_pair: dict[int, list[Message]] = {}
+    for message in messages:
         message.transfer, message.caller_event = transfer, event
-        transfer._add(message, pair)
-    for message, pair in zip(messages, pairs, strict=True):
-        pair.submit(message)
+        transfer._add(message, ctx.pair(message.peer))
+        by_pair.setdefault(message.peer, []).append(message)
+    for peer, theirs in by_pair.items():  # one step per pair: a batch's messages go together
+        ctx.pair(peer).submit(theirs)
     return transfer
 
 

@@ -352,36 +352,39 @@ class GlooRoute:
         return made[1]
 
     # ------------------------------------------------------------------ messages
-    def post(self, pair: Pair, message: Message) -> None:
-        """Writes ``message``'s post frame (its layout, and how many receives to answer), then
-        posts its receives: its head, then each large tensor alone (see the module
-        docstring). The frame goes first: it is what the sender waits for, and a send that
-        comes before its receive is posted waits in gloo."""
+    def post(self, pair: Pair, messages: list[Message]) -> None:
+        """For each of ``messages``: writes its post frame (its layout, and how many receives
+        to answer), then posts its receives: its head, then each large tensor alone (see the
+        module docstring). The frame goes first: it is what the sender waits for, and a send
+        that comes before its receive is posted waits in gloo."""
         group = self._group(pair)
-        wire = _Wire(message.tensors)
-        pair.send_post(message, {"g": 1 + len(wire.alone)})
-        head = torch.empty(wire.head_bytes, dtype=torch.uint8)
-        ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
-        self._issue(message, group, group.pg.recv, [head, *wire.alone], head=head, small=wire.small)
+        for message in messages:
+            wire = _Wire(message.tensors)
+            pair.send_post(message, {"g": 1 + len(wire.alone)})
+            head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+            ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
+            buffers = [head, *wire.alone]
+            self._issue(message, group, group.pg.recv, buffers, head=head, small=wire.small)
 
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
 
-    def write(self, pair: Pair, message: Message, post: dict) -> None:
-        """Sends ``message`` into the receives the peer posted: its head (the status byte
-        saying the layouts agreed, then the small tensors back to back), then each large
-        tensor."""
+    def write(self, pair: Pair, sends: list[tuple[Message, dict]]) -> None:
+        """Sends each message into the receives the peer posted (its post): its head (the
+        status byte saying the layouts agreed, then the small tensors back to back), then
+        each large tensor."""
         group = self._group(pair)
-        wire = _Wire(message.tensors)
-        head = torch.empty(wire.head_bytes, dtype=torch.uint8)
-        at = head.data_ptr()
-        ctypes.memmove(at, _AGREED, _STATUS)
-        at += _STATUS
-        for tensor, nbytes in wire.small:  # (contiguous CPU tensors: plain bytes)
-            ctypes.memmove(at, tensor.data_ptr(), nbytes)
-            at += nbytes
-        buffers = [head, *wire.alone]
-        self._issue(message, group, group.pg.send, buffers, keep=buffers)
+        for message, _ in sends:
+            wire = _Wire(message.tensors)
+            head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+            at = head.data_ptr()
+            ctypes.memmove(at, _AGREED, _STATUS)
+            at += _STATUS
+            for tensor, nbytes in wire.small:  # (contiguous CPU tensors: plain bytes)
+                ctypes.memmove(at, tensor.data_ptr(), nbytes)
+                at += nbytes
+            buffers = [head, *wire.alone]
+            self._issue(message, group, group.pg.send, buffers, keep=buffers)
 
     def _issue(
         self, message: Message, group: _Group, move: Callable, buffers: list, **fields: Any

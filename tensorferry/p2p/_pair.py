@@ -103,20 +103,22 @@ class Pair:
         self._client: Any = None
 
     # ------------------------------------------------------------------ calls
-    def submit(self, message: Message) -> None:
-        """Numbers ``message`` and moves it as far as it goes now."""
+    def submit(self, messages: list[Message]) -> None:
+        """Numbers ``messages`` (one call's, in call order) and moves them as far as they go
+        now, in one step: a route issues a step's posts or writes together."""
         with self.lock:
-            if self.lost is not None:
-                self._end(message, self.lost)
-                return
-            kind = message.kind
-            message.seq = self._next[kind]
-            message.epoch = self.epoch
-            self._next[kind] += 1
-            if message.seq < self._cut[kind]:  # its peer's side failed in a fault
-                self._end(message, _sibling(self._fault_error, self.peer))
-                return
-            self._open[kind][message.seq] = message
+            for message in messages:
+                if self.lost is not None:
+                    self._end(message, self.lost)
+                    continue
+                kind = message.kind
+                message.seq = self._next[kind]
+                message.epoch = self.epoch
+                self._next[kind] += 1
+                if message.seq < self._cut[kind]:  # its peer's side failed in a fault
+                    self._end(message, _sibling(self._fault_error, self.peer))
+                    continue
+                self._open[kind][message.seq] = message
             self._advance(poll=False)  # the peer's frames are read by whoever waits
 
     def progress(self) -> None:
@@ -282,48 +284,74 @@ class Pair:
             self._find_route_mismatches()
         for kind in ("send", "recv"):
             last = self._next[kind]
+            posts: list[tuple[Any, Message, None]] = []  # (route, message, None): see _go
             seq = self._to_announce[kind]
             while seq < last:  # (a fault on the way empties _open: look it up each time)
                 message = self._open[kind].get(seq)
-                if message is not None and not message.announced and not self._announce(message):
+                unannounced = message is not None and not message.announced
+                if unannounced and not self._announce(message, posts):
                     break  # its route is still being made: later messages wait for it
                 seq += 1
             self._to_announce[kind] = seq
+            self._go(posts)
+            writes: list[tuple[Any, Message, dict]] = []  # (route, message, its post)
             seq = self._to_issue[kind]
             while seq < last:
                 message = self._open[kind].get(seq)
                 waiting = message is not None and message.state == WAITING
-                if waiting and not self._try_issue(message):
+                if waiting and not self._try_issue(message, writes):
                     break  # later messages of this direction wait for it
                 seq += 1
             self._to_issue[kind] = seq
+            self._go(writes)
             if poll:
                 for message in list(self._open[kind].values()):
                     if message.state == ISSUED and not self._poll(message):
                         break
 
-    def _announce(self, message: Message) -> bool:
-        """Tells the peer of ``message``: a two-sided send's header, a posted receive's post
-        (which also issues it: the sender sends once it reads the post). Returns ``False``
-        when the route's resources with the peer are still being made."""
+    def _announce(self, message: Message, posts: list) -> bool:
+        """Tells the peer of ``message``: a two-sided send's header; a posted receive joins
+        the step's ``posts`` (posting also issues it: the sender sends once it reads the post).
+        Returns ``False`` when the route's resources with the peer are still being made."""
         route = self.ctx.route(message.route)
         try:
             if route.receiver_posts and message.kind == "recv":
                 if not route.prepared(self, "recv"):
                     return False
-                frame = route.post(self, message)
-                if frame is not None:
-                    self.send_post(message, frame)
-                message.state = ISSUED
+                posts.append((route, message, None))
             elif not route.receiver_posts and message.kind == "send":
                 self._send({"k": "h", **self._head(message)})
         except TensorFerryError as exc:  # the pair is lost, or its route failed: a fault
-            if self.lost is not None:
-                self._end(message, exc)
-            elif message.state != ENDED:
-                self._fault(exc, True, cause=message)
+            self._failed(message, exc)
         message.announced = True
         return True
+
+    def _go(self, run: list[tuple[Any, Message, dict | None]]) -> None:
+        """Issues a step's posts (receives) or writes (sends, with their posts) on the routes
+        the receiver posts first, each route's in one call: the copy-engine route then waits
+        for the caller's stream and writes its word once for a batch's messages."""
+        while run:
+            route = run[0][0]
+            ours = [item for item in run if item[0] is route]
+            run = [item for item in run if item[0] is not route]
+            try:
+                if ours[0][2] is None:
+                    route.post(self, [message for _, message, _ in ours])
+                else:
+                    route.write(self, [(message, post) for _, message, post in ours])
+            except TensorFerryError as exc:
+                self._failed(ours[0][1], exc)
+                return  # a fault failed the rest, or the pair is lost
+            for _, message, _ in ours:
+                message.state = ISSUED  # (only now: threads that wait read it without the lock)
+
+    def _failed(self, message: Message, exc: TensorFerryError) -> None:
+        """Issuing ``message`` raised: the pair is lost (its messages failed), or its route
+        failed, which is a fault."""
+        if self.lost is not None:
+            self._end(message, exc)
+        elif message.state != ENDED:
+            self._fault(exc, True, cause=message)
 
     def _find_route_mismatches(self) -> None:
         """A header for a posted receive, or a post for a two-sided send: the two sides
@@ -335,8 +363,9 @@ class Pair:
                     self._route_mismatch(message, frame)
                     return
 
-    def _try_issue(self, message: Message) -> bool:
-        """Issues ``message`` if it can go now; returns whether it left ``WAITING``."""
+    def _try_issue(self, message: Message, writes: list) -> bool:
+        """Issues ``message`` if it can go now (a send of a route the receiver posts first
+        joins the step's ``writes``); returns whether it was taken care of."""
         route = self.ctx.route(message.route)
         kind, seq = message.kind, message.seq
         try:
@@ -347,8 +376,7 @@ class Pair:
                 if post is None:
                     return False
                 if self._agrees(message, post):
-                    route.write(self, message, post)
-                    message.state = ISSUED
+                    writes.append((route, message, post))
                 return True
             if kind == "send":
                 route.start(self, message)
@@ -369,8 +397,7 @@ class Pair:
             message.state = ISSUED
             return True
         except TensorFerryError as exc:
-            if self.lost is None and message.state != ENDED:
-                self._fault(exc, True, cause=message)
+            self._failed(message, exc)
             return True
 
     def _agrees(self, message: Message, frame: dict) -> bool:

@@ -76,7 +76,7 @@ def pair():
 def _receive(pair: Pair) -> Message:
     tensor = torch.zeros(4)
     message = Message(P2POp("recv", 1, (tensor,), describe([tensor])), "two-sided", None)
-    pair.submit(message)
+    pair.submit([message])
     return message
 
 
