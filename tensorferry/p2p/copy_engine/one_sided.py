@@ -53,7 +53,7 @@ import torch
 
 from tensorferry.errors import TransportError
 from tensorferry.p2p.copy_engine import _driver
-from tensorferry.runtime._events import stream_wait
+from tensorferry.runtime._events import is_done, stream_wait
 
 if TYPE_CHECKING:
     from tensorferry.p2p._message import Message
@@ -151,11 +151,14 @@ class _Word:
         self.waited: Any = None
 
     def after(self, event: Any) -> None:
-        """The stream's later work waits for the caller's ``event`` (once per event)."""
-        if event is not None and event is not self.waited:
+        """The stream's later work waits for the caller's ``event`` (once per event), unless
+        the caller's work before it is over already (a query costs less than a wait)."""
+        if event is None or event is self.waited:
+            return
+        self.waited = event
+        if not is_done(event):
             self.write()
             stream_wait(self.stream, event)
-            self.waited = event
 
     def wait(self, address: int, value: int) -> None:
         """The stream's later work waits until the word at ``address`` is at least ``value``."""
