@@ -177,3 +177,57 @@ def test_a_rank_that_only_sent_says_bye_on_its_peers_link(pair):
         time.sleep(0.005)
     assert "shut down" in str(pair.lost)
     assert message.state == ISSUED  # not failed: its route says how it ends
+
+
+class _PostingRoute:
+    """A route the receiver posts first (as ce and gloo): keeps the runs it is given."""
+
+    name = "posting"
+    receiver_posts = True
+    one_sided = True
+    confirms_receives = False
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, list[int]]] = []
+
+    def prepared(self, pair: Pair, kind: str) -> bool:
+        return True
+
+    def post(self, pair: Pair, messages: list[Message]) -> None:
+        self.runs.append(("post", [m.seq for m in messages]))
+
+    def posted(self, pair: Pair, message: Message) -> None:
+        return None  # posts come as frames here
+
+    def write(self, pair: Pair, sends: list[tuple[Message, dict]]) -> None:
+        self.runs.append(("write", [m.seq for m, _ in sends]))
+
+    def finished(self, pair: Pair, message: Message) -> bool:
+        return False
+
+
+def _messages(kind: str, count: int) -> list[Message]:
+    tensor = torch.zeros(4)
+    op = P2POp(kind, 1, (tensor,), describe([tensor]))
+    return [Message(op, "posting", None) for _ in range(count)]
+
+
+def test_a_calls_messages_are_posted_and_written_as_one_run(pair):
+    # One step of the pair hands a call's messages to the route at once: the copy-engine
+    # route then waits for the caller's event and writes its word once for all of them.
+    route = pair.ctx.two_sided = _PostingRoute()
+    receives = _messages("recv", 3)
+    pair.submit(receives)
+    assert route.runs == [("post", [0, 1, 2])]
+    assert all(m.state == ISSUED for m in receives)
+    sends = _messages("send", 3)
+    pair.submit(sends)
+    assert route.runs[1:] == []  # no post from the peer yet
+    desc = descriptor_text(describe([torch.zeros(4)]))
+    for seq in (0, 1):  # two posts come before the next step, the third after it
+        pair._on_frame({"k": "p", "e": 0, "n": seq, "d": desc, "r": "posting"})
+    pair.progress()
+    pair._on_frame({"k": "p", "e": 0, "n": 2, "d": desc, "r": "posting"})
+    pair.progress()
+    assert route.runs[1:] == [("write", [0, 1]), ("write", [2])]
+    assert all(m.state == ISSUED for m in sends)

@@ -1,0 +1,67 @@
+"""The copy-engine route's READY/DONE word over a run of messages (``one_sided._Word``), with
+the driver's stream operations recorded instead of made: one write for a batch, and never a
+word left behind a wait of its stream."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorferry.p2p.copy_engine import one_sided
+
+
+class _Stream:
+    cuda_stream = 7
+
+
+class _Ops(list):
+    """The stream operations made, in order; ``fired``: the caller's events that fired."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fired: set[str] = set()
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    made = _Ops()
+    driver = one_sided._driver
+    monkeypatch.setattr(one_sided, "is_done", lambda event: event in made.fired)
+    monkeypatch.setattr(one_sided, "stream_wait", lambda s, event: made.append(("wait", event)))
+    monkeypatch.setattr(driver, "write_value32", lambda s, at, value: made.append(("write", value)))
+    monkeypatch.setattr(driver, "wait_value32", lambda s, at, value: made.append(("until", value)))
+    return made
+
+
+def _run(word: one_sided._Word, tickets_and_events: list[tuple[int, str]]) -> None:
+    for ticket, event in tickets_and_events:
+        word.after(event)
+        word.owe(ticket)
+    word.write()
+
+
+def test_a_batch_waits_once_and_writes_its_word_once(ops):
+    _run(one_sided._Word(_Stream(), 0), [(1, "batch"), (2, "batch"), (3, "batch")])
+    assert ops == [("wait", "batch"), ("write", 3)]
+
+
+def test_a_word_owed_is_written_before_the_stream_waits_for_the_next_event(ops):
+    # Separate calls: the first send's word must not wait behind the second call's event,
+    # which may itself wait for that word (a ping-pong that orders the caller's stream).
+    _run(one_sided._Word(_Stream(), 0), [(1, "first"), (2, "second")])
+    assert ops == [("wait", "first"), ("write", 1), ("wait", "second"), ("write", 2)]
+
+
+def test_a_word_owed_is_written_before_the_stream_waits_for_ready(ops):
+    word = one_sided._Word(_Stream(), 0)
+    word.after("call")
+    word.owe(1)
+    word.wait(64, 2)  # the receiver's READY for the next message is not there yet
+    word.owe(2)
+    word.write()
+    assert ops == [("wait", "call"), ("write", 1), ("until", 2), ("write", 2)]
+
+
+def test_an_event_that_fired_is_not_waited_for(ops):
+    ops.fired.add("over")
+    _run(one_sided._Word(_Stream(), 0), [(1, "over"), (2, "over")])
+    assert ops == [("write", 2)]
