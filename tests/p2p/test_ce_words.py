@@ -65,3 +65,28 @@ def test_an_event_that_fired_is_not_waited_for(ops):
     ops.fired.add("over")
     _run(one_sided._Word(_Stream(), 0), [(1, "over"), (2, "over")])
     assert ops == [("write", 2)]
+
+
+class _HostWord:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_ready_is_stored_by_the_host_where_its_stream_has_nothing_left(ops):
+    ops.fired.add("over")
+    host = _HostWord(4)  # the stream's last READY (4) has landed
+    _run(one_sided._Word(_Stream(), 0, host=host, written=4), [(5, "over"), (6, "over")])
+    assert ops == [] and host.value == 6
+
+
+def test_ready_goes_on_the_stream_behind_what_the_stream_still_owes(ops):
+    ops.fired.add("over")
+    host = _HostWord(3)  # READY 4 is still queued on the stream: a store could be undone
+    _run(one_sided._Word(_Stream(), 0, host=host, written=4), [(5, "over")])
+    assert ops == [("write", 5)] and host.value == 3
+
+
+def test_ready_goes_on_the_stream_once_the_run_queued_a_wait(ops):
+    host = _HostWord(4)
+    _run(one_sided._Word(_Stream(), 0, host=host, written=4), [(5, "pending")])
+    assert ops == [("wait", "pending"), ("write", 5)] and host.value == 4

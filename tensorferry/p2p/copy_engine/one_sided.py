@@ -5,6 +5,8 @@ Protocol (one pair direction, sender S → receiver R, message number n, ticket 
     R's call:    its buffers as runs of bytes, each within one allocation (a CUDA IPC
                  handle per allocation, made once)
                  R's pair stream: wait for the caller's stream, then  READY := t
+                 (R's host stores it where the caller's work is over and the stream
+                 has nothing left to do)
                  frame post(n): layout, route, runs [(handle, offset, bytes)], their key,
                  words' name
     S's call     (once the post is there, and the layouts agree):
@@ -98,7 +100,7 @@ class _Words:
         self.host = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.device = _driver.host_register(self.host, mmap.PAGESIZE)
         self._done = ctypes.c_uint32.from_address(self.host + _DONE)
-        self._ready = ctypes.c_uint32.from_address(self.host + _READY)
+        self.ready_word = ctypes.c_uint32.from_address(self.host + _READY)
         self._ring = (ctypes.c_uint64 * _SLOTS).from_address(self.host + _RING)
         self.told: set[int] = set()  # receiver: layout keys whose post went as a frame
         self.layouts: dict[int, dict] = {}  # sender: those posts, by key
@@ -107,7 +109,7 @@ class _Words:
         return self._done.value
 
     def ready(self) -> int:
-        return self._ready.value
+        return self.ready_word.value
 
     def ring_post(self, seq: int, key: int) -> bool:
         """Receiver: posts message ``seq`` of a layout the sender knows (``key``) in the ring,
@@ -127,7 +129,7 @@ class _Words:
     def close(self) -> None:
         _driver.host_unregister(self.host)
         # No view may outlive the map.
-        self._done = self._ready = self._ring = None  # type: ignore[assignment]
+        self._done = self.ready_word = self._ring = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # a view still held: the map goes with it
             self._map.close()
         if self.owner:
@@ -141,13 +143,19 @@ class _Word:
     every message before it; but a word owed is written before the stream waits on anything
     (the caller's next event, ``READY``): what that waits for may itself wait for the word (a
     ping-pong whose receives order the caller's stream). A batch's messages share one event,
-    so the batch costs one wait and one write; separate calls cost one each."""
+    so the batch costs one wait and one write; separate calls cost one each.
 
-    __slots__ = ("address", "owed", "stream", "waited")
+    ``READY`` may be stored by the host itself (``host``: the word in host memory) where its
+    stream has nothing left to do: this run queued nothing (the caller's work was over) and
+    the word already shows ``written``, the last ticket the stream was given. The receiver's
+    post then makes no stream operation at all, and the sender finds ``READY`` set."""
 
-    def __init__(self, stream: Any, address: int) -> None:
-        self.stream, self.address = stream, address
+    __slots__ = ("address", "host", "owed", "queued", "stream", "waited", "written")
+
+    def __init__(self, stream: Any, address: int, *, host: Any = None, written: int = 0) -> None:
+        self.stream, self.address, self.host, self.written = stream, address, host, written
         self.owed = 0
+        self.queued = False  # whether this run queued a stream operation
         self.waited: Any = None
 
     def after(self, event: Any) -> None:
@@ -159,19 +167,26 @@ class _Word:
         if not is_done(event):
             self.write()
             stream_wait(self.stream, event)
+            self.queued = True
 
     def wait(self, address: int, value: int) -> None:
         """The stream's later work waits until the word at ``address`` is at least ``value``."""
         self.write()
         _driver.wait_value32(self.stream.cuda_stream, address, value)
+        self.queued = True
 
     def owe(self, ticket: int) -> None:
         self.owed = ticket
 
     def write(self) -> None:
-        if self.owed:
+        if not self.owed:
+            return
+        if self.host is not None and not self.queued and self.host.value == self.written:
+            self.host.value = self.owed  # (nothing of the stream's can land after it)
+        else:
             _driver.write_value32(self.stream.cuda_stream, self.address, self.owed)
-            self.owed = 0
+            self.queued = True
+        self.written, self.owed = self.owed, 0
 
 
 _CACHED = 256  # layouts kept per table: a program of ever-new addresses starts it afresh
@@ -292,7 +307,8 @@ class OneSidedRoute:
         then posts them: in the ring where the sender knows the layout from an earlier frame
         of this epoch (no frame, no system call), else as a frame."""
         words = self._incoming_words(pair)
-        ready = _Word(pair.stream("recv"), words.device + _READY)
+        stream, first = pair.stream("recv"), messages[0].seq  # (READY shows it when drained)
+        ready = _Word(stream, words.device + _READY, host=words.ready_word, written=first)
         posts = []
         with _on_device(self.device.index):
             for message in messages:
