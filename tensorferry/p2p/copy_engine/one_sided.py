@@ -74,7 +74,7 @@ def _on_device(index: int) -> Any:
     """The rank's device made current for the driver calls that follow, unless it is already
     (the usual case: a switch and back cost more than the calls). Its context is then made
     current too, once per thread: a library thread (the pairs' watcher) may issue."""
-    if torch.cuda.current_device() == index:
+    if torch._C._cuda_getDevice() == index:  # (torch.cuda.current_device() checks more)
         _driver.bind_context(index)
         return contextlib.nullcontext()
     return torch.cuda.device(index)
