@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # a small message is done in tens of microseconds, and a sleeping thread wakes late.
 _SPIN_S = 2e-3
 _SLEEP_MAX_S = 1e-3
+# ... or, where what is left are one-sided copies, as long as their bytes take at this rate
+# (bytes per second, below what one host's links give): a sleeping waiter of a 1 GiB copy
+# woke up to half a millisecond after its end.
+_ONE_SIDED_BYTES_PER_S = 300e9
 # Spinning, a waiter for a frame looks again after at most this long without one (seconds) ...
 _FRAME_WAIT_S = 100e-6
 # ... and one spinning on a one-sided route's words alone, after this long.
@@ -124,6 +128,7 @@ class Transfer:
         if not self._done.is_set():
             limit = time.monotonic() + self._seconds(timeout)
             spin_until = time.monotonic() + _SPIN_S
+            extended = False
             pause = 20e-6
             while True:
                 self._progress(hand_off=False)
@@ -136,6 +141,9 @@ class Transfer:
                     )
                 if self._block(limit):
                     continue
+                if now >= spin_until and not extended:
+                    extended = True
+                    spin_until = now + self._copying_seconds()
                 if now < spin_until:
                     self._pause_briefly()
                 else:
@@ -237,6 +245,15 @@ class Transfer:
                     if hasattr(route, "hand_off"):
                         route.hand_off(message, self.deadline)
         return self._done.is_set()
+
+    def _copying_seconds(self) -> float:
+        """How long the transfer's bytes take to move where every message left is issued on a
+        one-sided route (its end is a word written once they moved), else 0."""
+        left = [m for m in self._messages if m.state != ENDED]
+        if not all(m.state == ISSUED and self._route_of(m).one_sided for m in left):
+            return 0.0
+        nbytes = sum(t.numel() * t.element_size() for m in left for t in m.tensors)
+        return nbytes / _ONE_SIDED_BYTES_PER_S
 
     def _pause_briefly(self) -> None:
         """Between two looks while spinning. A message still waiting for its peer's frame
