@@ -353,14 +353,16 @@ class GlooRoute:
 
     # ------------------------------------------------------------------ messages
     def post(self, pair: Pair, messages: list[Message]) -> None:
-        """For each of ``messages``: writes its post frame (its layout, and how many receives
-        to answer), then posts its receives: its head, then each large tensor alone (see the
-        module docstring). The frame goes first: it is what the sender waits for, and a send
-        that comes before its receive is posted waits in gloo."""
+        """Writes ``messages``' post frames (each its layout, and how many receives to answer)
+        in one write, then posts each one's receives: its head, then each large tensor alone
+        (see the module docstring). The frames go first: they are what the sender waits for,
+        and a send that comes before its receive is posted waits in gloo."""
         group = self._group(pair)
-        for message in messages:
-            wire = _Wire(message.tensors)
-            pair.send_post(message, {"g": 1 + len(wire.alone)})
+        wires = [_Wire(message.tensors) for message in messages]
+        pair.send_posts(
+            [(m, {"g": 1 + len(w.alone)}) for m, w in zip(messages, wires, strict=True)]
+        )
+        for message, wire in zip(messages, wires, strict=True):
             head = torch.empty(wire.head_bytes, dtype=torch.uint8)
             ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
             buffers = [head, *wire.alone]

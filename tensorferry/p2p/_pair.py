@@ -185,19 +185,21 @@ class Pair:
             "r": message.route,
         }
 
-    def send_post(self, message: Message, fields: dict) -> None:
-        """Writes ``message``'s post frame, with the route's ``fields``."""
-        self._send({"k": "p", **self._head(message), **fields})
+    def send_posts(self, posts: list[tuple[Message, dict]]) -> None:
+        """Writes the post frame of each ``(message, the route's fields)``, in one write."""
+        self._send(*({"k": "p", **self._head(message), **fields} for message, fields in posts))
 
-    def _send(self, frame: dict) -> None:
-        """Writes ``frame`` to the peer, connecting first if need be.
+    def _send(self, *frames: dict) -> None:
+        """Writes ``frames`` to the peer (in one write), connecting first if need be.
 
         Raises:
             PeerLostError: the peer cannot be reached (the pair is then lost).
         """
         self.connect()
         try:
-            self._out.send(frame)
+            for frame in frames:
+                self._out.queue(frame)
+            self._out.flush()
         except OSError as exc:
             self._gone(str(exc))
             raise self.lost from None  # type: ignore[misc]

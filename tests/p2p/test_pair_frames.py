@@ -49,6 +49,12 @@ class _Out:
     def send(self, frame: dict) -> None:
         self.frames.append(frame)
 
+    def queue(self, frame: dict) -> None:
+        self.frames.append(frame)
+
+    def flush(self) -> None:
+        pass
+
     def receive(self) -> list:
         return []
 

@@ -317,10 +317,13 @@ class OneSidedRoute:
                 posts.append(self._exported(message))
                 message.pending = words
             ready.write()
+        frames = []
         for message, runs in zip(messages, posts, strict=True):
             if not words.ring_post(message.seq, runs.key):
                 words.told.add(runs.key)
-                pair.send_post(message, {"x": runs.key, "b": runs.posted, "w": words.name})
+                frames.append((message, {"x": runs.key, "b": runs.posted, "w": words.name}))
+        if frames:
+            pair.send_posts(frames)
 
     def _exported(self, message: Message) -> _Runs:
         """The receiver's runs of ``message``'s buffers, made once per layout and addresses."""
