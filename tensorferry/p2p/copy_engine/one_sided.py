@@ -435,8 +435,10 @@ class OneSidedRoute:
             )
 
     def evict(self, pair: Pair, reason: str) -> None:
-        """A fault or a lost peer: this pair's pages go (a new epoch makes new ones)."""
-        self._plans.clear()
+        """A fault or a lost peer: this pair's pages and copies go (a new epoch makes new
+        pages; a peer started again numbers its layouts afresh). Other pairs keep theirs."""
+        for key in [key for key in self._plans if key[0] == pair.peer]:
+            del self._plans[key]
         for table in (self._incoming, self._outgoing):
             kept = table.pop(pair.peer, None)
             if kept is not None:
