@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 _SPIN_S = 2e-3
 _SLEEP_MAX_S = 1e-3
 # ... or, where what is left are one-sided copies, as long as their bytes take at this rate
-# (bytes per second, below what one host's links give): a sleeping waiter of a 1 GiB copy
-# woke up to half a millisecond after its end.
+# (bytes per second, below what one host's links give): the sleeps of the waiter of a 1 GiB
+# copy (about 3 ms) spanned its end by up to 0.6 ms.
 _ONE_SIDED_BYTES_PER_S = 300e9
 # Spinning, a waiter for a frame looks again after at most this long without one (seconds) ...
 _FRAME_WAIT_S = 100e-6
