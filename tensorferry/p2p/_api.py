@@ -68,13 +68,14 @@ def _submit(ctx: _context.P2PContext, messages: list[Message], transfer: Transfe
     if any(m.tensors and m.tensors[0].is_cuda for m in messages):
         event = record_on_current_stream(ctx.device.index)
         transfer._caller_event = event  # back to the pool once every message is issued
-    by_pair: dict[int, list[Message]] = {}
+    by_pair: dict[Any, list[Message]] = {}
     for message in messages:
         message.transfer, message.caller_event = transfer, event
-        transfer._add(message, ctx.pair(message.peer))
-        by_pair.setdefault(message.peer, []).append(message)
-    for peer, theirs in by_pair.items():  # one step per pair: a batch's messages go together
-        ctx.pair(peer).submit(theirs)
+        pair = ctx.pair(message.peer)
+        transfer._add(message, pair)
+        by_pair.setdefault(pair, []).append(message)
+    for pair, theirs in by_pair.items():  # one step per pair: a batch's messages go together
+        pair.submit(theirs)
     return transfer
 
 

@@ -252,8 +252,7 @@ class Transfer:
         left = [m for m in self._messages if m.state != ENDED]
         if not all(m.state == ISSUED and self._route_of(m).one_sided for m in left):
             return 0.0
-        nbytes = sum(t.numel() * t.element_size() for m in left for t in m.tensors)
-        return nbytes / _ONE_SIDED_BYTES_PER_S
+        return sum(m.op.nbytes for m in left) / _ONE_SIDED_BYTES_PER_S
 
     def _pause_briefly(self) -> None:
         """Between two looks while spinning. A message still waiting for its peer's frame

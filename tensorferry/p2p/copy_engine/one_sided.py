@@ -358,15 +358,12 @@ class OneSidedRoute:
         """Copies each message's tensors where the peer's post says, after the caller's
         earlier work and the receiver's ``READY``; then sets ``DONE``."""
         stream = pair.stream("send")
-        done: _Word | None = None
+        # One page per epoch, and a step's posts are of one epoch: they all name it.
+        words = self._outgoing_words(pair, sends[0][1]["w"])
+        done = _Word(stream, words.device + _DONE)
         with _on_device(self.device.index):
             for message, post in sends:
-                words = self._outgoing_words(pair, post["w"])
                 words.layouts.setdefault(post["x"], post)
-                if done is None or done.address != words.device + _DONE:
-                    if done is not None:
-                        done.write()
-                    done = _Word(stream, words.device + _DONE)
                 copies = self._copies(pair, message, post)
                 ticket = message.seq + 1
                 done.after(message.caller_event)
@@ -376,8 +373,7 @@ class OneSidedRoute:
                     _driver.memcpy_async(target, source, nbytes, stream.cuda_stream)
                 done.owe(ticket)
                 message.pending = words
-            if done is not None:
-                done.write()
+            done.write()
 
     def posted(self, pair: Pair, message: Message) -> dict | None:
         """The post of ``message`` found in the ring of this epoch's page, if it is there."""
