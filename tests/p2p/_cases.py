@@ -515,7 +515,8 @@ def fails_after_leaving_a_send_in_flight(rank: int, world: int) -> None:
 
 
 def mismatch(rank: int, world: int, kind: str) -> str | None:
-    """Sender and receiver disagree on ``kind``; returns the field each side saw."""
+    """Sender and receiver disagree on ``kind`` (a field, and what differs in it); returns the
+    field each side saw."""
     if rank > 1:
         return None
     send = [torch.zeros(4, device=D()), torch.ones(2, device=D())]
@@ -526,6 +527,10 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
         recv[1] = torch.ones(2, dtype=torch.float64, device=D())
     elif kind == "shape":
         recv[0] = torch.zeros(5, device=D())
+    elif kind == "shape, a large receive":  # (over gloo: the send goes before the post)
+        recv[0] = torch.zeros(1 << 18, device=D())
+    elif kind == "shape, a large send":  # (over gloo: the send waits for the post)
+        send[0] = torch.zeros(1 << 18, device=D())
     poison = [r.clone() for r in recv]
     try:
         if rank == 0:
