@@ -1,23 +1,17 @@
 """The CPU route: CPU tensors over gloo, one ``ProcessGroupGloo`` per pair of ranks and epoch.
 
-The receiver posts (see :mod:`._pair`): its call posts gloo receives into its buffers under the
-message's number as gloo's tag, and its post frame tells the sender its layout. A message of
-more than :data:`SEND_FIRST_HEAD` bytes waits for that frame: the sender compares, then sends
-into the receives (gloo aborts the process when a send holds more bytes than its receive). A
-smaller message goes at its call, before the frame, as torch's ``isend`` does: gloo holds it
-until the receive is posted, and the first receive a message posts takes at least that many
-bytes, so a send of another layout can only fall short. The receiver checks the layout the
-head names before it copies anything out; the sender ends once the frame came and agrees. Where
-the layouts differ the sender writes ``m`` and answers each posted receive its bytes did not
-take with an empty send: the receive ends with no byte written, and gloo's books of the pair
-balance (the tag is never used again). Each pair's group is made directly on a per-pair prefix
-of the world store (rank 0/1 within the pair), so only the two ranks take part.
+The receiver posts first (see :mod:`._pair`): its call posts gloo receives into its buffers
+under the message's number as gloo's tag, and its post frame tells the sender its layout. The
+sender compares, then sends into those receives; gloo's own notice that a receive is posted has
+usually arrived by then, so the bytes leave at once. Where the layouts differ the sender writes
+``m`` and answers each posted receive with an empty send: the receive ends with no byte written,
+and gloo's books of the pair balance (the tag is never used again). Each pair's group is made
+directly on a per-pair prefix of the world store (rank 0/1 within the pair), so only the two
+ranks take part.
 
-A message travels as its *head* (a stamp: a status byte and a digest of the sender's layout;
-then its tensors under :data:`PACK_BELOW` bytes, packed: gloo pays tens of microseconds per
-operation) and each larger tensor alone, with no copy. A receive whose head does not hold the
-stamp of its own layout's bytes takes none of them: the sender withdrew the post (nothing
-written), or its layout differs (its ``m`` frame says how).
+A message travels as its *head* (a status byte, then its tensors under :data:`PACK_BELOW` bytes
+packed: gloo pays tens of microseconds per operation) and each larger tensor alone, with no
+copy. The status byte tells a receive its sender's bytes (``_AGREED``) from a withdrawal (0).
 
 Completion: a gloo send or receive ends only through its work's ``wait()``, which blocks.
 ``Transfer.wait`` waits in it on the caller's own thread, as ``torch.distributed``'s callers
@@ -32,7 +26,6 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
-import hashlib
 import logging
 import queue
 import threading
@@ -44,9 +37,7 @@ import torch
 
 from tensorferry.errors import PeerLostError, TensorFerryError, TransferTimeoutError, TransportError
 from tensorferry.p2p._links import first_line
-from tensorferry.p2p._message import ISSUED
 from tensorferry.p2p._packing import as_bytes
-from tensorferry.p2p._spec import descriptor_text
 from tensorferry.p2p._transport import TransportContext, cached_pair
 from tensorferry.runtime import communicator_cache
 
@@ -59,18 +50,10 @@ __all__ = ["GlooRoute", "PACK_BELOW"]
 log = logging.getLogger(__name__)
 
 PACK_BELOW = 256 << 10
-# A message's head starts with its *stamp*: a status byte (_SENT for the sender's bytes; 0, as
-# the receiver sets it before posting, when the post was withdrawn), then a digest of the
-# sender's layout, which the receiver checks against its own.
+# A message's head starts with a status byte: _AGREED when the sender's layout agreed, 0 when
+# the post was withdrawn (the receiver sets it to 0 before posting).
 _STATUS = 1
-_SENT = b"\x01"
-_DIGEST = 16
-# A send whose whole message fits a head this long goes at its call, before the receiver's
-# post: every posted head receive takes this many bytes at least (gloo ends a receive that
-# gets fewer bytes than it posted, and aborts the process on more), and the receiver checks
-# the digest before it copies anything out.
-SEND_FIRST_HEAD = 64 << 10
-_DIGESTS: dict[Any, bytes] = {}
+_AGREED = b"\x01"
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
 _MAKING = "making"
 # Works nobody claimed this long after their start go to the pair's waiter thread (a send
@@ -84,9 +67,8 @@ _given_up: collections.deque = collections.deque(maxlen=4)
 class _Works:
     """A message's gloo works, waited for by one thread (its direction's waiter, or the caller
     of ``Transfer.wait``); ``finished`` once they ended (its fields are set before it). A
-    receive's ``head`` is unpacked into its ``small`` tensors once its stamp (status byte,
-    digest) is the ``stamp`` of its sender's bytes of this layout; else the receive was
-    ``withdrawn`` (by empty sends, or the sender's layout differs and its ``m`` frame says how)."""
+    receive's ``head`` is unpacked into its ``small`` tensors once its status byte says the layouts
+    agreed; else the receive was ``withdrawn``."""
 
     __slots__ = (
         "claimed",
@@ -96,7 +78,6 @@ class _Works:
         "keep",
         "peer",
         "small",
-        "stamp",
         "started",
         "withdrawn",
         "works",
@@ -109,11 +90,9 @@ class _Works:
         *,
         head: torch.Tensor | None = None,
         small: Sequence[tuple[torch.Tensor, int]] = (),
-        stamp: bytes = b"",
         keep: Any = None,
     ) -> None:
         self.works, self.peer, self.head, self.small, self.keep = works, peer, head, small, keep
-        self.stamp = stamp
         self.started = time.monotonic()
         self.claimed = threading.Lock()  # held by the one thread that waits for the works
         self.finished = False
@@ -151,49 +130,33 @@ class _Works:
     def _unpack(self) -> None:
         """A receive: copies the head's tensors out, unless the message was withdrawn."""
         at = self.head.data_ptr()
-        self.withdrawn = ctypes.string_at(at, len(self.stamp)) != self.stamp
+        self.withdrawn = ctypes.string_at(at, _STATUS) != _AGREED
         if self.withdrawn:
             return
-        at += len(self.stamp)
+        at += _STATUS
         for tensor, nbytes in self.small:
             ctypes.memmove(tensor.data_ptr(), at, nbytes)
             at += nbytes
 
 
 class _Wire:
-    """How a message travels (both sides derive it from their own layout): its head (its
-    ``stamp``, then the ``small`` tensors' bytes back to back) and its ``alone`` tensors, as
-    bytes."""
+    """How a message travels (both sides derive it from the layout they agreed on): its head
+    (the status byte, then the ``small`` tensors' bytes back to back) and its ``alone``
+    tensors, as bytes."""
 
-    __slots__ = ("alone", "head_bytes", "small", "stamp")
+    __slots__ = ("alone", "head_bytes", "small")
 
-    def __init__(self, message: Message) -> None:
-        self.stamp = _SENT + _digest(message.desc)
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.small: list[tuple[torch.Tensor, int]] = []
         self.alone: list[torch.Tensor] = []
-        self.head_bytes = len(self.stamp)
-        for tensor in message.tensors:
+        self.head_bytes = _STATUS
+        for tensor in tensors:
             nbytes = tensor.nbytes
             if nbytes >= PACK_BELOW:
                 self.alone.append(as_bytes(tensor))
             elif nbytes:
                 self.small.append((tensor, nbytes))
                 self.head_bytes += nbytes
-
-
-def _digest(desc: Any) -> bytes:
-    """The digest of a layout the head carries (cached: messages repeat their layouts)."""
-    digest = _DIGESTS.get(desc)
-    if digest is None:
-        digest = hashlib.blake2b(descriptor_text(desc).encode(), digest_size=_DIGEST).digest()
-        if len(_DIGESTS) < 4096:
-            _DIGESTS[desc] = digest
-    return digest
-
-
-def _goes_first(nbytes: int) -> bool:
-    """Whether a message of ``nbytes`` goes before its post (all of it fits a head)."""
-    return nbytes + _STATUS + _DIGEST <= SEND_FIRST_HEAD
 
 
 def _gloo_calls(issue: Callable[[], list]) -> list:
@@ -390,50 +353,35 @@ class GlooRoute:
 
     # ------------------------------------------------------------------ messages
     def post(self, pair: Pair, messages: list[Message]) -> None:
-        """Posts each message's receives (its head, at least :data:`SEND_FIRST_HEAD` bytes,
-        then each large tensor alone: see the module docstring) and writes the post frames
-        (each its layout, and how many receives to answer) in one write. A message whose
-        sender may have sent already has its receives posted before the frames, the others
-        after them: their sender waits for the frame to send."""
+        """Writes ``messages``' post frames (each its layout, and how many receives to answer)
+        in one write, then posts each one's receives: its head, then each large tensor alone
+        (see the module docstring). The frames go first: they are what the sender waits for,
+        and a send that comes before its receive is posted waits in gloo."""
         group = self._group(pair)
-        wires = [_Wire(message) for message in messages]
-        first = [_goes_first(message.op.nbytes) for message in messages]
-        self._receive(group, messages, wires, first, True)
+        wires = [_Wire(message.tensors) for message in messages]
         pair.send_posts(
             [(m, {"g": 1 + len(w.alone)}) for m, w in zip(messages, wires, strict=True)]
         )
-        self._receive(group, messages, wires, first, False)
-
-    def _receive(
-        self, group: _Group, messages: list, wires: list, first: list, which: bool
-    ) -> None:
-        """Posts the receives of the messages whose ``first`` is ``which``."""
-        for message, wire, goes_first in zip(messages, wires, first, strict=True):
-            if goes_first == which:
-                head = torch.empty(max(wire.head_bytes, SEND_FIRST_HEAD), dtype=torch.uint8)
-                ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
-                fields = {"head": head, "small": wire.small, "stamp": wire.stamp}
-                self._issue(message, group, group.pg.recv, [head, *wire.alone], **fields)
+        for message, wire in zip(messages, wires, strict=True):
+            head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+            ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
+            buffers = [head, *wire.alone]
+            self._issue(message, group, group.pg.recv, buffers, head=head, small=wire.small)
 
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
 
-    def sends_first(self, message: Message) -> bool:
-        """Whether ``message`` (a send) goes before the receiver's post: its whole head fits
-        every head the receiver posts, and the receiver checks the layout it names."""
-        return _goes_first(message.op.nbytes)
-
-    def write(self, pair: Pair, sends: list[tuple[Message, dict | None]]) -> None:
-        """Sends each message into the receives the peer posts: its head (its stamp, then the
-        small tensors back to back), then each large tensor. A send whose post has come
-        agreed with it; one that goes before its post (``None``) is all head."""
+    def write(self, pair: Pair, sends: list[tuple[Message, dict]]) -> None:
+        """Sends each message into the receives the peer posted (its post): its head (the
+        status byte saying the layouts agreed, then the small tensors back to back), then
+        each large tensor."""
         group = self._group(pair)
         for message, _ in sends:
-            wire = _Wire(message)
+            wire = _Wire(message.tensors)
             head = torch.empty(wire.head_bytes, dtype=torch.uint8)
             at = head.data_ptr()
-            ctypes.memmove(at, wire.stamp, len(wire.stamp))
-            at += len(wire.stamp)
+            ctypes.memmove(at, _AGREED, _STATUS)
+            at += _STATUS
             for tensor, nbytes in wire.small:  # (contiguous CPU tensors: plain bytes)
                 ctypes.memmove(at, tensor.data_ptr(), nbytes)
                 at += nbytes
@@ -453,14 +401,10 @@ class GlooRoute:
     def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
         """The layouts differ: answers each receive the peer posted with an empty send, which
         ends it without a byte written (its head's status byte stays 0), so gloo's books of
-        the pair balance; a head that went before the post answered the first already (the
-        receiver, finding another layout's digest in it, takes none of its bytes). Nobody
-        waits for these on the caller's thread."""
+        the pair balance. Nobody waits for these on the caller's thread."""
         group = self._group(pair)
         empty = torch.empty(0, dtype=torch.uint8)
-        tag, count = _tag(message), int(post.get("g", 1)) - (message.state == ISSUED)
-        if count <= 0:
-            return
+        tag, count = _tag(message), int(post.get("g", 1))
         send = group.pg.send
         works = _gloo_calls(lambda: [send([empty], group.other, tag) for _ in range(count)])
         drains = _Works(works, pair.peer, keep=empty)

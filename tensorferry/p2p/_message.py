@@ -33,9 +33,8 @@ class Message:
         pending: the route's handle of the issued work.
         announced: its frame went to the peer (a two-sided send's header, a one-sided
             receive's post).
-        answered: a send: the receiver's post (a route the receiver posts first) or its
-            answer (two-sided: accepted or mismatched) came; a receive of a route that
-            confirms receives: its sender said it sent.
+        answered: a two-sided send: the receiver's answer (accepted or mismatched) came; a
+            receive of a route that confirms receives: its sender said it sent.
         confirmed: a send of such a route: it told the receiver it sent.
         error: why it failed (set once it is known; it ends with it).
         done_event: a CUDA event after its device work, for ``Transfer.wait_stream``.

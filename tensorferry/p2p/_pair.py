@@ -21,11 +21,9 @@ frame      from            meaning
 Whoever issues the data movement compares the two layouts. On a route the receiver posts first
 (ce, gloo) that is the sender: the receiver's call posts its buffers, and the sender writes into
 them (ce) or sends into the receives posted there (gloo); after a mismatch it withdraws the post
-(gloo: empty sends end the posted receives). A send the route lets go before its post (gloo's
-small messages: the receiver checks the layout the bytes name) compares once the post comes and
-ends only then. On a two-sided route (nccl) the sender issues at once and the receiver compares
-(after a mismatch it takes the bytes into scratch, so that nothing waits). Messages of a
-direction are issued in number order.
+(gloo: empty sends end the posted receives). On a two-sided route (nccl) the sender issues at
+once and the receiver compares (after a mismatch it takes the bytes into scratch, so that
+nothing waits). Messages of a direction are issued in number order.
 
 A fault (a deadline passed, a route failed) fails every open message of the pair on both sides
 and aborts the pair's route resources: the next message makes fresh ones (a new *epoch*, which
@@ -331,16 +329,15 @@ class Pair:
         return True
 
     def _go(self, run: list[tuple[Any, Message, dict | None]]) -> None:
-        """Issues a step's posts (receives) or writes (sends, with their posts, or ``None``
-        for a send that goes before its post) on the routes the receiver posts first, each
-        route's in one call: the copy-engine route then waits for the caller's stream and
-        writes its word once for a batch's messages."""
+        """Issues a step's posts (receives) or writes (sends, with their posts) on the routes
+        the receiver posts first, each route's in one call: the copy-engine route then waits
+        for the caller's stream and writes its word once for a batch's messages."""
         while run:
             route = run[0][0]
             ours = [item for item in run if item[0] is route]
             run = [item for item in run if item[0] is not route]
             try:
-                if ours[0][1].kind == "recv":
+                if ours[0][2] is None:
                     route.post(self, [message for _, message, _ in ours])
                 else:
                     route.write(self, [(message, post) for _, message, post in ours])
@@ -379,12 +376,8 @@ class Pair:
             if route.receiver_posts:  # a send: the receiver's post says where its bytes go
                 post = self._frames["p"].pop(seq, None) or route.posted(self, message)
                 if post is None:
-                    if not route.sends_first(message):
-                        return False
-                    writes.append((route, message, None))  # compared once its post comes
-                    return True
+                    return False
                 if self._agrees(message, post):
-                    message.answered = True
                     writes.append((route, message, post))
                 return True
             if kind == "send":
@@ -465,13 +458,6 @@ class Pair:
         except TensorFerryError as exc:
             self._fault(exc, True, cause=message)
             return False
-        if route.receiver_posts and message.kind == "send" and not message.answered:
-            # It went before the receiver's post (the route's sends_first): it ends once the
-            # post came and agrees. (The post comes right after the receive its bytes met.)
-            post = self._frames["p"].pop(message.seq, None)
-            if post is None or not self._agrees(message, post):
-                return True
-            message.answered = True
         if not route.receiver_posts:
             if message.kind == "send" and route.confirms_receives:
                 # (after a mismatch too: the receiver took the bytes into scratch, and that

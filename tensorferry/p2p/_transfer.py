@@ -261,7 +261,7 @@ class Transfer:
         memory instead (a one-sided route's ring of posts): then it looks again at once. When
         every message is issued and a one-sided route's device writes their end, it spins on
         those words (no call per look)."""
-        waiting = [m for m in self._messages if self._needs_frame(m)]
+        waiting = [m for m in self._messages if m.state == WAITING]
         if waiting:
             if not all(self._route_of(m).one_sided for m in waiting):
                 fds = self._incoming_fds()
@@ -276,18 +276,6 @@ class Transfer:
                     if all(m.pending.done() > m.seq for m in words):
                         return
         os.sched_yield()
-
-    def _needs_frame(self, message: Message) -> bool:
-        """Whether ``message`` goes on only once a frame of its peer came: its post, or the
-        header it waits for (not issued yet), or the post of a send that went before it."""
-        if message.state == WAITING:
-            return True
-        return (
-            message.state == ISSUED
-            and message.kind == "send"
-            and not message.answered
-            and self._route_of(message).receiver_posts
-        )
 
     def _sleep(self, seconds: float) -> None:
         """Sleeps up to ``seconds``, waking when a frame arrives from one of the peers."""

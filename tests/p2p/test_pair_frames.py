@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from tensorferry.errors import MismatchError
 from tensorferry.p2p._message import ENDED, ISSUED, Message
 from tensorferry.p2p._pair import Pair
 from tensorferry.p2p._spec import describe, descriptor_text
@@ -206,9 +205,6 @@ class _PostingRoute:
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames here
 
-    def sends_first(self, message: Message) -> bool:
-        return False
-
     def write(self, pair: Pair, sends: list[tuple[Message, dict]]) -> None:
         self.runs.append(("write", [m.seq for m, _ in sends]))
 
@@ -241,56 +237,3 @@ def test_a_calls_messages_are_posted_and_written_as_one_run(pair):
     pair.progress()
     assert route.runs[1:] == [("write", [0, 1]), ("write", [2])]
     assert all(m.state == ISSUED for m in sends)
-
-
-class _SendsFirstRoute(_PostingRoute):
-    """A posting route whose sends go before their posts (as gloo's small messages do), and
-    whose work is always finished."""
-
-    one_sided = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.withdrawn: list[tuple[int, str]] = []
-
-    def sends_first(self, message: Message) -> bool:
-        return True
-
-    def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
-        self.withdrawn.append((message.seq, message.state))
-
-    def finished(self, pair: Pair, message: Message) -> bool:
-        return True
-
-
-def _post(seq: int, tensor: torch.Tensor) -> dict:
-    desc = descriptor_text(describe([tensor]))
-    return {"k": "p", "e": 0, "n": seq, "d": desc, "r": "posting"}
-
-
-def test_a_send_that_goes_before_its_post_ends_once_the_post_agrees(pair):
-    route = pair.ctx.two_sided = _SendsFirstRoute()
-    (send,) = _messages("send", 1)
-    pair.submit([send])
-    assert route.runs == [("write", [0])]  # at its call, with no post yet
-    assert send.state == ISSUED
-    pair.progress()
-    assert send.state == ISSUED  # its bytes left, but the receiver's layout is not known
-    pair._on_frame(_post(0, torch.zeros(4)))
-    pair.progress()
-    assert send.state == ENDED and send.error is None
-    assert route.withdrawn == []
-
-
-def test_a_send_that_went_before_a_different_post_fails_and_withdraws_the_rest(pair):
-    route = pair.ctx.two_sided = _SendsFirstRoute()
-    (send,) = _messages("send", 1)
-    pair.submit([send])
-    pair._on_frame(_post(0, torch.zeros(5)))
-    pair.progress()
-    assert send.state == ENDED
-    assert isinstance(send.error, MismatchError) and send.error.field == "shape"
-    # The route withdraws what its head did not answer (it knows the head went: issued).
-    assert route.withdrawn == [(0, ISSUED)]
-    (told,) = [f for f in pair._out.frames if f["k"] == "m"]
-    assert (told["n"], told["dir"], told["field"]) == (0, "recv", "shape")

@@ -380,9 +380,6 @@ class OneSidedRoute:
         kept = self._outgoing.get(pair.peer)
         return None if kept is None else kept[1].ring_read(message.seq)
 
-    def sends_first(self, message: Message) -> bool:
-        return False  # a copy needs the receiver's addresses, which its post gives
-
     def _copies(self, pair: Pair, message: Message, post: dict) -> list[tuple[int, int, int]]:
         """``(target, source, bytes)`` of each copy: this side's runs cut where the receiver's
         runs (``post``) end, made once per receiver layout and our addresses."""
