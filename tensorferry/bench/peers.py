@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=1.0,
         help="multiplier of the timed iterations (20 for large rows and 200 for 4 KiB rows on "
-        "GPUs, 10 and 30 on the CPU)",
+        "GPUs, 10 and 300 on the CPU)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a few iterations of small sizes (for tests)"
