@@ -527,9 +527,9 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
         recv[1] = torch.ones(2, dtype=torch.float64, device=D())
     elif kind == "shape":
         recv[0] = torch.zeros(5, device=D())
-    elif kind == "shape, a large receive":  # (over gloo: the send goes before the post)
+    elif kind == "shape, a large receive":  # (gloo: a receive posted alone, then withdrawn)
         recv[0] = torch.zeros(1 << 18, device=D())
-    elif kind == "shape, a large send":  # (over gloo: the send waits for the post)
+    elif kind == "shape, a large send":  # (gloo: more bytes than the receive posted)
         send[0] = torch.zeros(1 << 18, device=D())
     poison = [r.clone() for r in recv]
     try:
