@@ -195,6 +195,13 @@ def make_plan(
     )
 
 
+def timed_iterations(scale: str) -> tuple[int, int]:
+    """Timed iterations of a large row and of a 4 KiB row at ``scale`` (``"gpu"``, ``"cpu"``),
+    before ``--iters`` scales them."""
+    _, large, _, small = _SCALES[scale]["iterations"]
+    return large, small
+
+
 def size_text(nbytes: int) -> str:
     """``4096`` as ``"4 KiB"``, ``1 << 30`` as ``"1 GiB"``; other counts in bytes."""
     for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", _KiB)):

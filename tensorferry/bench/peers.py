@@ -41,7 +41,7 @@ _TITLE = "tensorferry bench peers: torch.distributed, NIXL and tensorferry, time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorferry.bench._peers_plan import ROW_KEYS
+    from tensorferry.bench._peers_plan import ROW_KEYS, timed_iterations
 
     add_device_argument(
         parser,
@@ -54,12 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"rows to run, comma-separated, from {','.join(ROW_KEYS)} (the pipeline brings its "
         "compute-only floor)",
     )
+    (gpu_large, gpu_small), (cpu_large, cpu_small) = map(timed_iterations, ("gpu", "cpu"))
     parser.add_argument(
         "--iters",
         type=positive_float,
         default=1.0,
-        help="multiplier of the timed iterations (20 for large rows and 200 for 4 KiB rows on "
-        "GPUs, 10 and 300 on the CPU)",
+        help=f"multiplier of the timed iterations ({gpu_large} for large rows and {gpu_small} "
+        f"for 4 KiB rows on GPUs, {cpu_large} and {cpu_small} on the CPU)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a few iterations of small sizes (for tests)"
