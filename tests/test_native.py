@@ -315,16 +315,16 @@ def test_the_event_calls_pass_their_arguments_in_order_and_return_the_code(nativ
     query = _entry_point((ctypes.c_void_p,), lambda *a: seen.append(a) or 600)
     assert native.record_event(_address(record), 0x1000, 0x2000) == 7  # (event, stream)
     assert native.wait_event(_address(wait), 0x3000, 0x4000, 0) == 0  # (stream, event, flags)
-    assert native.query_event(_address(query), 0x5000) == 600  # (event)
+    assert native.query(_address(query), 0x5000) == 600  # (event or stream)
     assert seen == [(0x1000, 0x2000), (0x3000, 0x4000, 0), (0x5000,)]
     with pytest.raises(TypeError, match=r"record_event\(record, event, stream\)"):
         native.record_event(_address(record), 1)
     with pytest.raises(TypeError, match=r"wait_event\(wait, stream, event, flags\)"):
         native.wait_event(_address(wait), 1, 2)
-    with pytest.raises(TypeError, match=r"query_event\(query, event\)"):
-        native.query_event(_address(query))
+    with pytest.raises(TypeError, match=r"query\(entry, handle\)"):
+        native.query(_address(query))
     with pytest.raises(ValueError, match="null entry point"):
-        native.query_event(0, 1)
+        native.query(0, 1)
     with pytest.raises(TypeError):
         native.record_event(_address(record), "not an address", 1)
     assert len(seen) == 3, "nothing was called after a refused argument"
@@ -435,10 +435,11 @@ def test_the_event_module_takes_the_compiled_calls_through_the_same_entry_points
         _entry_point(pointer * 2, lambda *a: seen.append(("record", *a)) or 0),
         _entry_point((*pointer * 2, ctypes.c_uint), lambda *a: seen.append(("wait", *a)) or 0),
         _entry_point(pointer, lambda *a: seen.append(("query", *a)) or 600),
+        _entry_point(pointer, lambda *a: seen.append(("query_stream", *a)) or 0),
         _entry_point((), lambda: 0),
     )
     for fn, argtypes in zip(
-        calls, (pointer * 2, (*pointer * 2, ctypes.c_uint), pointer, ()), strict=True
+        calls, (pointer * 2, (*pointer * 2, ctypes.c_uint), pointer, pointer, ()), strict=True
     ):
         fn.argtypes = argtypes
     monkeypatch.setattr(_events, "_calls", calls)
@@ -451,8 +452,8 @@ def test_the_event_module_takes_the_compiled_calls_through_the_same_entry_points
     swapped = _events._calls
     assert swapped is not calls and swapped.clear is calls.clear
     assert swapped.record(11, 12) == 0 and swapped.wait(13, 14, 0) == 0
-    assert swapped.query(15) == 600
-    assert seen == [("record", 11, 12), ("wait", 13, 14, 0), ("query", 15)]
+    assert swapped.query(15) == 600 and swapped.query_stream(16) == 0
+    assert seen == [("record", 11, 12), ("wait", 13, 14, 0), ("query", 15), ("query_stream", 16)]
     assert _events.entry_points() == points, "a compiled caller still gets the CUDA calls"
     _events._use_compiled(native)
     assert _events._calls is swapped, "swapped once"

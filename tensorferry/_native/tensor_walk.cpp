@@ -7,7 +7,7 @@
 // makes the same reads on the tensors themselves and gives back what tensorferry/p2p/_spec.py's
 // Python loop gives, or None for anything unusual, which that module then checks in detail.
 // copy_pieces launches the copies in and out of a message's packed buffer (see there).
-// record_event, wait_event and query_event make the event calls of
+// record_event, wait_event and query make the event and stream calls of
 // tensorferry/runtime/_events.py, nccl_move a message's NCCL call and nccl_async_error the
 // NCCL transport's poll;
 // send_now and recv_now make the side channel's system calls holding the GIL (see each).
@@ -382,7 +382,7 @@ PyObject* copy_pieces(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
 // tensorferry/p2p/_nccl_lib.py), so nothing of CUDA or NCCL is needed to build this file.
 using CudaStreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
 using CudaEventRecord = int (*)(void* event, void* stream);
-using CudaEventQuery = int (*)(void* event);
+using CudaQuery = int (*)(void* handle);  // cudaEventQuery, cudaStreamQuery
 using NcclAsyncError = int (*)(void* comm, int* result);
 using NcclMove = int (*)(const void* buffer, size_t count, int datatype, int peer, void* comm,
                          void* stream);
@@ -405,10 +405,10 @@ int move_bytes(void* move, const void* buffer, size_t nbytes, int datatype, int 
 }
 
 // record_event(record, event, stream) -> int, wait_event(wait, stream, event, flags) -> int,
-// query_event(query, event) -> int
+// query(entry, handle) -> int
 //
-// cudaEventRecord, cudaStreamWaitEvent and cudaEventQuery through the entry points
-// `record`, `wait` and `query` (addresses the caller found: tensorferry/runtime/_events.py),
+// cudaEventRecord, cudaStreamWaitEvent and cudaEventQuery or cudaStreamQuery through the entry
+// points `record`, `wait` and `entry` (addresses the caller found: tensorferry/runtime/_events.py),
 // the GIL held; each returns the CUDA call's code. What ctypes makes of the same calls costs a
 // microsecond or more of argument conversion on the GPU machine's host, and the p2p layer makes
 // one to three of them per message (and one per poll of a transfer in flight).
@@ -447,12 +447,12 @@ PyObject* wait_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   return PyLong_FromLong(reinterpret_cast<CudaStreamWaitEvent>(p[0])(p[1], p[2], flags));
 }
 
-PyObject* query_event(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* query(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   void* p[2];
-  if (!event_call_args(args, nargs, 2, "query_event(query, event)", p)) {
+  if (!event_call_args(args, nargs, 2, "query(entry, handle)", p)) {
     return nullptr;
   }
-  return PyLong_FromLong(reinterpret_cast<CudaEventQuery>(p[0])(p[1]));
+  return PyLong_FromLong(reinterpret_cast<CudaQuery>(p[0])(p[1]));
 }
 
 // nccl_move(move, buffer, nbytes, datatype, peer, comm, stream, hold_gil) -> int
@@ -578,8 +578,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "cudaEventRecord through its entry point, the GIL held."},
     {"wait_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wait_event)),
      METH_FASTCALL, "cudaStreamWaitEvent through its entry point, the GIL held."},
-    {"query_event", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(query_event)),
-     METH_FASTCALL, "cudaEventQuery through its entry point, the GIL held."},
+    {"query", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(query)),
+     METH_FASTCALL, "cudaEventQuery or cudaStreamQuery through its entry point, the GIL held."},
     {"nccl_move", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(nccl_move)),
      METH_FASTCALL, "ncclSend or ncclRecv outside any group through its entry point."},
     {"nccl_async_error",

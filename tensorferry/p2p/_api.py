@@ -1,8 +1,9 @@
 """The public calls: send, recv, sendrecv, batch, prepare, ring_all_gather.
 
 Every call validates its arguments on the caller's thread (raising ``TypeError``/``ValueError``
-before anything moves), records an event on the caller's current CUDA stream, numbers its
-messages with their pairs and issues what can go at once, then returns a :class:`Transfer`.
+before anything moves), records an event on the caller's current CUDA stream where work is
+still queued there, numbers its messages with their pairs and issues what can go at once, then
+returns a :class:`Transfer`.
 
 Messages between two ranks match in order per direction: the k-th message rank A sends to rank
 B meets the k-th message B receives from A, whichever calls (send, sendrecv, batch) carry them.
@@ -31,7 +32,7 @@ from tensorferry.p2p._spec import (
 )
 from tensorferry.p2p._transfer import Transfer
 from tensorferry.p2p._transport import P2POp
-from tensorferry.runtime._events import record_on_current_stream
+from tensorferry.runtime._events import current_stream_idle, record_on_current_stream
 
 __all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_gather"]
 
@@ -63,9 +64,11 @@ def _deadline(ctx: _context.P2PContext, timeout: float | None) -> float:
 
 
 def _submit(ctx: _context.P2PContext, messages: list[Message], transfer: Transfer) -> Transfer:
-    """Submits ``messages`` as ``transfer``, after the caller's current stream's work."""
+    """Submits ``messages`` as ``transfer``, after the caller's current stream's work: an
+    event marks it, unless that work is over already (then nothing needs to wait for it)."""
     event = None
-    if any(m.tensors and m.tensors[0].is_cuda for m in messages):
+    cuda = any(m.tensors and m.tensors[0].is_cuda for m in messages)
+    if cuda and not current_stream_idle(ctx.device.index):
         event = record_on_current_stream(ctx.device.index)
         transfer._caller_event = event  # back to the pool once every message is issued
     by_pair: dict[Any, list[Message]] = {}

@@ -1,14 +1,14 @@
-"""CUDA events on the p2p critical path, without letting go of the GIL.
+"""CUDA events and stream queries on the p2p critical path, without letting go of the GIL.
 
-Every p2p call records an event on the caller's current stream (the transfer is ordered after
-the work queued there), makes the transfer's stream wait for it, and records a completion event
-after the transfer, which waiting threads then poll. torch's ``Event.record``, ``Event.wait``
-and ``Event.query`` release the GIL around the CUDA call; any other thread of the process that
-wants the GIL (the issuing thread, handling a peer's header) then takes it and the caller waits
-for that thread's whole turn — on the GPU machine that made one record cost 40–60 µs of a
-``tf.send`` call. Here events come from a pool (made once, reused once nothing can wait on them
-any more) and the CUDA runtime's ``cudaEventRecord``, ``cudaStreamWaitEvent`` and
-``cudaEventQuery`` are called with the GIL held (``ctypes.PyDLL``): each a microsecond or less.
+A p2p call asks whether the caller's current stream is idle; where work is still queued there,
+it records an event on that stream (the transfer is ordered after that work) and makes the
+transfer's stream wait for it. torch's ``Event.record``, ``Event.wait``, ``Event.query`` and
+``Stream.query`` release the GIL around the CUDA call; any other thread of the process that
+wants the GIL then takes it and the caller waits for that thread's whole turn — on the GPU
+machine that made one record cost 40–60 µs of a ``tf.send`` call. Here events come from a pool
+(made once, reused once nothing can wait on them any more) and the CUDA runtime's
+``cudaEventRecord``, ``cudaStreamWaitEvent``, ``cudaEventQuery`` and ``cudaStreamQuery`` are
+called with the GIL held (``ctypes.PyDLL``): each a microsecond or less.
 
 Falls back to torch's calls when the runtime library cannot be loaded or a call fails, and for
 the one call when the calling thread's current device is not the stream's: the runtime's record
@@ -33,6 +33,7 @@ from tensorferry import _native
 
 __all__ = [
     "calls_report",
+    "current_stream_idle",
     "current_stream_wait",
     "entry_points",
     "give_up_calls",
@@ -62,6 +63,7 @@ class _Runtime(NamedTuple):
     record: Any  # cudaEventRecord(event, stream)
     wait: Any  # cudaStreamWaitEvent(stream, event, flags)
     query: Any  # cudaEventQuery(event)
+    query_stream: Any  # cudaStreamQuery(stream)
     clear: Any  # cudaGetLastError(): reads and resets the thread's last error
 
 
@@ -73,7 +75,11 @@ def _load_calls() -> _Runtime | None:
     try:
         lib = ctypes.PyDLL(_load_cudart()._name)  # same library, called with the GIL held
         calls = _Runtime(
-            lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaEventQuery, lib.cudaGetLastError
+            lib.cudaEventRecord,
+            lib.cudaStreamWaitEvent,
+            lib.cudaEventQuery,
+            lib.cudaStreamQuery,
+            lib.cudaGetLastError,
         )
     except (OSError, RuntimeError, AttributeError) as exc:
         log.debug("events: no GIL-holding CUDA event calls (%s); using torch's", exc)
@@ -82,6 +88,7 @@ def _load_calls() -> _Runtime | None:
     calls.record.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
     calls.wait.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
     calls.query.argtypes = (ctypes.c_void_p,)
+    calls.query_stream.argtypes = (ctypes.c_void_p,)
     calls.clear.argtypes = ()
     for fn in calls:
         fn.restype = ctypes.c_int
@@ -108,7 +115,7 @@ _ctypes_calls: _Runtime | None = None
 
 def _use_compiled(native: Any) -> None:
     """Replaces the ctypes calls with the compiled helper's (``record_event``, ``wait_event``,
-    ``query_event`` of ``tensorferry/_native``) through the same entry points: the same CUDA
+    ``query`` of ``tensorferry/_native``) through the same entry points: the same CUDA
     calls, the GIL held as before, without ctypes' conversion of the arguments (about a
     microsecond a call on the GPU machine's host; a query is made on every poll of a transfer).
     Nothing changes once the calls were given up, or where they are not the ones checked."""
@@ -121,7 +128,8 @@ def _use_compiled(native: Any) -> None:
         _calls = calls._replace(
             record=functools.partial(native.record_event, address(calls.record)),
             wait=functools.partial(native.wait_event, address(calls.wait)),
-            query=functools.partial(native.query_event, address(calls.query)),
+            query=functools.partial(native.query, address(calls.query)),
+            query_stream=functools.partial(native.query, address(calls.query_stream)),
         )
 
 
@@ -165,6 +173,7 @@ def _misbehaviour(calls: _Runtime, cycles: int) -> str | None:
     codes = [calls.record(event.cuda_event, stream.cuda_stream)]
     codes.append(calls.wait(waiter.cuda_stream, event.cuda_event, 0))
     codes.append(calls.record(after.cuda_event, waiter.cuda_stream))
+    busy = calls.query_stream(stream.cuda_stream)
     pending = calls.query(event.cuda_event) == _NOT_READY and not after.query()
     stream.synchronize()
     waiter.synchronize()
@@ -173,7 +182,9 @@ def _misbehaviour(calls: _Runtime, cycles: int) -> str | None:
         return f"record, wait and record returned {codes}"
     if not (calls.query(event.cuda_event) == 0 and event.query() and after.query()):
         return "an event did not fire after its stream's work ended"
-    if not pending:
+    if calls.query_stream(stream.cuda_stream) != 0:
+        return "a stream whose work ended did not read as idle"
+    if not pending or busy != _NOT_READY:
         return f"{_FINISHED_TOO_SOON} was already done ({cycles} cycles)"
     recycle(event)
     recycle(after)
@@ -311,6 +322,21 @@ def current_stream_wait(index: int, event: torch.cuda.Event) -> None:
             return
         give_up_calls("cudaStreamWaitEvent failed")
     torch.cuda.current_stream(index).wait_event(event)
+
+
+def current_stream_idle(index: int) -> bool:
+    """Whether the calling thread's current stream of device ``index`` has nothing left to do:
+    the work queued on it so far is over. Where it is, a transfer needs no event to follow
+    that work (one query, where an event costs a record, a query and a wait)."""
+    calls = _runtime()
+    if calls is not None and _on_current_device(index):
+        code = calls.query_stream(torch._C._cuda_getCurrentRawStream(index))
+        if code == 0:
+            return True
+        if code == _NOT_READY:
+            return False
+        calls.clear()  # torch's query below raises the error itself
+    return torch.cuda.current_stream(index).query()
 
 
 def is_done(event: torch.cuda.Event) -> bool:

@@ -211,7 +211,8 @@ def test_a_compiled_caller_gets_the_addresses_of_the_calls_in_use(monkeypatch):
     import ctypes.util
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    calls = _events._Runtime(libc.labs, libc.abs, libc.llabs, libc.getpid)  # record, wait, ...
+    # record, wait, query, query_stream, clear
+    calls = _events._Runtime(libc.labs, libc.abs, libc.llabs, libc.llabs, libc.getpid)
     monkeypatch.setattr(_events, "_calls", calls)
     monkeypatch.setattr(_events, "_calls_checked", True)
     monkeypatch.setattr(_events, "_entry_points", None)

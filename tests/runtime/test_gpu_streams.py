@@ -151,6 +151,25 @@ def test_caller_events_follow_the_current_stream_and_are_reused(device):
         assert _events._runtime() is checked, "the GIL-holding calls are still in use"
 
 
+@pytest.mark.parametrize("device", [0, max(torch.cuda.device_count() - 1, 0)])
+def test_the_current_stream_reads_idle_only_once_its_work_is_over(device):
+    from tensorferry.runtime import _events
+
+    checked = _events._runtime()
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            stream.synchronize()
+            assert _events.current_stream_idle(device), "nothing queued: idle"
+            torch.cuda._sleep(20_000_000)
+            with torch.cuda.device(0):  # from a thread on another device: the given one's
+                busy = _events.current_stream_idle(device)
+            assert not busy, "a kernel still running on it"
+            stream.synchronize()
+            assert _events.current_stream_idle(device)
+    assert _events._runtime() is checked, "the GIL-holding calls are still in use"
+
+
 def test_stream_waits_and_queries_through_the_event_calls():
     from tensorferry.runtime import _events
 
