@@ -247,6 +247,30 @@ def test_a_tensor_listed_twice_is_found_wherever_it_is(native):
     assert after == before
 
 
+def test_the_addresses_are_each_tensors_data_pointer_as_the_python_way_reads_them(
+    native, monkeypatch
+):
+    import struct
+
+    from tensorferry import _native
+    from tensorferry.p2p.copy_engine import one_sided
+
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = (base[3:7], base, torch.ones(2, 2, dtype=torch.bfloat16), base[10:10])
+    words = struct.unpack(f"={len(tensors)}Q", native.addresses(tensors))
+    assert list(words) == [t.data_ptr() for t in tensors]
+    assert words[0] == base.data_ptr() + 12, "a view's address counts its offset"
+    assert native.addresses([]) == b"" and native.addresses(list(tensors)) == one_sided._addresses(
+        tensors
+    )
+    monkeypatch.setattr(_native, "helper", lambda: None)  # the route's Python way
+    assert one_sided._addresses(tensors) == native.addresses(tensors)
+    with pytest.raises(TypeError, match="item 1 is not a tensor"):
+        native.addresses([base, 5])
+    with pytest.raises(TypeError, match="list or a tuple"):
+        native.addresses(base)
+
+
 def test_the_compiled_check_refuses_wrong_arguments(native):
     with pytest.raises(TypeError, match="inspect_plain"):
         native.inspect_plain([torch.ones(1)], [torch.Tensor], _spec._PLAIN_DTYPES, None)
