@@ -23,10 +23,14 @@ def test_quick_cpu_run_times_torch_and_tensorferry_on_every_row(tmp_path, capsys
 
     rows = json.loads((tmp_path / "peers.json").read_text())["rows"]
     keys = [row["key"] for row in rows]
-    assert keys == [*_peers_plan.ROW_KEYS, "floor"]
+    small_rows, after = _peers_plan.ROW_KEYS[:6], _peers_plan.ROW_KEYS[6:]
+    assert keys == [*small_rows, "idle", *after, "floor"]
+    floors = {"floor": "compute only", "idle": "nothing moved"}
     for row in rows:
-        if row["key"] == "floor":
-            assert row["contenders"]["compute only"]["median_us"] > 0
+        if row["key"] in floors:
+            assert list(row["contenders"]) == [floors[row["key"]]]
+            assert row["contenders"][floors[row["key"]]]["median_us"] > 0
+            assert row["bytes"] == 0
             continue
         for name in ("torch", "tensorferry"):
             assert row["contenders"][name]["median_us"] > 0, (row["key"], name)
@@ -36,8 +40,10 @@ def test_quick_cpu_run_times_torch_and_tensorferry_on_every_row(tmp_path, capsys
     timed = [line for line in lines if line["contender"] in ("torch", "tensorferry")]
     assert len(timed) == 2 * len(_peers_plan.ROW_KEYS)
     assert all(float(line["median_us"]) > 0 for line in timed)
+    assert sum(line["contender"] == "nothing moved" for line in lines) == 1
     md = (tmp_path / "peers.md").read_text()
     assert "- command: `tensorferry" in md and "| row | torch µs |" in md and "n/a [1]" in md
+    assert "the timing alone, nothing moved" in md and "not a contender" in md
 
 
 def test_json_flag_prints_one_document_and_nothing_else(tmp_path, capsys):
@@ -46,8 +52,9 @@ def test_json_flag_prints_one_document_and_nothing_else(tmp_path, capsys):
     document = json.loads(capsys.readouterr().out)
     assert document["benchmark"] == "peers"
     (report,) = document["reports"]
-    (row,) = report["rows"]
+    row, idle = report["rows"]  # the 4 KiB row brings the timing alone
     assert row["contenders"]["tensorferry"]["median_us"] > 0
+    assert idle["key"] == "idle" and idle["contenders"]["nothing moved"]["median_us"] > 0
 
 
 def test_wrong_bytes_fail_the_run_naming_row_and_contender(tmp_path, monkeypatch):
@@ -194,17 +201,63 @@ def test_plans_scale_sizes_and_iterations():
     gpu = _peers_plan.make_plan(
         "cuda", quick=False, rows=["kv", "large", "small", "pipeline"], iters_scale=1.0, timeout_s=9
     )
-    kv, large, small, pipeline, floor = gpu.rows
+    kv, large, small, idle, pipeline, floor = gpu.rows
     assert kv.count == 64 and kv.tensor_bytes == 2 << 20 and kv.title.startswith("1. KV-cache")
     assert large.total_bytes == 1 << 30 and "1 GiB" in large.title
     assert gpu.iterations(small) == (20, 200) and gpu.iterations(large) == (5, 20)
     assert pipeline.shape == (4096, 8192) and pipeline.weight_side == 8192
-    assert floor.compute_only and floor.total_bytes == 0
+    assert floor.compute_only and floor.floor == "compute only" and floor.total_bytes == 0
+    assert idle.key == "idle" and idle.floor == "nothing moved" and not idle.compute_only
+    assert idle.total_bytes == 0 and gpu.iterations(idle) == gpu.iterations(small)
+    assert idle.title == "  the timing alone, nothing moved (floor of the 4 KiB rows)"
     cpu = _peers_plan.make_plan("cpu", quick=False, rows=["large"], iters_scale=0.5, timeout_s=9)
     (cpu_large,) = cpu.rows
     assert cpu_large.total_bytes < large.total_bytes
     assert cpu.iterations(cpu_large) == (2, 5)
     assert _peers_plan.size_text(4096) == "4 KiB" and _peers_plan.size_text(100) == "100 B"
+
+
+def _quick_rows(rows):
+    plan = _peers_plan.make_plan("cpu", quick=True, rows=rows, iters_scale=1.0, timeout_s=9)
+    return {row.key: row for row in plan.rows}
+
+
+def _plan_keys(rows):
+    return list(_quick_rows(rows))
+
+
+def test_the_timing_alone_comes_with_any_4_kib_row_and_only_then():
+    assert _plan_keys(["kv"]) == ["kv"]
+    assert _plan_keys(["large", "pipeline"]) == ["large", "pipeline", "floor"]
+    assert _plan_keys(["roundtrip"]) == ["roundtrip", "idle"]
+    assert _plan_keys(["small", "pipeline"]) == ["small", "idle", "pipeline", "floor"]
+    assert "idle" not in _peers_plan.ROW_KEYS
+    with pytest.raises(ValueError, match="unknown rows"):
+        _peers_plan.parse_rows("idle")
+
+
+def test_the_timing_alone_shows_in_every_column_without_ratios():
+    row = {
+        "title": "  the timing alone, nothing moved (floor of the 4 KiB rows)",
+        "bandwidth": False,
+        "contenders": {"nothing moved": {"median_us": 7.5}},
+    }
+    (line,), footnotes = _peers_report.table_rows([row])
+    assert [line[c] for c in ("torch µs", "NIXL µs", "tensorferry µs")] == ["7.5", "7.5", "7.5"]
+    assert line["tf/torch"] == line["tf/NIXL"] == "" and footnotes == []
+
+
+def test_the_timing_alone_has_no_buffers_and_nothing_to_check():
+    from tensorferry.bench._peers_cases import Workspace, nothing_moved_case
+
+    idle = _quick_rows(["small"])["idle"]
+    for rank in (0, 1):
+        ws = Workspace(idle, rank, torch.device("cpu"))
+        assert ws.arenas == [] and ws.out == [] and ws.into == []
+        case = nothing_moved_case(ws)
+        case.prepare(0)
+        case.run(0)
+        assert case.check(0) is None
 
 
 def test_bad_rows_are_one_line_before_anything_starts():

@@ -5,7 +5,8 @@ Rank 0 sends, rank 1 receives (in the round trip rank 1 sends the received tenso
 the pipeline rank 0 is stage 0). Each row's buffers are made once and shared by every
 contender, so all of them move the very same memory. tensorferry is used through its public
 calls only: ``tf.send``, ``tf.recv``, ``tf.batch`` and the :class:`~tensorferry.Transfer` they
-return.
+return. The floor rows run here too: the pipeline's compute alone, and the timing alone (no
+buffers at all).
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ from collections.abc import Callable
 from typing import Any
 
 from tensorferry.bench._peers_payload import Payload, poison
-from tensorferry.bench._peers_plan import Row
+from tensorferry.bench._peers_plan import NOTHING_MOVED, Row
 from tensorferry.bench._peers_timing import Case
 
-__all__ = ["Workspace", "compute_only_case", "consume", "produce", "tensorferry_case", "torch_case"]
+__all__ = [
+    "Workspace",
+    "compute_only_case",
+    "consume",
+    "nothing_moved_case",
+    "produce",
+    "tensorferry_case",
+    "torch_case",
+]
 
 # The pipeline's activations, stage 0's inputs and every other row's payload are written by
 # rank 0; the round trip's echo is checked against what rank 0 sent too.
@@ -35,6 +44,7 @@ class Workspace:
         inputs: stage 0's microbatches, made into ``out`` by matmuls (pipeline rows).
         weight: the pipeline's square weight: the identity, so activations stay checkable.
         arenas: the flat buffers ``out`` and ``into`` are views of (for registration).
+        payload: writes and checks the contents (``None`` for the timing alone: no buffers).
     """
 
     def __init__(self, row: Row, rank: int, device: Any) -> None:
@@ -44,9 +54,11 @@ class Workspace:
         dtype = torch.bfloat16 if row.dtype == "bfloat16" else torch.uint8
         numel = math.prod(row.shape)
         pipeline = row.weight_side > 0
-        self.payload = Payload(row.count, numel, dtype, device, values=pipeline)
-        sends = rank == _SENDER
-        receives = rank != _SENDER or row.key == "roundtrip"
+        # The timing alone moves nothing, so it needs no buffers (nor anything to register).
+        moves = row.floor != NOTHING_MOVED
+        self.payload = Payload(row.count, numel, dtype, device, values=pipeline) if moves else None
+        sends = moves and rank == _SENDER
+        receives = moves and (rank != _SENDER or row.key == "roundtrip")
         self._out = self._arena(sends, row, dtype, device)
         self._into = self._arena(receives, row, dtype, device)
         self._inputs = self._arena(pipeline and sends, row, dtype, device)
@@ -73,6 +85,8 @@ class Workspace:
 
     def prepare(self, iteration: int) -> None:
         """Writes rank 0's contents of ``iteration`` and poisons the buffers it lands in."""
+        if self.payload is None:
+            return  # the timing alone: no buffers to write or poison
         pipeline = self.row.weight_side > 0
         if self.rank == _SENDER:
             self.payload.write(self._inputs if pipeline else self._out, _SENDER, iteration)
@@ -86,7 +100,10 @@ class Workspace:
 
     def check(self, iteration: int) -> str | None:
         """What is wrong with this rank's received bytes of ``iteration`` (``None``: nothing).
-        The floor checks stage 0's matmul outputs instead: the identity must keep them."""
+        The pipeline's floor checks stage 0's matmul outputs instead: the identity must keep
+        them."""
+        if self.payload is None:
+            return None  # the timing alone received nothing, so there is nothing to check
         if self.row.compute_only:
             arena = self._out if self.rank == _SENDER else None
         else:
@@ -121,6 +138,17 @@ def compute_only_case(ws: Workspace) -> Case:
     def run(iteration: int) -> None:
         for microbatch in range(ws.row.count):
             (produce if ws.rank == _SENDER else consume)(ws, microbatch)
+
+    return _case(ws, run)
+
+
+def nothing_moved_case(ws: Workspace) -> Case:
+    """The floor of the 4 KiB rows: each rank's timed part does nothing. What is left is what
+    the timing itself costs (barrier exit skew between the ranks, the device sync, the clock
+    reads), which every contender's time includes too."""
+
+    def run(iteration: int) -> None:
+        pass  # the harness syncs the device and reads the clock around this, as for any case
 
     return _case(ws, run)
 

@@ -11,7 +11,10 @@ import dataclasses
 import math
 
 __all__ = [
+    "COMPUTE_ONLY",
     "CONTENDERS",
+    "FLOORS",
+    "NOTHING_MOVED",
     "ROW_KEYS",
     "Plan",
     "Row",
@@ -23,7 +26,15 @@ __all__ = [
 # Column order of the table; the keys name the contenders everywhere (results, files).
 CONTENDERS = ("torch", "nixl", "tensorferry")
 
-# Selectable rows, in table order; "floor" comes with "pipeline" (its compute without transfers).
+# The floor rows' one measurement each, named where the contenders' names go (results, files):
+# what rows cost without the contenders' transfers, so the table shows how much is left for them.
+COMPUTE_ONLY = "compute only"  # the pipeline's compute, no transfer
+NOTHING_MOVED = "nothing moved"  # the timing alone, under every 4 KiB row
+FLOORS = (COMPUTE_ONLY, NOTHING_MOVED)
+
+# Selectable rows, in table order. The floors come with the rows they are under: "floor" (the
+# pipeline's compute without transfers) with "pipeline", "idle" (the timing alone) with any
+# 4 KiB row.
 ROW_KEYS = ("kv", "large", "small", "roundtrip", "separate", "batch", "pipeline")
 
 _KiB, _MiB, _GiB = 1 << 10, 1 << 20, 1 << 30
@@ -35,15 +46,17 @@ class Row:
 
     Attributes:
         key: short name (``--rows``, file columns).
-        number: place in the table (the floor shares the pipeline's number).
-        count: tensors per iteration (messages, or microbatches of the pipeline).
+        number: place in the table (a floor shares the number of the row above it).
+        count: tensors per iteration (messages, or microbatches of the pipeline; 0: none).
         shape: shape of each tensor.
         dtype: ``"bfloat16"`` or ``"uint8"`` (a name: plans travel to spawned ranks).
         small: a 4 KiB row, timed over more iterations (its times are tens of microseconds).
         bandwidth: the table also shows GB/s.
         weight_side: the pipeline's square weight side (0: no compute).
         matmuls: matmuls per microbatch on each stage.
-        compute_only: the pipeline's floor: the same compute, no transfer.
+        floor: set on a floor row, which the contenders do not run: the name of its one
+            measurement (:data:`COMPUTE_ONLY` or :data:`NOTHING_MOVED`), shown in every
+            contender's column.
     """
 
     key: str
@@ -55,7 +68,12 @@ class Row:
     bandwidth: bool = False
     weight_side: int = 0
     matmuls: int = 0
-    compute_only: bool = False
+    floor: str | None = None
+
+    @property
+    def compute_only(self) -> bool:
+        """The pipeline's floor: the same compute, no transfer."""
+        return self.floor == COMPUTE_ONLY
 
     @property
     def tensor_bytes(self) -> int:
@@ -63,8 +81,8 @@ class Row:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes one iteration moves from rank 0 to rank 1 (0 for the floor)."""
-        return 0 if self.compute_only else self.count * self.tensor_bytes
+        """Bytes one iteration moves from rank 0 to rank 1 (0 for a floor)."""
+        return 0 if self.floor else self.count * self.tensor_bytes
 
     @property
     def title(self) -> str:
@@ -80,8 +98,10 @@ class Row:
             "pipeline": f"2-stage pipeline: {self.count} microbatches [{shape}] bf16, "
             f"{self.matmuls} matmuls of {self.weight_side}² each",
             "floor": "  the same pipeline, compute only (floor)",
+            "idle": "  the timing alone, nothing moved (floor of the 4 KiB rows)",
         }
-        return f"{self.number}. {titles[self.key]}" if self.key != "floor" else titles["floor"]
+        # A floor is indented under the row it belongs to, without a number of its own.
+        return titles[self.key] if self.floor else f"{self.number}. {titles[self.key]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +173,22 @@ def _rows(scale: str) -> list[Row]:
         Row("roundtrip", 4, 1, (_SMALL_BYTES,), "uint8", small=True),
         Row("separate", 5, _MESSAGES, (_SMALL_BYTES,), "uint8", small=True),
         Row("batch", 6, _MESSAGES, (_SMALL_BYTES,), "uint8", small=True),
+        # No tensors: each rank's timed part is empty, timed like the 4 KiB rows it is under.
+        Row("idle", 6, 0, (0,), "uint8", small=True, floor=NOTHING_MOVED),
         Row("pipeline", 7, **pipeline),
-        Row("floor", 7, compute_only=True, **pipeline),
+        Row("floor", 7, floor=COMPUTE_ONLY, **pipeline),
     ]
+
+
+def _floors_of(rows: list[Row]) -> set[str]:
+    """Keys of the floor rows that ``rows`` bring: the pipeline's compute alone with the
+    pipeline, the timing alone with any 4 KiB row."""
+    floors = set()
+    if any(row.key == "pipeline" for row in rows):
+        floors.add("floor")
+    if any(row.small for row in rows):
+        floors.add("idle")
+    return floors
 
 
 def parse_rows(text: str | None) -> list[str]:
@@ -178,15 +211,18 @@ def parse_rows(text: str | None) -> list[str]:
 def make_plan(
     device: str, *, quick: bool, rows: list[str], iters_scale: float, timeout_s: float
 ) -> Plan:
-    """The plan for ``device`` (``"cuda"``/``"cpu"``): its scale's sizes, the selected rows (the
-    floor with the pipeline) and timed iterations scaled by ``iters_scale`` (at least 1)."""
+    """The plan for ``device`` (``"cuda"``/``"cpu"``): its scale's sizes, the selected rows with
+    the floors they bring, in table order, and timed iterations scaled by ``iters_scale`` (at
+    least 1)."""
     scale = "quick" if quick else "gpu" if device == "cuda" else "cpu"
-    selected = set(rows) | ({"floor"} if "pipeline" in rows else set())
+    every_row = _rows(scale)
+    chosen = [row for row in every_row if row.key in rows]
+    selected = {row.key for row in chosen} | _floors_of(chosen)
     warmup_large, iters_large, warmup_small, iters_small = _SCALES[scale]["iterations"]
     return Plan(
         device=device,
         scale=scale,
-        rows=tuple(r for r in _rows(scale) if r.key in selected),
+        rows=tuple(row for row in every_row if row.key in selected),
         warmup_large=warmup_large,
         iters_large=max(1, round(iters_large * iters_scale)),
         warmup_small=warmup_small,

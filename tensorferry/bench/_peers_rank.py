@@ -2,7 +2,8 @@
 
 Every row's buffers are made first (NIXL registers them all before its agents exchange
 metadata), then each row is timed for each contender in turn: torch.distributed, NIXL,
-tensorferry (the pipeline's floor: compute only). Both ranks return the same results.
+tensorferry; a floor row instead times its one measurement (the pipeline's compute alone, or the
+timing alone). Both ranks return the same results.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ import sys
 import traceback
 from typing import Any
 
-from tensorferry.bench._peers_plan import CONTENDERS, Plan, Row
+from tensorferry.bench._peers_plan import COMPUTE_ONLY, CONTENDERS, NOTHING_MOVED, Plan, Row
 from tensorferry.bench._peers_timing import Case, Outcome, median_us, time_case
 
-__all__ = ["COMPUTE_ONLY", "rank_main"]
-
-# The floor's one "contender": the pipeline's compute alone.
-COMPUTE_ONLY = "compute only"
+# The floors' names are the plan's (the report reads them too); they are also exported here.
+__all__ = ["COMPUTE_ONLY", "NOTHING_MOVED", "rank_main"]
 
 
 def rank_main(rank: int, world: int, plan: Plan, nixl_reason: str | None) -> dict[str, Any]:
@@ -112,7 +111,7 @@ class _RowRunner:
             "contenders": {},
         }
         self.results.append(result)
-        for name in (COMPUTE_ONLY,) if row.compute_only else CONTENDERS:
+        for name in (row.floor,) if row.floor else CONTENDERS:
             skip = self._skip_reason(name, row)
             if skip is not None:
                 result["contenders"][name] = {"skipped": skip}
@@ -146,6 +145,8 @@ class _RowRunner:
         try:
             if name == COMPUTE_ONLY:
                 return cases.compute_only_case(ws)
+            if name == NOTHING_MOVED:
+                return cases.nothing_moved_case(ws)
             if name == "torch":
                 return cases.torch_case(ws, self.sync_device)
             if name == "nixl":

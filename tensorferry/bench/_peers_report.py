@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tensorferry.bench._peers_plan import CONTENDERS
+from tensorferry.bench._peers_plan import CONTENDERS, FLOORS
 
 __all__ = [
     "COLUMNS",
@@ -49,18 +49,25 @@ def _median(entry: dict[str, Any] | None) -> float | None:
     return None if entry is None else entry.get("median_us")
 
 
+def _floor(entries: dict[str, Any]) -> dict[str, Any] | None:
+    """A floor row's one measurement (``"compute only"``, ``"nothing moved"``), or ``None``
+    for a row the contenders ran."""
+    return next((entries[name] for name in FLOORS if name in entries), None)
+
+
 def table_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, str]], list[str]]:
     """The table's lines, and footnotes for the cells that are ``n/a`` (one per reason).
 
-    The floor row (its one measurement is ``"compute only"``) shows that time in every
-    contender's column, next to the pipeline row above it, and no ratios.
+    A floor row (its one measurement is ``"compute only"`` or ``"nothing moved"``) shows that
+    time in every contender's column, next to the rows above it, and no ratios: it is not a
+    contender.
     """
     reasons: list[str] = []
     lines = []
     for row in rows:
         entries = row["contenders"]
         line = {"row": row["title"]}
-        floor = entries.get("compute only")
+        floor = _floor(entries)
         for name in CONTENDERS:
             entry = floor if floor is not None else entries.get(name)
             column = f"{_LABELS[name]} µs"
@@ -156,15 +163,16 @@ def _plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path | None
     except ImportError:
         print("peers.png skipped: matplotlib is not installed")
         return None
-    names = [*CONTENDERS, "compute only"]
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(rows) + 1.5))
     height = 0.8 / len(CONTENDERS)
-    for i, name in enumerate(names):
+    for name in [*CONTENDERS, *FLOORS]:
+        # A floor row has one bar, in the first contender's place.
+        slot = CONTENDERS.index(name) if name in CONTENDERS else 0
         ys, widths = [], []
         for n, row in enumerate(rows):
             us = _median(row["contenders"].get(name))
             if us is not None:
-                ys.append(n + (i % len(CONTENDERS)) * height)
+                ys.append(n + slot * height)
                 widths.append(us)
         if ys:
             ax.barh(ys, widths, height=height, label=_LABELS.get(name, name))

@@ -12,7 +12,8 @@ Two ranks on one machine (GPUs 0 and 1, or two CPU processes); rank 0 sends to r
    before the next;
 5. 64 separate sends of 4 KiB, then a wait for all;
 6. a batch of 64 messages of 4 KiB (``tf.batch()``; torch: ``batch_isend_irecv`` of 64 ops;
-   NIXL has no such batch and skips the row);
+   NIXL has no such batch and skips the row); and, below the 4 KiB rows, the same timing with
+   nothing moved (their floor: what the timing itself costs);
 7. a two-stage pipeline: 8 microbatches of [4096, 8192] bf16, three 8192² matmuls each on
    stage 0, whose activations go to stage 1, which posts the receive of the next microbatch
    before it computes on this one; and, below it, the same compute with no transfer (floor).
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rows",
         default="all",
         help=f"rows to run, comma-separated, from {','.join(ROW_KEYS)} (the pipeline brings its "
-        "compute-only floor)",
+        "compute-only floor; any 4 KiB row brings the timing alone, their floor)",
     )
     (gpu_large, gpu_small), (cpu_large, cpu_small) = map(timed_iterations, ("gpu", "cpu"))
     parser.add_argument(
@@ -177,6 +178,13 @@ def _caveats(plan: Plan) -> list[str]:
         "the pipeline's weight is the identity, so activations stay checkable byte for byte; "
         "a matmul costs the same whatever the values (a GPU's power draw may differ slightly)",
     ]
+    if any(row.small for row in plan.rows):
+        notes.append(
+            "the row 'the timing alone, nothing moved' is the same timing with nothing moved "
+            "and nothing computed: each rank's part is empty, so it shows what the timing "
+            "costs (the barrier's exit skew between the ranks, the device sync, the clock "
+            "reads); a floor under the 4 KiB rows, not a contender"
+        )
     if plan.device == "cpu":
         notes.append(
             "CPU run: each rank computes on one thread (torch.set_num_threads(1)); NIXL runs "
