@@ -90,3 +90,38 @@ def test_ready_goes_on_the_stream_once_the_run_queued_a_wait(ops):
     host = _HostWord(4)
     _run(one_sided._Word(_Stream(), 0, host=host, written=4), [(5, "pending")])
     assert ops == [("wait", "pending"), ("write", 5)] and host.value == 4
+
+
+def _fake_allocations(monkeypatch, idents: dict[int, int]) -> list[int]:
+    """``allocation_of(address)`` answered from ``idents`` (address -> buffer id; the base and
+    size are not read here); returns the addresses asked about, in order."""
+    asked: list[int] = []
+
+    def allocation_of(address: int) -> tuple[int, int, int]:
+        asked.append(address)
+        return idents[address], address, 1
+
+    monkeypatch.setattr(one_sided._driver, "allocation_of", allocation_of)
+    return asked
+
+
+def _kept(address: int, ident: int) -> one_sided._Runs:
+    return one_sided._Runs([one_sided._Run(address, 8, ident, address)], key=1)
+
+
+def test_a_step_asks_once_about_an_allocation_its_messages_share(monkeypatch):
+    asked = _fake_allocations(monkeypatch, {100: 5, 200: 5, 300: 6})
+    alive: set[int] = set()
+    assert _kept(100, 5).current(alive) and _kept(200, 5).current(alive)
+    assert _kept(300, 6).current(alive)
+    assert asked == [100, 300], "the second message's allocation was found there already"
+    assert alive == {5, 6}
+    assert _kept(200, 5).current(set()) and asked[-1] == 200, "a new step asks again"
+
+
+def test_an_allocation_made_again_at_a_kept_address_is_not_the_kept_one(monkeypatch):
+    asked = _fake_allocations(monkeypatch, {100: 9})  # freed, then made again: a new id
+    alive: set[int] = set()
+    assert not _kept(100, 5).current(alive)
+    assert alive == set() and asked == [100]
+    assert _kept(100, 9).current(alive) and alive == {9}

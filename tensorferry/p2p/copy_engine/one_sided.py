@@ -24,9 +24,10 @@ not 128.
 Register once, move many: both sides keep what a layout came to, by the tensors' addresses.
 R keeps its runs (and gives them a key that the post carries); S keeps the copies it made of
 its own runs and R's keyed runs. A repeated message costs each side one lookup and one
-pointer query per allocation (which tells an allocation freed and made again at the same
-address from the one it knew), whatever the number of tensors: tensors back to back in one
-allocation on both sides (a KV cache's blocks, views of one buffer) go as one copy.
+pointer query per allocation and step of the pair (which tells an allocation freed and made
+again at the same address from the one it knew; a batch's buffers in one allocation cost one
+query), whatever the number of tensors: tensors back to back in one allocation on both sides
+(a KV cache's blocks, views of one buffer) go as one copy.
 
 ``READY`` and ``DONE`` are two 32-bit words of a page of shared memory (``/dev/shm``) that R
 makes for the direction and epoch and both processes map and pin for their devices. ``READY``
@@ -222,9 +223,17 @@ class _Runs:
                 firsts.setdefault(run.ident, run.address)
         self._checks = [(address, ident) for ident, address in firsts.items()]
 
-    def current(self) -> bool:
-        """Whether every allocation is still the one these runs were made in."""
-        return all(_driver.allocation_of(a)[0] == ident for a, ident in self._checks)
+    def current(self, alive: set[int]) -> bool:
+        """Whether every allocation is still the one these runs were made in. ``alive``: the
+        allocations a step of the pair found still there (each is asked about once a step: a
+        batch's buffers in one allocation cost one query); those found here join it."""
+        for address, ident in self._checks:
+            if ident in alive:
+                continue  # still there, so every address it held is still its own
+            if _driver.allocation_of(address)[0] != ident:
+                return False
+            alive.add(ident)
+        return True
 
 
 def _runs(tensors: tuple[torch.Tensor, ...]) -> list[_Run]:
@@ -322,11 +331,12 @@ class OneSidedRoute:
         stream, first = pair.stream("recv"), messages[0].seq  # (READY shows it when drained)
         ready = _Word(stream, words.device + _READY, host=words.ready_word, written=first)
         posts = []
+        alive: set[int] = set()  # allocations this step found still there
         with _on_device(self.device.index):
             for message in messages:
                 ready.after(message.caller_event)
                 ready.owe(message.seq + 1)
-                posts.append(self._exported(message))
+                posts.append(self._exported(message, alive))
                 message.pending = words
             ready.write()
         frames = []
@@ -337,11 +347,12 @@ class OneSidedRoute:
         if frames:
             pair.send_posts(frames)
 
-    def _exported(self, message: Message) -> _Runs:
-        """The receiver's runs of ``message``'s buffers, made once per layout and addresses."""
+    def _exported(self, message: Message, alive: set[int]) -> _Runs:
+        """The receiver's runs of ``message``'s buffers, made once per layout and addresses
+        (``alive``: see :meth:`_Runs.current`)."""
         key = (message.desc, _addresses(message.tensors))
         known = self._exports.get(key)
-        if known is None or not known.current():
+        if known is None or not known.current(alive):
             runs = _runs(message.tensors)
             with self._lock:
                 for run in runs:
@@ -373,10 +384,11 @@ class OneSidedRoute:
         # One page per epoch, and a step's posts are of one epoch: they all name it.
         words = self._outgoing_words(pair, sends[0][1]["w"])
         done = _Word(stream, words.device + _DONE)
+        alive: set[int] = set()  # allocations this step found still there
         with _on_device(self.device.index):
             for message, post in sends:
                 words.layouts.setdefault(post["x"], post)
-                copies = self._copies(pair, message, post)
+                copies = self._copies(pair, message, post, alive)
                 ticket = message.seq + 1
                 done.after(message.caller_event)
                 if words.ready() < ticket:  # (the usual: the receiver's stream set it already)
@@ -392,12 +404,15 @@ class OneSidedRoute:
         kept = self._outgoing.get(pair.peer)
         return None if kept is None else kept[1].ring_read(message.seq)
 
-    def _copies(self, pair: Pair, message: Message, post: dict) -> list[tuple[int, int, int]]:
+    def _copies(
+        self, pair: Pair, message: Message, post: dict, alive: set[int]
+    ) -> list[tuple[int, int, int]]:
         """``(target, source, bytes)`` of each copy: this side's runs cut where the receiver's
-        runs (``post``) end, made once per receiver layout and our addresses."""
+        runs (``post``) end, made once per receiver layout and our addresses (``alive``: see
+        :meth:`_Runs.current`)."""
         key = (pair.peer, post["x"], message.desc, _addresses(message.tensors))
         known = self._plans.get(key)
-        if known is not None and known[1].current():
+        if known is not None and known[1].current(alive):
             return known[0]
         runs = _Runs(_runs(message.tensors), 0, joined_only=True)
         targets = [(self._mapped_base(h) + offset, nbytes) for h, offset, nbytes in post["b"]]
