@@ -333,6 +333,52 @@ def repeated_layouts(rank: int, world: int, rounds: int) -> str:
     return "ok"
 
 
+def views_of_one_buffer(rank: int, world: int, count: int) -> str:
+    """Rank 0 sends rank 1 ``count`` messages, each a view of one buffer, into views of one
+    buffer: where both sides' views follow one another the copies of a step may go as one.
+    Rounds: a batch in order; a batch into the views in reverse order; separate sends whose
+    receives were all posted first; views with a gap between them. Random payloads, every
+    byte checked."""
+    if rank > 1:
+        return "idle"
+    n = 1024
+    arena = torch.empty(count * (n + 8), device=D())
+    packed = list(arena[: count * n].view(count, n).unbind(0))
+    gapped = [arena[i * (n + 8) : i * (n + 8) + n] for i in range(count)]
+    rounds = {"batch": packed, "reversed": packed, "separate": packed, "gaps": gapped}
+    for r, (how, views) in enumerate(rounds.items()):
+        wanted = [payload(0, 1, 7000 + 100 * r + i, (n,), torch.float32) for i in range(count)]
+        if rank == 0:
+            for view, want in zip(views, wanted, strict=True):
+                view.copy_(want)
+            if how == "separate":
+                tf.recv(torch.empty(1, device=D()), 1).wait(T)  # rank 1 posted every receive
+                for t in [tf.send(view, 1) for view in views]:
+                    t.wait(T)
+            else:
+                with tf.batch() as b:
+                    for view in views:
+                        b.send(view, 1)
+                b.wait(T)
+            continue
+        arena.view(torch.uint8).fill_(0xA5)
+        into = views[::-1] if how == "reversed" else views
+        if how == "separate":
+            handles = [tf.recv(view, 0) for view in into]
+            tf.send(torch.ones(1, device=D()), 0).wait(T)
+            for t in handles:
+                t.wait(T)
+        else:
+            with tf.batch() as b:
+                for view in into:
+                    b.recv(view, 0)
+            b.wait(T)
+        pairs = enumerate(zip(into, wanted, strict=True))
+        wrong = [i for i, (view, want) in pairs if not same_bytes(view, want)]
+        assert not wrong, f"{how}: wrong bytes in messages {wrong}"
+    return "sent" if rank == 0 else "ok"
+
+
 def all_gather(rank: int, world: int, stacked: bool, in_place: bool = False) -> str:
     """``in_place``: ``inp`` is this rank's own row of ``out``."""
     shape = (3, 5)

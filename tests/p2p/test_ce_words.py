@@ -1,6 +1,7 @@
 """The copy-engine route's READY/DONE word over a run of messages (``one_sided._Word``), with
-the driver's stream operations recorded instead of made: one write for a batch, and never a
-word left behind a wait of its stream."""
+the driver's stream operations recorded instead of made: one write for a batch, never a word
+left behind a wait of its stream, copies that carry on one another joined and queued before
+the word; and how a step asks the driver about the allocations it keeps."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def ops(monkeypatch):
     monkeypatch.setattr(one_sided, "stream_wait", lambda s, event: made.append(("wait", event)))
     monkeypatch.setattr(driver, "write_value32", lambda s, at, value: made.append(("write", value)))
     monkeypatch.setattr(driver, "wait_value32", lambda s, at, value: made.append(("until", value)))
+    monkeypatch.setattr(
+        driver, "memcpy_async", lambda dst, src, n, s: made.append(("copy", dst, src, n))
+    )
     return made
 
 
@@ -90,6 +94,63 @@ def test_ready_goes_on_the_stream_once_the_run_queued_a_wait(ops):
     host = _HostWord(4)
     _run(one_sided._Word(_Stream(), 0, host=host, written=4), [(5, "pending")])
     assert ops == [("wait", "pending"), ("write", 5)] and host.value == 4
+
+
+def _copy(target: int, source: int, nbytes: int = 16, homes=("a", 1)) -> one_sided._Copy:
+    return one_sided._Copy(target, source, nbytes, homes)
+
+
+def _send(word: one_sided._Word, ticket: int, event: str, *copies: one_sided._Copy) -> None:
+    """One message of a write step, in the order the route makes its operations."""
+    word.after(event)
+    for copy in copies:
+        word.copy(copy)
+    word.owe(ticket)
+
+
+def test_copies_that_carry_on_one_another_go_as_one(ops):
+    ops.fired.add("over")
+    word = one_sided._Word(_Stream(), 0)
+    for n in range(3):  # views of one buffer into views of one buffer
+        _send(word, n + 1, "over", _copy(1000 + 16 * n, 5000 + 16 * n))
+    word.write()
+    assert ops == [("copy", 1000, 5000, 48), ("write", 3)]
+
+
+def test_copies_apart_or_in_other_allocations_stay_apart(ops):
+    ops.fired.add("over")
+    word = one_sided._Word(_Stream(), 0)
+    _send(word, 1, "over", _copy(1000, 5000))
+    _send(word, 2, "over", _copy(1016, 6000))  # its source lies elsewhere
+    _send(word, 3, "over", _copy(1032, 6016, homes=("b", 1)))  # next to it, another allocation
+    word.write()
+    assert ops == [
+        ("copy", 1000, 5000, 16),
+        ("copy", 1016, 6000, 16),
+        ("copy", 1032, 6016, 16),
+        ("write", 3),
+    ]
+
+
+def test_a_held_copy_goes_before_the_word_and_before_a_wait(ops):
+    word = one_sided._Word(_Stream(), 0)
+    _send(word, 1, "first", _copy(1000, 5000))
+    _send(word, 2, "second", _copy(1016, 5016))  # its caller's work is not over: a wait
+    word.wait(64, 3)  # READY of the next message not there yet
+    word.copy(_copy(1032, 5032))
+    word.owe(3)
+    word.write()
+    assert ops == [
+        ("wait", "first"),
+        ("copy", 1000, 5000, 16),
+        ("write", 1),
+        ("wait", "second"),
+        ("copy", 1016, 5016, 16),
+        ("write", 2),
+        ("until", 3),
+        ("copy", 1032, 5032, 16),
+        ("write", 3),
+    ]
 
 
 def _fake_allocations(monkeypatch, idents: dict[int, int]) -> list[int]:

@@ -86,6 +86,12 @@ def test_many_small_tensors_packed(pool):
     assert pool.run("repeated_layouts", 4) == ["ok", "ok"]
 
 
+def test_messages_of_views_of_one_buffer_arrive_whole_in_any_order(pool):
+    """Copies of a step that follow one another on both sides go as one copy; reversed
+    targets, gaps and separate calls must still land every byte where it belongs."""
+    assert pool.run("views_of_one_buffer", 16) == ["sent", "ok"]
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_ring_all_gather(pool, stacked, in_place):

@@ -51,7 +51,7 @@ import os
 import secrets
 import struct
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -153,13 +153,33 @@ class _Word:
     the word already shows ``written``, the last ticket the stream was given. The receiver's
     post then makes no stream operation at all, and the sender finds ``READY`` set."""
 
-    __slots__ = ("address", "host", "owed", "queued", "stream", "waited", "written")
+    __slots__ = ("address", "held", "host", "owed", "queued", "stream", "waited", "written")
 
     def __init__(self, stream: Any, address: int, *, host: Any = None, written: int = 0) -> None:
         self.stream, self.address, self.host, self.written = stream, address, host, written
         self.owed = 0
         self.queued = False  # whether this run queued a stream operation
         self.waited: Any = None
+        self.held: _Copy | None = None  # the copy not yet queued: the next one may join it
+
+    def copy(self, copy: _Copy) -> None:
+        """Queues ``copy`` on the stream. One that carries on where the copy before it ended, on
+        both ends and within the same allocations, joins it: a run's messages from views of one
+        buffer into views of one buffer (a batch, posts that came together) go as one copy. The
+        copy held for that is queued before any other operation of the stream (a wait, the
+        word), so the word still follows every byte it covers."""
+        held = self.held
+        if held is not None and held.continued_by(copy):
+            self.held = held.joined(copy)
+            return
+        self._queue_held()
+        self.held = copy
+
+    def _queue_held(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            _driver.memcpy_async(held.target, held.source, held.nbytes, self.stream.cuda_stream)
+            self.queued = True
 
     def after(self, event: Any) -> None:
         """The stream's later work waits for the caller's ``event`` (once per event), unless
@@ -169,12 +189,14 @@ class _Word:
         self.waited = event
         if not is_done(event):
             self.write()
+            self._queue_held()  # (write() queued it where a word was owed)
             stream_wait(self.stream, event)
             self.queued = True
 
     def wait(self, address: int, value: int) -> None:
         """The stream's later work waits until the word at ``address`` is at least ``value``."""
         self.write()
+        self._queue_held()
         _driver.wait_value32(self.stream.cuda_stream, address, value)
         self.queued = True
 
@@ -184,12 +206,34 @@ class _Word:
     def write(self) -> None:
         if not self.owed:
             return
+        self._queue_held()  # the bytes the word covers go first
         if self.host is not None and not self.queued and self.host.value == self.written:
             self.host.value = self.owed  # (nothing of the stream's can land after it)
         else:
             _driver.write_value32(self.stream.cuda_stream, self.address, self.owed)
             self.queued = True
         self.written, self.owed = self.owed, 0
+
+
+class _Copy(NamedTuple):
+    """``nbytes`` from ``source`` to ``target``; ``homes``: the allocations of both ends (a
+    copy may not cross from one allocation into the next)."""
+
+    target: int
+    source: int
+    nbytes: int
+    homes: tuple[Any, Any]
+
+    def continued_by(self, other: _Copy) -> bool:
+        """Whether ``other`` starts where this one ends, on both ends, in the same allocations."""
+        return (
+            other.homes == self.homes
+            and other.target == self.target + self.nbytes
+            and other.source == self.source + self.nbytes
+        )
+
+    def joined(self, other: _Copy) -> _Copy:
+        return self._replace(nbytes=self.nbytes + other.nbytes)
 
 
 _CACHED = 256  # layouts kept per table: a program of ever-new addresses starts it afresh
@@ -263,15 +307,15 @@ def _runs(tensors: tuple[torch.Tensor, ...]) -> list[_Run]:
     return runs
 
 
-def _cut(runs: list[_Run], targets: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Copies of ``runs`` into ``targets`` (``(address, bytes)``), both in message order:
-    one per stretch that lies within one run and one target."""
+def _cut(runs: list[_Run], targets: list[tuple[int, int, str]]) -> list[_Copy]:
+    """Copies of ``runs`` into ``targets`` (``(address, bytes, the allocation's handle)``), both
+    in message order: one per stretch that lies within one run and one target."""
     copies = []
     i = j = done_i = done_j = 0
     while i < len(runs) and j < len(targets):
-        run, (target, room) = runs[i], targets[j]
+        run, (target, room, home) = runs[i], targets[j]
         nbytes = min(run.nbytes - done_i, room - done_j)
-        copies.append((target + done_j, run.address + done_i, nbytes))
+        copies.append(_Copy(target + done_j, run.address + done_i, nbytes, (home, run.ident)))
         done_i += nbytes
         done_j += nbytes
         if done_i == run.nbytes:
@@ -393,8 +437,8 @@ class OneSidedRoute:
                 done.after(message.caller_event)
                 if words.ready() < ticket:  # (the usual: the receiver's stream set it already)
                     done.wait(words.device + _READY, ticket)
-                for target, source, nbytes in copies:
-                    _driver.memcpy_async(target, source, nbytes, stream.cuda_stream)
+                for copy in copies:
+                    done.copy(copy)
                 done.owe(ticket)
                 message.pending = words
             done.write()
@@ -404,10 +448,8 @@ class OneSidedRoute:
         kept = self._outgoing.get(pair.peer)
         return None if kept is None else kept[1].ring_read(message.seq)
 
-    def _copies(
-        self, pair: Pair, message: Message, post: dict, alive: set[int]
-    ) -> list[tuple[int, int, int]]:
-        """``(target, source, bytes)`` of each copy: this side's runs cut where the receiver's
+    def _copies(self, pair: Pair, message: Message, post: dict, alive: set[int]) -> list[_Copy]:
+        """The message's copies: this side's runs cut where the receiver's
         runs (``post``) end, made once per receiver layout and our addresses (``alive``: see
         :meth:`_Runs.current`)."""
         key = (pair.peer, post["x"], message.desc, _addresses(message.tensors))
@@ -415,7 +457,7 @@ class OneSidedRoute:
         if known is not None and known[1].current(alive):
             return known[0]
         runs = _Runs(_runs(message.tensors), 0, joined_only=True)
-        targets = [(self._mapped_base(h) + offset, nbytes) for h, offset, nbytes in post["b"]]
+        targets = [(self._mapped_base(h) + offset, nbytes, h) for h, offset, nbytes in post["b"]]
         copies = _cut(runs.runs, targets)
         _bounded(self._plans)[key] = (copies, runs)
         return copies
