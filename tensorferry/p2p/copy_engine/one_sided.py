@@ -449,8 +449,8 @@ class OneSidedRoute:
         return None if kept is None else kept[1].ring_read(message.seq)
 
     def _copies(self, pair: Pair, message: Message, post: dict, alive: set[int]) -> list[_Copy]:
-        """The message's copies: this side's runs cut where the receiver's
-        runs (``post``) end, made once per receiver layout and our addresses (``alive``: see
+        """The message's copies: this side's runs cut where the receiver's runs (``post``)
+        end, made once per receiver layout and our addresses (``alive``: see
         :meth:`_Runs.current`)."""
         key = (pair.peer, post["x"], message.desc, _addresses(message.tensors))
         known = self._plans.get(key)
