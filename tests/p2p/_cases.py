@@ -351,32 +351,36 @@ def views_of_one_buffer(rank: int, world: int, count: int) -> str:
         if rank == 0:
             for view, want in zip(views, wanted, strict=True):
                 view.copy_(want)
-            if how == "separate":
-                tf.recv(torch.empty(1, device=D()), 1).wait(T)  # rank 1 posted every receive
-                for t in [tf.send(view, 1) for view in views]:
-                    t.wait(T)
-            else:
-                with tf.batch() as b:
-                    for view in views:
-                        b.send(view, 1)
-                b.wait(T)
+            _move_views(views, sending=True, separate=how == "separate")
             continue
         arena.view(torch.uint8).fill_(0xA5)
         into = views[::-1] if how == "reversed" else views
-        if how == "separate":
-            handles = [tf.recv(view, 0) for view in into]
-            tf.send(torch.ones(1, device=D()), 0).wait(T)
-            for t in handles:
-                t.wait(T)
-        else:
-            with tf.batch() as b:
-                for view in into:
-                    b.recv(view, 0)
-            b.wait(T)
+        _move_views(into, sending=False, separate=how == "separate")
         pairs = enumerate(zip(into, wanted, strict=True))
         wrong = [i for i, (view, want) in pairs if not same_bytes(view, want)]
         assert not wrong, f"{how}: wrong bytes in messages {wrong}"
     return "sent" if rank == 0 else "ok"
+
+
+def _move_views(views: list[torch.Tensor], *, sending: bool, separate: bool) -> None:
+    """Rank 0 sends ``views`` to rank 1 (``sending``), rank 1 receives them: as one batch, or
+    in separate calls, the sends only once the receiver said (one element) that it posted
+    every receive."""
+    peer = 1 if sending else 0
+    if not separate:
+        with tf.batch() as b:
+            for view in views:
+                b.send(view, peer) if sending else b.recv(view, peer)
+        b.wait(T)
+        return
+    if sending:
+        tf.recv(torch.empty(1, device=D()), peer).wait(T)
+        handles = [tf.send(view, peer) for view in views]
+    else:
+        handles = [tf.recv(view, peer) for view in views]
+        tf.send(torch.ones(1, device=D()), peer).wait(T)
+    for handle in handles:
+        handle.wait(T)
 
 
 def all_gather(rank: int, world: int, stacked: bool, in_place: bool = False) -> str:
