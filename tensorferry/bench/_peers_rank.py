@@ -17,8 +17,7 @@ from typing import Any
 from tensorferry.bench._peers_plan import COMPUTE_ONLY, CONTENDERS, NOTHING_MOVED, Plan, Row
 from tensorferry.bench._peers_timing import Case, Outcome, median_us, time_case
 
-# The floors' names are the plan's (the report reads them too); they are also exported here.
-__all__ = ["COMPUTE_ONLY", "NOTHING_MOVED", "rank_main"]
+__all__ = ["rank_main"]
 
 
 def rank_main(rank: int, world: int, plan: Plan, nixl_reason: str | None) -> dict[str, Any]:
