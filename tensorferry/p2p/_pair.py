@@ -95,6 +95,9 @@ class Pair:
         self._fault_error: BaseException | None = None  # what failed the messages below cut
         self._open: dict[str, dict[int, Message]] = {"send": {}, "recv": {}}
         self._frames: dict[str, dict[int, dict]] = {"h": {}, "p": {}}  # came before their call
+        # (frame kind, number) of frames and messages new since the last step: where both are
+        # there, the step checks that the two sides chose routes of one kind (_check_new_routes)
+        self._unchecked: list[tuple[str, int]] = []
         self._out: Any = None  # our link to the peer (we write; the peer only its bye)
         self._in: Any = None  # the peer's link to us (we read)
         self._out_read_at = 0.0
@@ -119,6 +122,7 @@ class Pair:
                     self._end(message, _sibling(self._fault_error, self.peer))
                     continue
                 self._open[kind][message.seq] = message
+                self._unchecked.append(("h" if kind == "recv" else "p", message.seq))
             self._advance(poll=False)  # the peer's frames are read by whoever waits
 
     def progress(self) -> None:
@@ -257,6 +261,7 @@ class Pair:
             return  # about a message a fault failed already
         if kind in ("h", "p"):
             self._frames[kind][seq] = frame  # taken by its message (see _advance)
+            self._unchecked.append((kind, seq))
             return
         if kind in ("a", "s"):  # accepted (for our send) / sent (for our receive)
             message = self._open["send" if kind == "a" else "recv"].get(seq)
@@ -282,8 +287,8 @@ class Pair:
     def _advance(self, *, poll: bool = True) -> None:
         if self._awaiting:
             return  # nothing is issued until the peer answers our fault (see the docstring)
-        if self._frames["h"] or self._frames["p"]:
-            self._find_route_mismatches()
+        if self._unchecked:
+            self._check_new_routes()
         for kind in ("send", "recv"):
             last = self._next[kind]
             posts: list[tuple[Any, Message, None]] = []  # (route, message, None): see _go
@@ -355,15 +360,20 @@ class Pair:
         elif message.state != ENDED:
             self._fault(exc, True, cause=message)
 
-    def _find_route_mismatches(self) -> None:
-        """A header for a posted receive, or a post for a two-sided send: the two sides
-        chose different routes for one message."""
-        for kind, frame_kind, posts in (("recv", "h", True), ("send", "p", False)):
-            for seq, frame in list(self._frames[frame_kind].items()):
-                message = self._open[kind].get(seq)
-                if message is not None and self.ctx.route(message.route).receiver_posts == posts:
-                    self._route_mismatch(message, frame)
-                    return
+    def _check_new_routes(self) -> None:
+        """A header for a posted receive, or a post for a two-sided send: the two sides chose
+        different routes for one message (neither side would answer the other). Looks only at
+        the frames and messages new since the last step, so many receives posted ahead cost
+        each step nothing."""
+        unchecked, self._unchecked = self._unchecked, []
+        for frame_kind, seq in unchecked:
+            frame = self._frames[frame_kind].get(seq)
+            message = self._open["recv" if frame_kind == "h" else "send"].get(seq)
+            if frame is None or message is None:
+                continue
+            if self.ctx.route(message.route).receiver_posts == (frame_kind == "h"):
+                self._route_mismatch(message, frame)
+                return  # a fault: what was left to check is gone with its epoch
 
     def _try_issue(self, message: Message, writes: list) -> bool:
         """Issues ``message`` if it can go now (a send of a route the receiver posts first
@@ -537,6 +547,7 @@ class Pair:
         for kind in ("send", "recv"):
             self._cut[kind] = max(self._cut[kind], self._next[kind])
         self._frames = {"h": {}, "p": {}}
+        self._unchecked = []
         opened, self._open = self._open, {"send": {}, "recv": {}}
         self.ctx.evict_routes(self, reason=str(error))
         for messages in opened.values():

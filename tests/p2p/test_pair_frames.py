@@ -5,10 +5,12 @@ always finished (what NCCL's routes look like to the pair)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
 
+from tensorferry.errors import MismatchError
 from tensorferry.p2p._message import ENDED, ISSUED, Message
 from tensorferry.p2p._pair import Pair
 from tensorferry.p2p._spec import describe, descriptor_text
@@ -237,3 +239,47 @@ def test_a_calls_messages_are_posted_and_written_as_one_run(pair):
     pair.progress()
     assert route.runs[1:] == [("write", [0, 1]), ("write", [2])]
     assert all(m.state == ISSUED for m in sends)
+
+
+class _TwoRoutes(_Context):
+    """Both kinds of route: the peer may choose the other one for a message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posting = _PostingRoute()
+
+    def route(self, name: str) -> Any:
+        return self.posting if name == "posting" else self.two_sided
+
+
+def _frame_of_the_other_route(kind: str, seq: int) -> dict:
+    """The peer's frame for our message ``seq`` of ``kind``, from the other kind of route: a
+    two-sided send's header for our posted receive, a post for our two-sided send."""
+    desc = descriptor_text(describe([torch.zeros(4)]))
+    if kind == "recv":
+        return {"k": "h", "e": 0, "n": seq, "d": desc, "r": "two-sided"}
+    return {"k": "p", "e": 0, "n": seq, "d": desc, "r": "posting"}
+
+
+@pytest.mark.parametrize("frame_first", [True, False], ids=["frame first", "call first"])
+@pytest.mark.parametrize("kind", ["recv", "send"])
+def test_routes_of_two_kinds_for_one_message_fail_it_on_the_transport(kind, frame_first):
+    # Neither side would ever answer the other (a posted receive reads no header, a two-sided
+    # send reads no post): the step that sees both fails the message at once, whichever of
+    # the peer's frame and this rank's call came first, and tells the peer.
+    pair = Pair(_TwoRoutes(), peer=1)
+    pair._out = _Out()
+    ours = "posting" if kind == "recv" else "two-sided"
+    tensor = torch.zeros(4)
+    message = Message(P2POp(kind, 1, (tensor,), describe([tensor])), ours, None)
+    if frame_first:
+        pair._on_frame(_frame_of_the_other_route(kind, 0))
+        pair.submit([message])
+    else:
+        pair.submit([message])
+        pair._on_frame(_frame_of_the_other_route(kind, 0))
+        pair.progress()
+    assert message.state == ENDED
+    assert isinstance(message.error, MismatchError) and message.error.field == "transport"
+    assert "different transports for message 0" in str(message.error)
+    assert [frame["k"] for frame in pair._out.frames if frame["k"] == "f"] == ["f"]
