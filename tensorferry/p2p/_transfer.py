@@ -268,6 +268,8 @@ class Transfer:
                 if fds:
                     select.select(fds, [], [], _FRAME_WAIT_S)
                     return
+            elif self._spun_on_posts(waiting):
+                return
         else:
             words = [m for m in self._messages if m.state == ISSUED and self._route_of(m).one_sided]
             if words and len(words) == sum(m.state != ENDED for m in self._messages):
@@ -276,6 +278,25 @@ class Transfer:
                     if all(m.pending.done() > m.seq for m in words):
                         return
         os.sched_yield()
+
+    def _spun_on_posts(self, waiting: list[Message]) -> bool:
+        """Spins until the post of one of ``waiting`` (sends, each waiting for its receiver's
+        post) shows in its one-sided route's ring, for at most ``_FRAME_WAIT_S``: the post is
+        then issued at the next look, with no pair's step in between (a step reads sockets
+        and every open message). A layout's first post comes as a frame instead, read at the
+        next look. Returns whether it spun: not where a message has no ring to watch (not a
+        send, or its peer's first post has not come)."""
+        rings = []
+        for message in waiting:
+            ring = message.kind == "send" and self._route_of(message).ring(message.peer)
+            if not ring:
+                return False
+            rings.append((ring, message.seq))
+        until = time.monotonic() + _FRAME_WAIT_S
+        while time.monotonic() < until:
+            if any(ring.ring_holds(seq) for ring, seq in rings):
+                break
+        return True
 
     def _sleep(self, seconds: float) -> None:
         """Sleeps up to ``seconds``, waking when a frame arrives from one of the peers."""

@@ -330,26 +330,31 @@ def current_stream_idle(index: int) -> bool:
     that work (one query, where an event costs a record, a query and a wait)."""
     calls = _runtime()
     if calls is not None and _on_current_device(index):
-        code = calls.query_stream(torch._C._cuda_getCurrentRawStream(index))
-        if code == 0:
-            return True
-        if code == _NOT_READY:
-            return False
-        calls.clear()  # torch's query below raises the error itself
-    return torch.cuda.current_stream(index).query()
+        over = _over(calls, calls.query_stream(torch._C._cuda_getCurrentRawStream(index)))
+        if over is not None:
+            return over
+    return torch.cuda.current_stream(index).query()  # torch raises the CUDA error, if any
 
 
 def is_done(event: torch.cuda.Event) -> bool:
     """``event.query()``: whether the work before the event's record finished."""
     calls = _runtime()
     if calls is not None:
-        code = calls.query(event.cuda_event)
-        if code == 0:
-            return True
-        if code == _NOT_READY:
-            return False
-        calls.clear()  # torch's query below raises the error itself
+        over = _over(calls, calls.query(event.cuda_event))
+        if over is not None:
+            return over
     return event.query()  # torch raises the CUDA error, if any
+
+
+def _over(calls: Any, code: int) -> bool | None:
+    """What a query's ``code`` says: the work is over, or not yet; ``None`` for an error,
+    cleared here so that torch's own query, which the caller makes next, raises it."""
+    if code == 0:
+        return True
+    if code == _NOT_READY:
+        return False
+    calls.clear()
+    return None
 
 
 def recycle(event: Any, index: int | None = None) -> None:

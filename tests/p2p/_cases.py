@@ -594,6 +594,28 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
     raise AssertionError("no MismatchError")
 
 
+def transports_differ(rank: int, world: int, senders: str) -> tuple | None:
+    """Rank 0 sends over ``senders`` transport, rank 1 receives over the other one ("ce" or
+    "nccl"); returns each side's error field, whether it came well before the timeout, and
+    whether the pair then moves a message."""
+    if rank > 1:
+        return None
+    theirs = {"ce": "nccl", "nccl": "ce"}
+    buffer = torch.zeros(16, device=D())
+    poison = buffer.clone()
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            tf.send(torch.ones(16, device=D()), 1, transport=senders).wait(T)
+        else:
+            tf.recv(buffer, 0, transport=theirs[senders]).wait(T)
+        return ("no error",)
+    except MismatchError as exc:
+        field, seconds = exc.field, time.monotonic() - started
+    assert torch.equal(buffer, poison), "bytes landed"
+    return field, seconds < T / 2, send_recv_all_dtypes(rank, world, 90)
+
+
 # ---------------------------------------------------------------------- validation
 # How many calls bad_arguments makes everywhere, and how many more where a rank has another
 # GPU to misuse.

@@ -104,6 +104,13 @@ def test_mismatch_on_both_sides(pool, kind):
     assert pool.run("send_recv_all_dtypes", 40) == ["ok", "ok"]
 
 
+@pytest.mark.parametrize("senders", ["nccl", "ce"])
+def test_transports_of_two_kinds_for_one_message_fail_it_on_both_sides(pool, senders):
+    # A two-sided sender and a posted receive would wait for each other's answer until the
+    # timeout: both fail at once, and the pair moves the next message.
+    assert pool.run("transports_differ", senders) == [("transport", True, "ok")] * 2
+
+
 def test_bad_arguments(pool):
     outcomes = pool.run("bad_arguments")[0]
     assert "cpu on nccl: ValueError" in outcomes

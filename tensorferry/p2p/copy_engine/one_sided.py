@@ -122,12 +122,16 @@ class _Words:
         self._ring[seq % _SLOTS] = (key << 32) | ((seq + 1) & _TICKET)  # one 8-byte store
         return True
 
+    def ring_holds(self, seq: int) -> bool:
+        """Sender: whether the ring holds the post of message ``seq`` (one 8-byte load)."""
+        return self._ring[seq % _SLOTS] & _TICKET == (seq + 1) & _TICKET
+
     def ring_read(self, seq: int) -> dict | None:
-        """Sender: the post of message ``seq`` if the ring holds it."""
-        slot = self._ring[seq % _SLOTS]
-        if slot & _TICKET != (seq + 1) & _TICKET:
+        """Sender: the post of message ``seq`` if the ring holds it (and its layout's frame
+        was read)."""
+        if not self.ring_holds(seq):
             return None
-        return self.layouts.get(slot >> 32)
+        return self.layouts.get(self._ring[seq % _SLOTS] >> 32)
 
     def close(self) -> None:
         _driver.host_unregister(self.host)
@@ -189,14 +193,12 @@ class _Word:
         self.waited = event
         if not is_done(event):
             self.write()
-            self._queue_held()  # (write() queued it where a word was owed)
             stream_wait(self.stream, event)
             self.queued = True
 
     def wait(self, address: int, value: int) -> None:
         """The stream's later work waits until the word at ``address`` is at least ``value``."""
         self.write()
-        self._queue_held()
         _driver.wait_value32(self.stream.cuda_stream, address, value)
         self.queued = True
 
@@ -204,9 +206,11 @@ class _Word:
         self.owed = ticket
 
     def write(self) -> None:
+        """Queues the held copy, then the word owed (if any): every operation of the stream
+        after this one follows both."""
+        self._queue_held()  # the bytes the word covers go first
         if not self.owed:
             return
-        self._queue_held()  # the bytes the word covers go first
         if self.host is not None and not self.queued and self.host.value == self.written:
             self.host.value = self.owed  # (nothing of the stream's can land after it)
         else:
@@ -447,6 +451,12 @@ class OneSidedRoute:
         """The post of ``message`` found in the ring of this epoch's page, if it is there."""
         kept = self._outgoing.get(pair.peer)
         return None if kept is None else kept[1].ring_read(message.seq)
+
+    def ring(self, peer: int) -> _Words | None:
+        """The page whose ring holds ``peer``'s posts to this rank (once its first post came):
+        a waiting sender watches it (:meth:`_Words.ring_holds`)."""
+        kept = self._outgoing.get(peer)
+        return None if kept is None else kept[1]
 
     def _copies(self, pair: Pair, message: Message, post: dict, alive: set[int]) -> list[_Copy]:
         """The message's copies: this side's runs cut where the receiver's runs (``post``)
