@@ -497,11 +497,24 @@ class Pair:
                         if message.state == WAITING
                         else "the transfer did not finish within its timeout"
                     )
+                    if message.state == WAITING and self._silent(message):
+                        why += (
+                            f", or rank {self.peer}'s call chose another transport (a ce send "
+                            "and an nccl receive never hear of each other: name one on both sides)"
+                        )
                     error = TransferTimeoutError(f"{message.describe()}: timed out ({why})")
                     if message.state == WAITING and self._in is None:
                         error = self._store_problem(message) or error
                     self._fault(error, True, cause=message)
                     return
+
+    def _silent(self, message: Message) -> bool:
+        """Whether ``message`` is a CUDA message whose side writes no frame while it waits for
+        the peer's (a send the receiver posts for, a two-sided receive): a peer whose call
+        chose the other kind of route, also silent, cannot tell it apart from no call."""
+        posts = self.ctx.route(message.route).receiver_posts
+        cuda = bool(message.tensors) and message.tensors[0].is_cuda
+        return cuda and posts == (message.kind == "send")
 
     def _store_problem(self, message: Message) -> BaseException | None:
         """Why a peer that never reached this rank may not have: the rendezvous store (where

@@ -596,8 +596,8 @@ def mismatch(rank: int, world: int, kind: str) -> str | None:
 
 def transports_differ(rank: int, world: int, senders: str) -> tuple | None:
     """Rank 0 sends over ``senders`` transport, rank 1 receives over the other one ("ce" or
-    "nccl"); returns each side's error field, whether it came well before the timeout, and
-    whether the pair then moves a message."""
+    "nccl"), both with a 3 s timeout; returns each side's error, whether it came well before
+    the timeout, whether it names the transport, and whether the pair then moves a message."""
     if rank > 1:
         return None
     theirs = {"ce": "nccl", "nccl": "ce"}
@@ -606,14 +606,19 @@ def transports_differ(rank: int, world: int, senders: str) -> tuple | None:
     started = time.monotonic()
     try:
         if rank == 0:
-            tf.send(torch.ones(16, device=D()), 1, transport=senders).wait(T)
+            tf.send(torch.ones(16, device=D()), 1, transport=senders, timeout=3).wait(T)
         else:
-            tf.recv(buffer, 0, transport=theirs[senders]).wait(T)
+            tf.recv(buffer, 0, transport=theirs[senders], timeout=3).wait(T)
         return ("no error",)
-    except MismatchError as exc:
-        field, seconds = exc.field, time.monotonic() - started
+    except (MismatchError, TransferTimeoutError) as exc:
+        error, seconds = exc, time.monotonic() - started
     assert torch.equal(buffer, poison), "bytes landed"
-    return field, seconds < T / 2, send_recv_all_dtypes(rank, world, 90)
+    return (
+        type(error).__name__,
+        seconds < 2,
+        "transport" in str(error),
+        send_recv_all_dtypes(rank, world, 90),
+    )
 
 
 # ---------------------------------------------------------------------- validation

@@ -104,11 +104,17 @@ def test_mismatch_on_both_sides(pool, kind):
     assert pool.run("send_recv_all_dtypes", 40) == ["ok", "ok"]
 
 
-@pytest.mark.parametrize("senders", ["nccl", "ce"])
-def test_transports_of_two_kinds_for_one_message_fail_it_on_both_sides(pool, senders):
-    # A two-sided sender and a posted receive would wait for each other's answer until the
-    # timeout: both fail at once, and the pair moves the next message.
-    assert pool.run("transports_differ", senders) == [("transport", True, "ok")] * 2
+def test_a_two_sided_sender_and_a_posted_receive_fail_at_once_on_the_transport(pool):
+    # Each would wait for the other's frame until the timeout: the receiver posts, the
+    # sender's header meets the post, and both fail with MismatchError at once.
+    assert pool.run("transports_differ", "nccl") == [("MismatchError", True, True, "ok")] * 2
+
+
+def test_a_one_sided_sender_and_a_two_sided_receive_time_out_naming_the_transport(pool):
+    # Neither writes a frame while it waits for the other's, so nothing tells them apart from
+    # a peer that never called: both time out, and the error names the other possibility.
+    expected = [("TransferTimeoutError", False, True, "ok")] * 2
+    assert pool.run("transports_differ", "ce") == expected
 
 
 def test_bad_arguments(pool):
