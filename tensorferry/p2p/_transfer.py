@@ -258,7 +258,7 @@ class Transfer:
         """Between two looks while spinning. A message still waiting for its peer's frame
         sleeps in ``select`` until a frame arrives (the kernel wakes it; spinning would take
         the core from the peer's side on a small host), unless the frame may come through
-        memory instead (a one-sided route's ring of posts): then it spins on the ring. When
+        memory instead (a one-sided route's ring of posts): then it looks again at once. When
         every message is issued and a one-sided route's device writes their end, it spins on
         those words (no call per look)."""
         waiting = [m for m in self._messages if m.state == WAITING]
@@ -268,8 +268,6 @@ class Transfer:
                 if fds:
                     select.select(fds, [], [], _FRAME_WAIT_S)
                     return
-            elif self._spun_on_posts(waiting):
-                return
         else:
             words = [m for m in self._messages if m.state == ISSUED and self._route_of(m).one_sided]
             if words and len(words) == sum(m.state != ENDED for m in self._messages):
@@ -278,26 +276,6 @@ class Transfer:
                     if all(m.pending.done() > m.seq for m in words):
                         return
         os.sched_yield()
-
-    def _spun_on_posts(self, waiting: list[Message]) -> bool:
-        """Spins until the post of one of ``waiting`` (sends, each waiting for its receiver's
-        post) shows in its one-sided route's ring, for at most ``_FRAME_WAIT_S``, so the post
-        is issued at the next look, without a pair's step in between (a step reads sockets and
-        every open message). Returns whether a post showed while it spun: not where one was
-        there already (the sends wait for something else), where a message has no ring to
-        watch (not a send, or its peer's first post has not come), or where none came (a
-        layout's first post comes as a frame, read at the next look)."""
-        rings = []
-        for message in waiting:
-            ring = message.kind == "send" and self._route_of(message).ring(message.peer)
-            if not ring or ring.ring_holds(message.seq):
-                return False
-            rings.append((ring, message.seq))
-        until = time.monotonic() + _FRAME_WAIT_S
-        while time.monotonic() < until:
-            if any(ring.ring_holds(seq) for ring, seq in rings):
-                return True
-        return False
 
     def _sleep(self, seconds: float) -> None:
         """Sleeps up to ``seconds``, waking when a frame arrives from one of the peers."""

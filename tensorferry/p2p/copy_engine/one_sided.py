@@ -122,16 +122,12 @@ class _Words:
         self._ring[seq % _SLOTS] = (key << 32) | ((seq + 1) & _TICKET)  # one 8-byte store
         return True
 
-    def ring_holds(self, seq: int) -> bool:
-        """Sender: whether the ring holds the post of message ``seq`` (one 8-byte load)."""
-        return self._ring[seq % _SLOTS] & _TICKET == (seq + 1) & _TICKET
-
     def ring_read(self, seq: int) -> dict | None:
-        """Sender: the post of message ``seq`` if the ring holds it (and its layout's frame
-        was read)."""
-        if not self.ring_holds(seq):
+        """Sender: the post of message ``seq`` if the ring holds it."""
+        slot = self._ring[seq % _SLOTS]
+        if slot & _TICKET != (seq + 1) & _TICKET:
             return None
-        return self.layouts.get(self._ring[seq % _SLOTS] >> 32)
+        return self.layouts.get(slot >> 32)
 
     def close(self) -> None:
         _driver.host_unregister(self.host)
@@ -451,12 +447,6 @@ class OneSidedRoute:
         """The post of ``message`` found in the ring of this epoch's page, if it is there."""
         kept = self._outgoing.get(pair.peer)
         return None if kept is None else kept[1].ring_read(message.seq)
-
-    def ring(self, peer: int) -> _Words | None:
-        """The page whose ring holds ``peer``'s posts to this rank (once its first post came):
-        a waiting sender watches it (:meth:`_Words.ring_holds`)."""
-        kept = self._outgoing.get(peer)
-        return None if kept is None else kept[1]
 
     def _copies(self, pair: Pair, message: Message, post: dict, alive: set[int]) -> list[_Copy]:
         """The message's copies: this side's runs cut where the receiver's runs (``post``)
