@@ -145,15 +145,6 @@ class Pair:
         """Whether messages are open (read without the lock: a hint)."""
         return bool(self._open["send"] or self._open["recv"])
 
-    @property
-    def unissued(self) -> bool:
-        """Whether messages wait for the peer's side before they can be issued (read without
-        the lock: a hint). Only a step of the pair issues them: a caller's look, not a thread
-        blocked in a route's wait."""
-        return self._to_issue["send"] < self._next["send"] or (
-            self._to_issue["recv"] < self._next["recv"]
-        )
-
     def incoming_fd(self) -> int | None:
         """The descriptor the peer's frames arrive on (``None`` before it connected)."""
         link = self._in

@@ -239,17 +239,12 @@ class Transfer:
             for pair in self._pairs[0].ctx.busy_pairs(self._pairs):
                 pair.progress()
         if hand_off and not self._done.is_set():
-            self._hand_off()
+            for message in self._messages:
+                if message.state == ISSUED:
+                    route = self._route_of(message)
+                    if hasattr(route, "hand_off"):
+                        route.hand_off(message, self.deadline)
         return self._done.is_set()
-
-    def _hand_off(self) -> None:
-        """Has a route's own thread wait for each issued message that ends only through a
-        blocking wait (a gloo work)."""
-        for message in self._messages:
-            if message.state == ISSUED:
-                route = self._route_of(message)
-                if hasattr(route, "hand_off"):
-                    route.hand_off(message, self.deadline)
 
     def _copying_seconds(self) -> float:
         """How long the transfer's bytes take to move where every message left is issued on a
@@ -280,17 +275,7 @@ class Transfer:
                 while time.monotonic() < until:
                     if all(m.pending.done() > m.seq for m in words):
                         return
-            elif self._pairs_unissued():  # (see _block) the frames that let them go
-                fds = self._incoming_fds()
-                if fds:
-                    select.select(fds, [], [], _FRAME_WAIT_S)
-                    return
         os.sched_yield()
-
-    def _pairs_unissued(self) -> bool:
-        """Whether messages of this transfer's pairs (its own or later calls') wait to be
-        issued."""
-        return any(pair.unissued for pair in self._pairs)
 
     def _sleep(self, seconds: float) -> None:
         """Sleeps up to ``seconds``, waking when a frame arrives from one of the peers."""
@@ -309,12 +294,6 @@ class Transfer:
         ``limit``, where nothing else of the transfer needs this thread meanwhile; returns
         whether it did."""
         if any(m.state == WAITING for m in self._messages):
-            return False
-        if self._pairs_unissued():
-            # Blocked here, this thread would issue none of them until the wait ended (a burst
-            # of sends each waited for in turn would go one wait at a time): a route's thread
-            # waits instead, and this one reads the frames that let them go.
-            self._hand_off()
             return False
         for message in self._messages:
             if message.state == ISSUED:
