@@ -425,18 +425,27 @@ def _check_gathers_apart(
 def _reset_pair(peer: int, *, timeout: float | None = None) -> None:
     """Moves the pair with ``peer`` to a fresh epoch: its communicators are closed and the next
     transfer makes new ones. Benchmark use only (the "uncached" baseline); both ranks call it
-    at the same point of their programs with nothing in flight between them, and it returns
-    once both did (or raises ``TransferTimeoutError`` after ``timeout``)."""
+    at the same point of their programs, and it returns once both did (or raises
+    ``TransferTimeoutError`` after ``timeout``)."""
     ctx = _context.current()
     peer = check_peer(peer, rank=ctx.rank, world_size=ctx.world_size, what="peer")
     pair = ctx.pair(peer)
+    low, high = sorted((ctx.rank, peer))
+    key = f"tensorferry/reset/{low}-{high}/{pair.resets + 1}"
+    seconds = ctx.timeout_s if timeout is None else timeout
+    # The ranks meet before either lets go: a message that ended here may still be on its
+    # way there (an NCCL send over the network ends once NCCL took its bytes, which NCCL's
+    # own thread then writes to the socket), and closing its communicator would cut it off.
+    _meet(ctx, f"{key}/called", peer, seconds)
     pair.reset()
-    # The ranks meet before either goes on: a frame of the new epoch from the peer must not
+    # ... and again before either goes on: a frame of the new epoch from the peer must not
     # arrive before this side let go of the old epoch's resources (a sender would forget the
     # layouts the peer's first posts told it).
-    low, high = sorted((ctx.rank, peer))
-    key = f"tensorferry/reset/{low}-{high}/{pair.resets}"
-    seconds = ctx.timeout_s if timeout is None else timeout
+    _meet(ctx, f"{key}/done", peer, seconds)
+
+
+def _meet(ctx: _context.P2PContext, key: str, peer: int, seconds: float) -> None:
+    """Returns once ``peer`` came to ``key`` too, in the world's store."""
     ctx.store.set(f"{key}/{ctx.rank}", b"1")
     try:
         ctx.store.wait([f"{key}/{peer}"], datetime.timedelta(seconds=seconds))
