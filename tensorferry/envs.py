@@ -16,7 +16,6 @@ __all__ = [
     "log_level",
     "auto_table_path",
     "spin_us",
-    "nccl_calls",
     "graph_early_receives",
     "native_mode",
 ]
@@ -97,17 +96,6 @@ def spin_us() -> float:
     if value < 0:
         raise ValueError(f"TENSORFERRY_SPIN_US={raw!r} must be >= 0")
     return value
-
-
-def nccl_calls() -> str:
-    """How the ``nccl`` transport calls NCCL (``TENSORFERRY_NCCL_CALLS``): ``direct`` (default)
-    calls the library itself, with communicators of its own; ``torch`` goes through
-    ``torch.distributed``'s ``ProcessGroupNCCL`` (what ``direct`` falls back to when the library
-    cannot be loaded). Read when a communicator is made."""
-    raw = os.environ.get("TENSORFERRY_NCCL_CALLS", "") or "direct"
-    if raw not in ("direct", "torch"):
-        raise ValueError(f"TENSORFERRY_NCCL_CALLS={raw!r} must be 'direct' or 'torch'")
-    return raw
 
 
 def _switch(name: str, default: bool) -> bool:

@@ -68,14 +68,8 @@ def test_doctor_says_how_nccl_is_called(capsys, monkeypatch):
 
     assert doctor.nccl_calls_report(0) == "no CUDA device"
     monkeypatch.setattr(_nccl_lib, "library", lambda: Library())
-    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS", raising=False)
     direct = "the library directly: NCCL 2.28.9 from /opt/nccl/libnccl.so.2"
     assert doctor.nccl_calls_report(2) == direct
-    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "torch")
-    assert doctor.nccl_calls_report(2) == "through ProcessGroupNCCL (TENSORFERRY_NCCL_CALLS=torch)"
-    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "sometimes")
-    assert doctor.nccl_calls_report(2).startswith("unusable setting: TENSORFERRY_NCCL_CALLS=")
-    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS")
     monkeypatch.setattr(_nccl_lib, "library", lambda: None)
     assert doctor.nccl_calls_report(1) == (
         "through ProcessGroupNCCL: no NCCL library could be loaded to call directly"
@@ -83,7 +77,7 @@ def test_doctor_says_how_nccl_is_called(capsys, monkeypatch):
     monkeypatch.setattr(doctor, "nccl_calls_report", lambda devices: f"{devices} device(s)")
     assert main(["doctor"]) == 0
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert f"NCCL calls (TENSORFERRY_NCCL_CALLS)\n  {count} device(s)\n" in capsys.readouterr().out
+    assert f"NCCL calls\n  {count} device(s)\n" in capsys.readouterr().out
 
 
 def test_doctor_says_which_cuda_event_calls_transfers_make(capsys, monkeypatch):

@@ -201,15 +201,8 @@ def nccl_calls_report(devices: int) -> str:
     or ``ProcessGroupNCCL``, which costs each call far more host time, and why."""
     if not devices:
         return "no CUDA device"
-    from tensorferry import envs
     from tensorferry.p2p._nccl_lib import library
 
-    try:
-        mode = envs.nccl_calls()
-    except ValueError as error:
-        return f"unusable setting: {error}"
-    if mode == "torch":
-        return "through ProcessGroupNCCL (TENSORFERRY_NCCL_CALLS=torch)"
     lib = library()
     if lib is None:
         return "through ProcessGroupNCCL: no NCCL library could be loaded to call directly"
@@ -310,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
     print(f"packed messages' copies (CUDA)\n  {info['piece_copy']}")
     print(f"CUDA event calls of each transfer\n  {info['event_calls']}")
-    print(f"NCCL calls (TENSORFERRY_NCCL_CALLS)\n  {info['nccl_calls']}")
+    print(f"NCCL calls\n  {info['nccl_calls']}")
     layout = info["layout"]
     if layout is not None:
         print(f"torchrun layout: {layout['world_size']} ranks on {len(layout['nodes'])} node(s)")

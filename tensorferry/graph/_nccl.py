@@ -3,13 +3,12 @@
 SWITCH POINT. This is the one place that decides how GPU tensors travel between actor
 processes. :func:`make_link` returns
 
-- :class:`DirectNcclLink` when the NCCL library can be loaded (``tensorferry.p2p._nccl_lib``)
-  and ``TENSORFERRY_NCCL_CALLS`` is ``direct`` (the default): the library called through
-  ``ctypes``, with communicators of the link's own. A send is three short library calls that
-  enqueue NCCL's kernel on the current stream; ``ProcessGroupNCCL`` wraps every operation in a
-  work object, CUDA events, a watchdog entry and a stream of its own, about 80 µs of host time
-  per send on the GPU machine — more than a small transfer.
-- :class:`TorchNcclLink` otherwise (``TENSORFERRY_NCCL_CALLS=torch``, or no library to load):
+- :class:`DirectNcclLink` when the NCCL library can be loaded (``tensorferry.p2p._nccl_lib``):
+  the library called through ``ctypes``, with communicators of the link's own. A send is three
+  short library calls that enqueue NCCL's kernel on the current stream; ``ProcessGroupNCCL``
+  wraps every operation in a work object, CUDA events, a watchdog entry and a stream of its
+  own, about 80 µs of host time per send on the GPU machine — more than a small transfer.
+- :class:`TorchNcclLink` where no library can be loaded (a torch that links NCCL statically):
   ``torch.distributed`` NCCL ``isend``/``irecv``, one process group per graph.
 
 Edges over ``ce`` and ``nvlink`` go through ``tensorferry.p2p`` instead
@@ -43,7 +42,6 @@ from typing import Any, Protocol
 
 import torch
 
-from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
@@ -425,9 +423,7 @@ def _wait_for_event(event: Any, timeout_s: float, what: str) -> None:
 
 def make_link(setup: NcclSetup, device: torch.device) -> GpuLink:
     """The link the graph uses for GPU edges (see the module doc: the switch point)."""
-    # The setting first: with ``torch`` the library is not even loaded.
-    if envs.nccl_calls() == "direct":
-        lib = nccl_library()
-        if lib is not None:
-            return DirectNcclLink(setup, device, lib)
+    lib = nccl_library()
+    if lib is not None:
+        return DirectNcclLink(setup, device, lib)
     return TorchNcclLink(setup, device)

@@ -14,9 +14,9 @@ so only the two ranks take part. Each is cached in the runtime's communicator ca
 ``("nccl", src, dst)`` and made once per direction (per epoch), lazily by the first message that
 way (``prepare_direction``), or for both directions by ``prepare``. Making one also runs one tiny
 send/recv, because NCCL connects the two ranks at their first transfer: afterwards the first real
-transfer pays nothing for set-up. Where the library cannot be loaded (or with
-``TENSORFERRY_NCCL_CALLS=torch``) a ``ProcessGroupNCCL`` per direction stands in, with the same
-behaviour and more host time per call.
+transfer pays nothing for set-up. Where the library cannot be loaded (a torch that links NCCL
+statically, with no ``nvidia-nccl`` wheel beside it) a ``ProcessGroupNCCL`` per direction stands
+in, with the same behaviour and more host time per call.
 
 ``start`` issues every message of a call as ONE NCCL group, whatever their directions and
 peers, enqueued on the transfer's stream (after the caller's work, before the layer's
@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from tensorferry import envs
 from tensorferry.errors import TransferTimeoutError, TransportError
 from tensorferry.p2p._nccl_lib import NcclLibrary
 from tensorferry.p2p._nccl_lib import library as nccl_library
@@ -265,7 +264,7 @@ class NcclTransport(Transport):
         me = 0 if sending else 1
         lib = nccl_library()
         with torch.cuda.device(device):
-            if lib is not None and envs.nccl_calls() == "direct":
+            if lib is not None:
                 # The sending side makes the id; the store's wait bounds the rendezvous.
                 if sending:
                     store.set("unique_id", lib.unique_id())

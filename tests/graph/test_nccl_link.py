@@ -130,7 +130,6 @@ def fake_links(monkeypatch):
 def test_make_link_calls_nccl_directly_by_default(monkeypatch, fake_links):
     lib = object()
     monkeypatch.setattr(_nccl, "nccl_library", lambda: lib)
-    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS", raising=False)
     setup, device = setup_for(0), torch.device("cuda", 0)
     link = make_link(setup, device)
     assert type(link).__name__ == "FakeDirect"
@@ -139,21 +138,10 @@ def test_make_link_calls_nccl_directly_by_default(monkeypatch, fake_links):
 
 def test_make_link_falls_back_to_torch_without_the_library(monkeypatch, fake_links):
     monkeypatch.setattr(_nccl, "nccl_library", lambda: None)
-    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "direct")
     setup, device = setup_for(0), torch.device("cuda", 0)
     link = make_link(setup, device)
     assert type(link).__name__ == "FakeTorch"
     assert link.args == (setup, device)
-
-
-def test_make_link_uses_torch_when_asked_and_does_not_load_the_library(monkeypatch, fake_links):
-    def never() -> None:
-        raise AssertionError("the library was loaded")
-
-    monkeypatch.setattr(_nccl, "nccl_library", never)
-    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "torch")
-    link = make_link(setup_for(0), torch.device("cuda", 0))
-    assert type(link).__name__ == "FakeTorch"
 
 
 # ---------------------------------------------------------------------- creation

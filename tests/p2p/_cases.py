@@ -12,6 +12,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -96,6 +97,34 @@ def send_recv_all_dtypes(rank: int, world: int, tag: int) -> str:
     for i, (g, e) in enumerate(zip(got, expect, strict=True)):
         assert same_bytes(g, e), f"tensor {i} ({e.dtype}, {tuple(e.shape)}) differs"
     return "ok"
+
+
+def nccl_without_the_library(rank: int, world: int, tag: int) -> list[str] | str:
+    """Ranks 0 and 1 exchange many-dtype messages over ``nccl`` where the NCCL library cannot
+    be loaded: the pair's communicators are then ``ProcessGroupNCCL`` ones. Returns the kinds
+    of communicator the pair used."""
+    if rank > 1:
+        return "idle"
+    from tensorferry.p2p import _nccl
+    from tensorferry.runtime import communicator_cache
+
+    peer, plain = 1 - rank, _nccl.nccl_library
+    _nccl.nccl_library = lambda: None
+    try:
+        tf._api._reset_pair(peer, timeout=T)  # the next message makes new communicators
+        for step in range(3):
+            mark = tag + 100 * step
+            out = [payload(rank, peer, mark + i, s, d) for i, (s, d) in enumerate(SHAPES)]
+            got = [poisoned(s, d) for s, d in SHAPES]
+            tf.sendrecv(out, peer, got, peer, transport="nccl").wait(T)
+            for i, (s, d) in enumerate(SHAPES):
+                assert same_bytes(got[i], payload(peer, rank, mark + i, s, d)), (step, i)
+        cache = communicator_cache()
+        kinds = sorted({type(cache.get(k)).__name__ for k in cache.keys() if k[0] == "nccl"})  # noqa: SIM118
+    finally:
+        _nccl.nccl_library = plain
+        tf._api._reset_pair(peer, timeout=T)  # later cases call the library again
+    return kinds
 
 
 def strided_single_elements(rank: int, world: int, tag: int) -> str:
@@ -446,76 +475,6 @@ def static_channel(rank: int, world: int, steps: int, transport: str = "auto") -
     return "ok"
 
 
-@contextlib.contextmanager
-def _short_way_counted(engine):
-    """Within it, each call of ``engine``'s short way appends whether it issued the message to
-    the list it yields."""
-    plain = engine._issue_short
-    taken: list[bool] = []
-
-    def counted(unit):
-        went = plain(unit)
-        taken.append(went)
-        return went
-
-    engine._issue_short = counted
-    try:
-        yield taken
-    finally:
-        del engine._issue_short
-
-
-def _wait_for_peer_headers(engine, peer: int, kind: str, count: int) -> None:
-    """Drives ``engine`` until ``count`` of ``peer``'s headers for our ``kind`` channel came."""
-    deadline = time.monotonic() + T
-    while len(engine._peers[peer].channels[kind].peer_headers) < count:
-        assert time.monotonic() < deadline, f"{count} headers from rank {peer} never came"
-        engine.drive()
-        time.sleep(1e-3)
-
-
-def static_in_flight(rank: int, world: int, transport: str, count: int) -> str:
-    """Rank 0 fires ``count`` static sends at once while rank 1 receives them one by one, then
-    they ping-pong: every message of an agreed static channel is confirmed by the peer's
-    header, or its transfer never finishes. Rank 0's sends are numbered before the channel's
-    agreement, rank 1's after it."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return "idle"
-    tf._api._reset_pair(1 - rank, timeout=T)  # a fresh channel: the first message agrees
-    data = [payload(0, 1, 700 + i, (4, 4), torch.float32) for i in range(count)]
-    store = _context.current().store
-    if rank == 0:
-        handles = [tf.send(t, 1, static=True, transport=transport) for t in data]
-        store.set("static_in_flight/fired", b"1")
-        for h in handles:
-            h.wait(T)
-    else:
-        store.wait(["static_in_flight/fired"])  # all of rank 0's are numbered before agreement
-        for i, t in enumerate(data):
-            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, transport=transport).result(T)
-            assert same_bytes(got, t), i
-            time.sleep(0.005)
-    for i, t in enumerate(data):
-        if rank == 0:
-            tf.send(t, 1, static=True, transport=transport)
-            got = tf.recv(tf.TensorSpec((4, 4)), 1, static=True, transport=transport).result(T)
-        else:
-            got = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, transport=transport).result(T)
-            tf.send(got, 0, static=True, transport=transport)
-        assert same_bytes(got, t), i
-    return "ok"
-
-
-def reset_pair_01(rank: int, world: int) -> str:
-    """Ranks 0 and 1 start their pair afresh (a static channel keeps its transport for good)."""
-    if rank > 1:
-        return "idle"
-    tf._api._reset_pair(1 - rank, timeout=T)
-    return "reset"
-
-
 _SETUP_LOCK = threading.Lock()  # one pair set-up at a time in this process
 
 
@@ -628,6 +587,12 @@ BAD_CALLS = 32
 BAD_CALLS_WITH_ANOTHER_GPU = 2
 
 
+def _sparse_csr() -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that its CSR support is in beta
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.eye(4, device=D()).to_sparse_csr()
+
+
 def bad_arguments(rank: int, world: int) -> list[str]:
     """Every bad call raises TypeError/ValueError before anything moves."""
     peer = (rank + 1) % world
@@ -665,7 +630,7 @@ def bad_arguments(rank: int, world: int) -> list[str]:
         ),
         "devices mixed": lambda: tf.send([x, x, torch.zeros(2, device="meta")], peer),
         "sparse": lambda: tf.send([x, torch.eye(4, device=D()).to_sparse()], peer),
-        "sparse csr": lambda: tf.send(torch.eye(4, device=D()).to_sparse_csr(), peer),
+        "sparse csr": lambda: tf.send(_sparse_csr(), peer),
         # Receiving into memory the same call sends from, or receives into twice: garbled.
         "exchange in place": lambda: tf.sendrecv(x, peer, x, peer),
         "one buffer twice": lambda: tf.recv([x, x], peer),
@@ -1083,11 +1048,6 @@ class _Queued:
         return True
 
 
-def prepare_with(rank: int, world: int, peers: list[int]) -> str:
-    tf.prepare(peers)
-    return "ok"
-
-
 def after_loss(rank: int, world: int, doomed: int) -> str:
     """Transfers with the dead peer fail fast; with the others they still work."""
     try:
@@ -1389,45 +1349,6 @@ def static_broken_with_receives_ahead(rank: int, world: int) -> dict:
     last = tf.recv(tf.TensorSpec((4, 4)), 0, static=True, timeout=3.0)
     seen.append(_outcome(lambda: which(last.result(T))))
     return {"recvs": seen}
-
-
-def static_broken_with_sends_ahead(rank: int, world: int, transport: str) -> dict:
-    """Mirror of ``static_broken_with_receives_ahead``: rank 0 fires three static sends at once
-    after an agreed first message; rank 1 breaks the promise on its second receive, then
-    receives twice more normally, and both end with one more exchange. Reports each call."""
-    from tensorferry.p2p import _context
-
-    if rank > 1:
-        return {}
-    tf._api._reset_pair(1 - rank, timeout=T)  # a fresh channel: the first message agrees
-    good = [payload(0, 1, 950 + i, (4, 4), torch.float32) for i in range(5)]
-    store = _context.current().store
-
-    def which(got: torch.Tensor) -> str:
-        return _which(got, good)
-
-    def recv(shape: tuple[int, ...]) -> str:
-        spec = tf.TensorSpec(shape)
-        return which(tf.recv(spec, 0, static=True, transport=transport, timeout=3.0).result(T))
-
-    def wait_ok(handle) -> str:
-        handle.wait(T)
-        return "ok"
-
-    if rank == 0:
-        first = _outcome(lambda: wait_ok(tf.send(good[0], 1, static=True, transport=transport)))
-        fired = [tf.send(g, 1, static=True, transport=transport, timeout=3.0) for g in good[1:4]]
-        store.set("sends_ahead/fired", b"1")
-        sends = [first] + [_outcome(lambda h=h: wait_ok(h)) for h in fired]
-        # Static and on the same transport: the channel may have agreed again meanwhile.
-        last = tf.send(good[4], 1, static=True, transport=transport, timeout=3.0)
-        sends.append(_outcome(lambda: wait_ok(last)))
-        return {"sends": sends}
-    recvs = [_outcome(lambda: recv((4, 4)))]
-    store.wait(["sends_ahead/fired"])
-    recvs.append(_outcome(lambda: recv((5, 4))))  # breaks the promise
-    recvs += [_outcome(lambda: recv((4, 4))) for _ in range(3)]
-    return {"recvs": recvs}
 
 
 _RANDOM_DTYPES = [

@@ -53,6 +53,11 @@ def test_send_recv_every_dtype_and_shape(pool):
     assert pool.run("send_recv_all_dtypes", 11) == ["ok", "ok"]
 
 
+def test_nccl_goes_through_process_groups_where_the_library_cannot_be_loaded(pool):
+    assert pool.run("nccl_without_the_library", 70) == [["_GroupPair"]] * 2
+    assert pool.run("send_recv_all_dtypes", 71) == ["ok", "ok"]
+
+
 def test_one_element_tensors_with_a_stride_travel(pool):
     assert pool.run("strided_single_elements", 12) == ["sent", "ok"]
 

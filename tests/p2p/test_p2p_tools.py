@@ -309,17 +309,9 @@ def test_a_done_callback_that_waits_on_another_transfers_completion_does_not_han
     second.wait(1.0)
 
 
-def test_nccl_calls_setting(monkeypatch):
-    from tensorferry import envs
+def test_the_nccl_library_loads_where_there_is_one():
     from tensorferry.p2p import _nccl_lib
 
-    monkeypatch.delenv("TENSORFERRY_NCCL_CALLS", raising=False)
-    assert envs.nccl_calls() == "direct"
-    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "torch")
-    assert envs.nccl_calls() == "torch"
-    monkeypatch.setenv("TENSORFERRY_NCCL_CALLS", "nvlink")
-    with pytest.raises(ValueError, match="TENSORFERRY_NCCL_CALLS"):
-        envs.nccl_calls()
     lib = _nccl_lib.library()  # None on a CPU-only build; never raises
     if lib is not None:
         assert lib.version() >= 21800
