@@ -46,9 +46,6 @@ __all__ = [
 
 _LEN = struct.Struct(">I")
 _CHUNK = 1 << 16  # bytes one read takes at most
-# Where the compiled helper is loaded, links make their system calls through it, holding the
-# GIL (its send_now and recv_now say why); an A/B switch for the probes.
-NATIVE_CALLS = True
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 # Reads one JSON value from the start of a string: json.loads without its whitespace scans and
 # its detection of a bytes payload's encoding, a few microseconds a frame on the caller's path.
@@ -204,7 +201,7 @@ class Link:
     def _send(self, data: bytes | bytearray) -> int:
         """Writes what the socket takes of ``data`` now; returns how much (0: it would block).
         Raises OSError if the socket is broken."""
-        native = _native.helper() if NATIVE_CALLS else None
+        native = _native.helper()  # (its send_now keeps the GIL: it says why)
         if native is None:
             try:
                 return self.sock.send(data)
@@ -220,7 +217,7 @@ class Link:
     def _recv(self) -> Any:
         """What the socket holds now, up to a chunk (a bytes-like object, empty when it would
         block), or ``None`` at the end of the stream or when the socket is broken."""
-        native = _native.helper() if NATIVE_CALLS else None
+        native = _native.helper()
         if native is None:
             try:
                 return self.sock.recv(_CHUNK) or None

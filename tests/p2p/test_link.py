@@ -25,7 +25,7 @@ def calls(request, monkeypatch):
     """How the link makes its system calls: through the compiled helper (holding the GIL),
     where it can be built here, or through the socket's own methods."""
     if request.param == "socket methods":
-        monkeypatch.setattr(_link, "NATIVE_CALLS", False)
+        monkeypatch.setattr(_native, "helper", lambda: None)
         return request.param
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine")
@@ -33,7 +33,6 @@ def calls(request, monkeypatch):
         pytest.skip("TENSORFERRY_NATIVE=0: the Python path only")
     _native.start()
     assert _native.wait(timeout=600) is not None, _native.status()
-    monkeypatch.setattr(_link, "NATIVE_CALLS", True)
     return request.param
 
 
