@@ -16,7 +16,6 @@ __all__ = [
     "log_level",
     "auto_table_path",
     "spin_us",
-    "graph_early_receives",
     "native_mode",
 ]
 
@@ -98,14 +97,6 @@ def spin_us() -> float:
     return value
 
 
-def _switch(name: str, default: bool) -> bool:
-    """A ``0``/``1`` switch (empty or unset: ``default``)."""
-    raw = os.environ.get(name, "") or ("1" if default else "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{name}={raw!r} must be 0 or 1")
-    return raw == "1"
-
-
 def native_mode() -> str:
     """Whether the compiled helpers are used (``TENSORFERRY_NATIVE``): ``auto`` (the default:
     built on first use in the background, Python meanwhile), ``wait`` (built before ``tf.init``
@@ -116,10 +107,3 @@ def native_mode() -> str:
     if raw not in ("auto", "wait", "1"):
         raise ValueError(f"TENSORFERRY_NATIVE={raw!r} must be auto, wait or 0")
     return "auto" if raw == "1" else raw
-
-
-def graph_early_receives() -> bool:
-    """Whether a graph's static NCCL edges announce each send so the receiver posts its receive
-    while the sender still computes (``TENSORFERRY_GRAPH_EARLY_RECEIVES``, on; ``0`` turns it
-    off). Read when an actor starts."""
-    return _switch("TENSORFERRY_GRAPH_EARLY_RECEIVES", True)

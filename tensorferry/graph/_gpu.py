@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorferry import envs
 from tensorferry.graph._channel import (
     Channel,
     RemoteError,
@@ -332,8 +331,6 @@ class GpuOps:
         holds two messages per execution in flight (the local executor makes them so)."""
         plan = self.runner.plan
         edges: list[EdgeSpec] = []
-        if not envs.graph_early_receives():
-            return edges
         for op in plan.schedule:
             if op.kind is not OpKind.WRITE or op.edge_id is None:
                 continue

@@ -173,12 +173,3 @@ def test_only_static_nccl_edges_with_room_for_two_messages_announce(channel_pair
                            max_inflight=2)  # fmt: skip
     ops.runner = SimpleNamespace(writers={0: writer}, plan=plan)
     assert ops._announcing_edges() == []  # two slots, two executions in flight: no room
-
-
-def test_early_receives_can_be_turned_off(channel_pair, monkeypatch):
-    control, writer, _ = channel_pair
-    monkeypatch.setenv("TENSORFERRY_GRAPH_EARLY_RECEIVES", "0")
-    assert not _ops(control, FakeLink(), writers={0: writer}).announces
-    monkeypatch.setenv("TENSORFERRY_GRAPH_EARLY_RECEIVES", "yes")
-    with pytest.raises(ValueError, match="TENSORFERRY_GRAPH_EARLY_RECEIVES"):
-        _ops(control, FakeLink(), writers={0: writer})
