@@ -38,7 +38,6 @@ from tensorferry.p2p import (  # noqa: E402
     is_initialized,
     prepare,
     recv,
-    register_transport,
     ring_all_gather,
     send,
     sendrecv,
@@ -67,7 +66,6 @@ __all__ = [
     "ring_all_gather",
     "Transfer",
     "TensorSpec",
-    "register_transport",
     # graphs
     "actor",
     "TensorFerryError",

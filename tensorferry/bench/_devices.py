@@ -36,21 +36,12 @@ def require_cuda_devices(count: int, what: str) -> None:
 
 def require_transports_for(device_type: str, names: Iterable[str], flag: str) -> None:
     """Raises ``SystemExit`` when one of ``names`` (p2p transports; ``auto`` always passes)
-    cannot move ``device_type`` tensors, the kind this run uses.
-
-    Transports registered by a class say which tensors they move; those registered through
-    another factory are taken as they are (their own error comes later, in the ranks)."""
-    from tensorferry.p2p._context import _import_optional_transports
-    from tensorferry.p2p._transport import registered_transports
-
-    _import_optional_transports()  # as tf.init does in the ranks
-    factories = registered_transports()
-    built_in = {"ce": "cuda", "gloo": "cpu"}  # the routes made by the layer itself
+    cannot move ``device_type`` tensors, the kind this run uses (an unknown name fails later,
+    in the ranks, with the layer's own error)."""
+    moves_of = {"ce": "cuda", "gloo": "cpu", "nccl": "cuda", "nvlink": "cuda"}
     for name in names:
-        factory = factories.get(name)
-        moves = getattr(factory, "device_type", None) if isinstance(factory, type) else None
-        moves = built_in.get(name, moves)
-        if name != "auto" and moves is not None and moves != device_type:
+        moves = moves_of.get(name)
+        if moves is not None and moves != device_type:
             raise SystemExit(
                 f"{flag}: {name} moves {moves.upper()} tensors, and this run's are "
                 f"{device_type.upper()} tensors ({cuda_device_count()} CUDA devices here)"

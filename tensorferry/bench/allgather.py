@@ -47,9 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from tensorferry.bench._devices import cuda_device_count, require_transports_for
     from tensorferry.bench._report import report
     from tensorferry.bench.sendrecv import parse_sizes
-    from tensorferry.p2p._context import _import_optional_transports
+    from tensorferry.p2p._context import TRANSPORTS
     from tensorferry.p2p._launch import run_world
-    from tensorferry.p2p._transport import registered_transports
 
     gpus = cuda_device_count()
     use_cuda = gpus >= 2
@@ -67,11 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if not sizes or any(size % 4 for size in sizes):
         raise SystemExit("--sizes must be multiples of 4 bytes")
     transports = (args.transports or ("nccl" if use_cuda else "gloo")).split(",")
-    _import_optional_transports()  # as tf.init does in the ranks
-    known = ["auto", "ce", "gloo", *registered_transports()]
-    unknown = [name for name in transports if name not in known]
+    unknown = [name for name in transports if name not in TRANSPORTS]
     if unknown:
-        raise SystemExit(f"--transports: unknown {unknown}; registered: {', '.join(known)}")
+        raise SystemExit(f"--transports: unknown {unknown}; known: {', '.join(TRANSPORTS)}")
     require_transports_for("cuda" if use_cuda else "cpu", transports, "--transports")
     config = {"sizes": sizes, "transports": transports, "iters": args.iters}
     results = run_world(

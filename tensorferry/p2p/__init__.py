@@ -13,27 +13,15 @@
     b.wait(timeout=10)
 
 Routes: ``ce`` between GPUs of one host (the copy engine writes into the receiver's buffers),
-``nccl`` between GPUs of different hosts, ``gloo`` for CPU tensors, and any transport registered
-with :func:`register_transport` (``_transport.py`` holds its contract); ``transport="auto"``
-picks by device and host. See :class:`Transfer` for the stream-ordering rules.
+``nccl`` between GPUs of different hosts, ``gloo`` for CPU tensors, and ``nvlink`` (the NVLink
+copy kernels) when named; ``transport="auto"`` picks by device and host. See :class:`Transfer`
+for the stream-ordering rules.
 """
 
 from tensorferry.p2p._api import Batch, batch, prepare, recv, ring_all_gather, send, sendrecv
 from tensorferry.p2p._context import get_rank, get_world_size, init, is_initialized, shutdown
-from tensorferry.p2p._nccl import NcclTransport
 from tensorferry.p2p._spec import TensorSpec
 from tensorferry.p2p._transfer import Transfer
-from tensorferry.p2p._transport import (
-    P2POp,
-    PendingOps,
-    Transport,
-    TransportContext,
-    register_transport,
-    registered_transports,
-    unregister_transport,
-)
-
-register_transport("nccl", NcclTransport, replace=True)
 
 __all__ = [
     # set-up
@@ -52,12 +40,4 @@ __all__ = [
     "ring_all_gather",
     "Transfer",
     "TensorSpec",
-    # transports
-    "register_transport",
-    "unregister_transport",
-    "registered_transports",
-    "Transport",
-    "TransportContext",
-    "P2POp",
-    "PendingOps",
 ]

@@ -3,8 +3,8 @@
 One process per device: the CUDA device is the local rank's when CUDA is present (else the
 CPU). The context holds the world store, the control links (:mod:`._links`), one
 :class:`~._pair.Pair` per peer (made on first use) and one route per transport name:
-``ce`` (one host, CUDA: one-sided copy-engine writes), ``nccl`` and ``gloo`` (two-sided), and
-any transport registered with :func:`~._transport.register_transport` (two-sided).
+``ce`` (one host, CUDA: one-sided copy-engine writes), ``gloo`` (CPU), and ``nccl`` and
+``nvlink`` (two-sided, :data:`TWO_SIDED`).
 
 Thread-safety: ``init``/``shutdown`` hold a module lock; the pair and route tables have their
 own lock; everything else is read-only after ``init``.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import importlib.util
 import logging
 import os
 import threading
@@ -29,7 +28,7 @@ from tensorferry.errors import TensorFerryError
 from tensorferry.p2p import _link
 from tensorferry.p2p._links import Links, first_line
 from tensorferry.p2p._pair import Pair
-from tensorferry.p2p._transport import Transport, TransportContext, registered_transports
+from tensorferry.p2p._transport import TransportContext
 from tensorferry.p2p._two_sided import TwoSidedRoute
 from tensorferry.runtime._devices import cuda_device_count
 
@@ -41,9 +40,12 @@ BACKENDS = ("auto", "nccl", "gloo")
 ONE_SIDED = "ce"
 # How often the idle-pair watcher reads frames of pairs no caller holds (seconds).
 _IDLE_READ_S = 0.02
-# Modules of transports built beside this layer; imported at init so they register themselves.
-# A module that is missing or fails to import is skipped.
-OPTIONAL_TRANSPORT_MODULES = ["tensorferry.p2p.nvlink.transport"]
+# The two-sided transports: name -> (module, class), imported when a message first names one.
+TWO_SIDED = {
+    "nccl": ("tensorferry.p2p._nccl", "NcclTransport"),
+    "nvlink": ("tensorferry.p2p.nvlink.transport", "NvlinkTransport"),
+}
+TRANSPORTS = ("auto", ONE_SIDED, "gloo", *TWO_SIDED)
 
 _lock = threading.Lock()
 _context: P2PContext | None = None
@@ -158,13 +160,14 @@ class P2PContext:
             from tensorferry.p2p._gloo import GlooRoute
 
             return GlooRoute(self.transport_ctx)
-        factory = registered_transports().get(name)
-        if factory is None:
-            known = ", ".join(["auto", ONE_SIDED, "gloo", *registered_transports()])
-            raise ValueError(f"unknown transport {name!r}; known: {known}")
-        transport = factory(self.transport_ctx)
-        if not isinstance(transport, Transport):
-            raise TypeError(f"transport factory {name!r} returned {type(transport).__name__}")
+        where = TWO_SIDED.get(name)
+        if where is None:
+            raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
+        module, cls = where
+        try:
+            transport = getattr(importlib.import_module(module), cls)(self.transport_ctx)
+        except ImportError as exc:
+            raise ValueError(f"transport {name!r} cannot run here: {first_line(exc)}") from None
         return TwoSidedRoute(transport)
 
     def choose(self, requested: str, peer: int, tensors: Sequence[torch.Tensor]) -> str:
@@ -394,7 +397,6 @@ def init(
         device, backend = (
             _given_device(device, backend) if device is not None else (_pick_device(backend, rank))
         )
-        _import_optional_transports()
         _incarnation += 1
         import torch.distributed as dist
 
@@ -521,13 +523,3 @@ def _pick_device(backend: str, rank: int) -> tuple[torch.device, str]:
     if not 0 <= local < count:
         raise ValueError(f"LOCAL_RANK={local} but this process sees {count} CUDA device(s)")
     return torch.device("cuda", local), "nccl"
-
-
-def _import_optional_transports() -> None:
-    for module in OPTIONAL_TRANSPORT_MODULES:
-        try:
-            if importlib.util.find_spec(module) is None:
-                continue
-            importlib.import_module(module)
-        except Exception:
-            log.warning("p2p: could not import transport module %s", module, exc_info=True)

@@ -29,7 +29,7 @@ A transport carries the messages of a two-sided route (:mod:`._two_sided`). For 
 the layer, under its pair's lock (on the caller's thread, or a thread driving the pair):
 
 1. picks the transport: the one named by the caller; ``"auto"`` picks ``ce`` between GPUs of
-   one host, ``nccl`` between hosts and ``gloo`` for CPU tensors, never a registered one;
+   one host, ``nccl`` between hosts and ``gloo`` for CPU tensors, never ``nvlink``;
 2. calls :meth:`Transport.unsupported_reason` on the caller's thread, before anything moves — a
    non-``None`` reason becomes a ``ValueError`` for the caller;
 3. once per direction, pair and epoch, calls :meth:`Transport.prepare_direction` with that peer
@@ -65,22 +65,10 @@ Rules a transport keeps
 - Thread-safety of ``prepare``/``evict``/``close``: may run concurrently with ``start`` for
   *other* peers; keep per-pair state in the communicator cache (single-flight) or under a lock.
 
-Registering a transport
-=======================
-::
-
-    from tensorferry.p2p import register_transport
-
-    class NvlinkTransport(Transport):
-        name = "nvlink"
-        device_type = "cuda"
-        ...
-
-    register_transport("nvlink", NvlinkTransport)          # factory(ctx) -> Transport
-
-The factory is called once per process, lazily, with the :class:`TransportContext` of the
-initialised p2p layer; registering after ``tf.init`` is fine. Every rank must register the same
-transports (``"auto"`` must choose identically on both sides).
+The transports
+==============
+``nccl`` (:mod:`._nccl`) and ``nvlink`` (:mod:`tensorferry.p2p.nvlink.transport`); the layer
+makes each once per process, when a message first names it (``_context.TWO_SIDED``).
 """
 
 from __future__ import annotations
@@ -115,10 +103,6 @@ __all__ = [
     "HOLD_GIL_BELOW",
     "Transport",
     "TransportContext",
-    "TransportFactory",
-    "register_transport",
-    "unregister_transport",
-    "registered_transports",
 ]
 
 
@@ -434,60 +418,3 @@ class Transport(abc.ABC):
         for key in cache.keys():  # noqa: SIM118 (a cache, not a dict)
             if isinstance(key, tuple) and key[:1] == (self.name,) and self.ctx.rank in key[1:]:
                 cache.evict(key, abort=False, reason=reason)
-
-
-TransportFactory = Callable[[TransportContext], Transport]
-
-# name -> factory, in registration order (auto's tie-break). Guarded by _lock.
-_lock = threading.Lock()
-_factories: dict[str, TransportFactory] = {}
-_version = 0  # bumped on every change: caches of auto's choices key on it
-
-
-def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
-    """Makes a transport available under ``name`` (for ``transport=name`` and ``"auto"``).
-
-    Args:
-        name: registry name, e.g. ``"nvlink"``; ``"auto"`` is reserved.
-        factory: called once per process as ``factory(ctx)`` when the transport is first needed.
-        replace: allow replacing an existing registration (else it is an error).
-
-    Raises:
-        TypeError: ``name`` is not a string or ``factory`` not callable.
-        ValueError: ``name`` is empty, ``"auto"``, or already registered without ``replace``.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"transport name must be a str, got {type(name).__name__}")
-    if not name or name == "auto":
-        raise ValueError(f"invalid transport name {name!r}")
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
-    with _lock:
-        if name in _factories and not replace:
-            raise ValueError(f"transport {name!r} is already registered (pass replace=True)")
-        _factories[name] = factory
-        _bump()
-
-
-def unregister_transport(name: str) -> bool:
-    """Removes ``name`` from the registry. Returns true when it was there."""
-    with _lock:
-        removed = _factories.pop(name, None) is not None
-        _bump()
-        return removed
-
-
-def registry_version() -> int:
-    """Changes whenever a transport is registered or unregistered."""
-    return _version
-
-
-def _bump() -> None:
-    global _version
-    _version += 1
-
-
-def registered_transports() -> dict[str, TransportFactory]:
-    """A copy of the registry, in registration order."""
-    with _lock:
-        return dict(_factories)

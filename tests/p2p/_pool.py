@@ -24,9 +24,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_GPU_RANKS = os.environ.get("TF_TEST_ONE_GPU_RANKS") == "1"
 
 
-def _worker(
-    rank: int, world: int, port: int, timeout: float, optional: bool, backend: str, conn: Any
-) -> None:
+def _worker(rank: int, world: int, port: int, timeout: float, backend: str, conn: Any) -> None:
     sys.path.insert(0, _HERE)
     import logging
 
@@ -41,8 +39,6 @@ def _worker(
 
         if ONE_GPU_RANKS:  # read by NCCL when it makes the rank's first communicator
             os.environ["NCCL_HOSTID"] = f"tensorferry-test-rank-{rank}"
-        if not optional:  # only the built-in transports: these tests are about the p2p layer
-            p2p._context.OPTIONAL_TRANSPORT_MODULES.clear()
         p2p.init(
             backend,
             rank=rank,
@@ -83,13 +79,12 @@ class WorkerPool:
         *,
         transfer_timeout: float = 10.0,
         start_timeout: float = 60,
-        optional_transports: bool = False,
         backend: str = "auto",
     ):
         self.world = world
         self.broken: str | None = None
         self._conns, self._procs = [], []
-        self._settings = (transfer_timeout, start_timeout, optional_transports, backend)
+        self._settings = (transfer_timeout, start_timeout, backend)
         self._begin()
 
     def _begin(self) -> None:
@@ -107,7 +102,7 @@ class WorkerPool:
             self.broken = f"{why}, and a fresh world could not start: {exc}"
 
     def _start(
-        self, port: int, transfer_timeout: float, start_timeout: float, optional: bool, backend: str
+        self, port: int, transfer_timeout: float, start_timeout: float, backend: str
     ) -> None:
         ctx = mp.get_context("spawn")
         world = self.world
@@ -115,7 +110,7 @@ class WorkerPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world, port, transfer_timeout, optional, backend, child),
+                args=(rank, world, port, transfer_timeout, backend, child),
                 daemon=True,
             )
             proc.start()

@@ -14,7 +14,6 @@ from _pool import WorkerPool
 
 import tensorferry.p2p as tf
 from tensorferry.errors import TensorFerryError, TransferTimeoutError
-from tensorferry.p2p._transport import Transport
 
 WORLD = 3
 
@@ -340,29 +339,12 @@ def test_tensor_spec_takes_integers_of_other_types_but_not_bools_or_floats():
             tf.TensorSpec(bad)
 
 
-def test_registry():
-    assert "nccl" in tf.registered_transports()
-    with pytest.raises(ValueError, match="already registered"):
-        tf.register_transport("nccl", lambda ctx: None)
-    with pytest.raises(ValueError):
-        tf.register_transport("auto", lambda ctx: None)
-    with pytest.raises(TypeError):
-        tf.register_transport("x", 3)
+def test_an_unknown_transport_is_named_with_the_known_ones():
+    from tensorferry.p2p._context import TRANSPORTS, P2PContext
 
-    class Fake(Transport):
-        name = "fake"
-
-        def prepare(self, peers):
-            pass
-
-        def start(self, ops, *, stream=None):
-            raise NotImplementedError
-
-    tf.register_transport("fake", Fake)
-    try:
-        assert tf.registered_transports()["fake"] is Fake
-    finally:
-        assert tf.unregister_transport("fake")
+    with pytest.raises(ValueError, match="unknown transport 'pigeon'; known: auto, ce, gloo"):
+        P2PContext._make_route(object.__new__(P2PContext), "pigeon")
+    assert TRANSPORTS == ("auto", "ce", "gloo", "nccl", "nvlink")
 
 
 # ---------------------------------------------------------------------- across processes

@@ -5,7 +5,7 @@
 - :class:`ChannelConfig`, :func:`plan_launch` — buffer sizing, CTA budget, adaptive stride.
 - :class:`AutoTable`, :func:`default_table` — the measured ``transport="auto"`` table.
 
-``import tensorferry.p2p.nvlink.transport`` registers the ``nvlink`` transport.
+``tensorferry.p2p.nvlink.transport`` carries ``tf.send(..., transport="nvlink")`` messages.
 
 Triton is imported only when a kernel launches, so this package imports on machines without it.
 """

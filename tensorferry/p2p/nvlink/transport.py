@@ -6,8 +6,6 @@ two ranks rendezvous), cached in the runtime's communicator cache under ``("nvli
 launch (both ranks pair the same way, so the CTA split agrees) and runs receive-only launches on
 a second internal stream, so rings (send to one peer, receive from another) cannot deadlock
 behind each other on one stream.
-
-Importing this module registers the transport.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Any
 import torch
 
 from tensorferry.errors import TransportError
-from tensorferry.p2p._transport import P2POp, PendingOps, Transport, register_transport
+from tensorferry.p2p._transport import P2POp, PendingOps, Transport
 from tensorferry.p2p.nvlink._layout import ERR_TIMEOUT, ERROR_FIELDS, ChannelConfig
 from tensorferry.p2p.nvlink._pair_setup import set_up_pair
 from tensorferry.runtime import communicator_cache
@@ -156,6 +154,3 @@ class NvlinkTransport(Transport):
 
         channel = communicator_cache().get_or_create(("nvlink", lo, hi), make)
         return channel, 1 - me
-
-
-register_transport("nvlink", NvlinkTransport, replace=True)
