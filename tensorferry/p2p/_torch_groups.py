@@ -10,8 +10,7 @@ promise. A receive from a peer that was killed fails with ``ncclRemoteError``; t
 watchdog thread then waits for a debug dump (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 60 s
 by default) and takes the whole process down, aborted group or not: a graph actor that had
 stopped cleanly after its peer's death was seen gone about a minute after the error (one H100,
-torch 2.11; ``scripts/torch_group_error_probe.py`` measures it, setting by setting). With 0,
-the watchdog only reports.
+torch 2.11). With 0, the watchdog only reports.
 
 ``ProcessGroupNCCL`` reads the variable when a group is made, so :func:`errors_left_to_us`
 sets it around the making only, where the environment does not set it: a user's explicit

@@ -3,7 +3,7 @@ host time of ``tf.send``, stream ordering and a peer killed mid-transfer.
 
 Skipped without 2 CUDA devices, or with one and ``TF_TEST_ONE_GPU_RANKS=1`` (both ranks on it,
 over NCCL's network transport: see ``_pool.ONE_GPU_RANKS``; the tests that need a second device
-skip). ``scripts/gpu-check.sh`` runs it with NCCL's default transports and with its socket
+skip). ``tools/gpu-check.sh`` runs it with NCCL's default transports and with its socket
 transport (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``).
 """
 
@@ -253,8 +253,7 @@ def test_a_peer_killed_mid_transfer_leaves_the_others_working_without_a_stall(mo
     talk for 25 seconds, every round quickly, and shut down in time. Over ProcessGroupNCCL
     pairs, torch's default error handling took a process down once its watchdog had waited
     for a debug dump after the failed receive (see p2p/_torch_groups.py); with that wait cut
-    to 3 s, a process went 17 s after the failure (scripts/torch_group_error_probe.py), so
-    such an end comes within the rounds."""
+    to 3 s, a process went 17 s after the failure, so such an end comes within the rounds."""
     monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "3000")
     world, doomed = 3, 2
     pool = WorkerPool(world, transfer_timeout=20.0, start_timeout=120)

@@ -12,8 +12,8 @@ The receiver *pulls*: its copy engine reads each chunk out of the sender's stagi
 the output over NVLink. So the receiving GPU, which is usually the one computing, sees only the
 message's own writes into its memory: no staging copy of its own competes with its kernels for
 memory bandwidth (pushing into the receiver's staging and copying out there slowed a matmul loop
-on the receiver by 16% for 4 GiB; a plain cross-device copy by 6-7%; see
-``scripts/ce_overlap_probe.py``). The sender's staging copy stays on the sending GPU.
+on the receiver by 16% for 4 GiB; a plain cross-device copy by 6-7%). The sender's staging
+copy stays on the sending GPU.
 
 Sender S, on its own send stream::
 

@@ -138,8 +138,7 @@ class ChannelConfig:
     """Bytes per staging slot, the largest chunk (multiple of 16 KiB). Every chunk ends in a
     system-scope fence that waits for its stores to land on the peer, so larger chunks idle the
     link less: 1 MiB against 256 KiB took both ways at 1 GiB from 0.76x to 0.95x NCCL, one way
-    from 0.88x to 0.93x, on 2 x H200 (``scripts/nvlink_config_probe.py``); 128 MiB of staging
-    per rank for a pair."""
+    from 0.88x to 0.93x, on 2 x H200; 128 MiB of staging per rank for a pair."""
     min_bytes_per_cta: int = 16 * 1024
     """Smallest share of a message worth another CTA."""
     block_words: int = 8192
