@@ -2,7 +2,8 @@
 Markdown files that carry the run's provenance (hardware, versions, date, command).
 
 Files are named ``<theme>_<hardware>_<date>.{csv,md}`` so results from different machines and
-days can sit side by side in ``benchmarks/results/``.
+days can sit side by side in one ``--out`` folder; a run's table then goes onto its living page
+under ``benchmarks/``.
 
 Every report is also kept in this process (:func:`record`, :func:`collected`), so that
 ``tensorferry bench <name> --json`` can print all of a run's results as one JSON document.

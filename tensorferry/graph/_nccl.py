@@ -184,8 +184,7 @@ def _let_go_elsewhere(box: list[Any]) -> None:
     thread. ``ProcessGroupNCCL``'s destructor joins torch's watchdog thread, which after a peer
     died mid-receive spends seconds on the failed operation (the Python stack it prints waited
     7 s for cold imports on one H100). Dropped on the link watch's thread, the group held the
-    actor past teardown's wait, and teardown killed it
-    (``benchmarks/results/session38_2026-11-25.md``)."""
+    actor past teardown's wait, and teardown killed it (one H100, 2026-11-25)."""
     threading.Thread(target=box.clear, name="tf-process-group-release", daemon=True).start()
 
 

@@ -19,7 +19,7 @@ __all__ = ["AutoTable", "DEFAULT_TABLES", "TRANSPORTS", "default_table"]
 TRANSPORTS = ("nvlink", "ce", "nccl")
 MODES = ("one_way", "both")
 
-# 2 x H200, one way, graph-replayed (benchmarks/results/sendrecv_h200x2_2026-11-21.md):
+# 2 x H200, one way, graph-replayed (2026-11-21, benchmarks/sendrecv.md's history):
 # up to 64 KiB NCCL (9.7-10.6 µs) beat the staged NVLink kernel (11.1-13.1 µs). Larger sizes
 # and both-ways were not measured yet: above 64 KiB the rule follows the design expectation
 # (NVLink kernels), to be replaced by a `--tune` table. H100 is not measured: same rules.
