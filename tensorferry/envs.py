@@ -14,7 +14,6 @@ __all__ = [
     "completion_threads",
     "visualize_schedule",
     "log_level",
-    "auto_table_path",
     "spin_us",
     "native_mode",
 ]
@@ -69,12 +68,6 @@ def visualize_schedule() -> bool:
 def log_level() -> str:
     """Log level of the ``tensorferry`` logger (``TENSORFERRY_LOG_LEVEL``, WARNING)."""
     return os.environ.get("TENSORFERRY_LOG_LEVEL", "WARNING").upper()
-
-
-def auto_table_path() -> str | None:
-    """A measured ``transport="auto"`` table (``TENSORFERRY_AUTO_TABLE``, a JSON file written by
-    ``tensorferry bench sendrecv --tune``); unset means the shipped defaults."""
-    return os.environ.get("TENSORFERRY_AUTO_TABLE") or None
 
 
 def spin_us() -> float:

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="one_way,both", help="one_way, both")
     parser.add_argument("--tune", action="store_true", help="also write auto_table.json")
     parser.add_argument(
+        "--table",
+        default=None,
+        help="the size table the 'auto' column follows (a JSON file written by --tune; "
+        "default: the built-in one for this GPU)",
+    )
+    parser.add_argument(
         "--overlap",
         action="store_true",
         help="also time an 8192^3 bf16 matmul loop with 4 GiB arriving",
@@ -152,7 +158,7 @@ class _Bench:
         self.recv_buf = torch.empty(self.max_size, dtype=torch.uint8, device=self.device)
         from tensorferry.p2p.nvlink import _autotable
 
-        self.table = _autotable.default_table()
+        self.table = _autotable.default_table(path=args.table)
 
     # ------------------------------------------------------------------ resources
     def nccl4(self) -> Any:

@@ -75,13 +75,11 @@ def test_from_measurements_merges_neighbours() -> None:
     assert list(t.rules["both"]) == [(None, "nvlink")]
 
 
-def test_defaults_and_env(tmp_path, monkeypatch) -> None:
+def test_defaults_and_a_table_from_a_file(tmp_path) -> None:
     for data in DEFAULT_TABLES.values():
         AutoTable.from_json(data)
-    monkeypatch.delenv("TENSORFERRY_AUTO_TABLE", raising=False)
     assert "H100" in default_table("NVIDIA H100 80GB HBM3").source
     assert "H200" in default_table("NVIDIA H200").source
     path = tmp_path / "t.json"
     table().save(str(path))
-    monkeypatch.setenv("TENSORFERRY_AUTO_TABLE", str(path))
-    assert default_table().choose(9 << 20, bidirectional=True) == "nccl"
+    assert default_table(path=str(path)).choose(9 << 20, bidirectional=True) == "nccl"

@@ -3,7 +3,7 @@
 - :class:`NvlinkChannel` — one rank's staging buffers and signals; ``send``/``recv``/``sendrecv``.
 - :func:`empty` — a symmetric receive buffer the sender writes directly (zero-copy).
 - :class:`ChannelConfig`, :func:`plan_launch` — buffer sizing, CTA budget, adaptive stride.
-- :class:`AutoTable`, :func:`default_table` — the measured ``transport="auto"`` table.
+- :class:`AutoTable`, :func:`default_table` — a measured size table of the kernel-level channels.
 
 ``tensorferry.p2p.nvlink.transport`` carries ``tf.send(..., transport="nvlink")`` messages.
 

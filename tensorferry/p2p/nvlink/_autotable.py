@@ -1,8 +1,11 @@
-"""``transport="auto"``: pick ``nvlink``, ``ce`` or ``nccl`` per message from a measured table.
+"""A measured size table: which of the kernel-level channels (``nvlink``, ``ce``, ``nccl``) was
+fastest for a message size.
 
 The table is plain data (JSON): per direction mode, size thresholds and the transport that was
-fastest up to each. ``tensorferry bench sendrecv --tune`` measures and writes one; defaults
-for H100/H200 ship in :data:`DEFAULT_TABLES`. Pure Python, testable without a GPU.
+fastest up to each. ``tensorferry bench sendrecv --tune`` measures and writes one, and that
+bench's ``auto`` column follows it (``--table``); defaults for H100/H200 ship in
+:data:`DEFAULT_TABLES`. ``tf.send(transport="auto")`` does not read it: it picks ``ce`` or
+``nccl`` by host. Pure Python, testable without a GPU.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from tensorferry import envs
 
 __all__ = ["AutoTable", "DEFAULT_TABLES", "TRANSPORTS", "default_table"]
 
@@ -161,10 +162,9 @@ class AutoTable:
         return cls(rules=rules, device=device)
 
 
-def default_table(device_name: str | None = None) -> AutoTable:
-    """The table for this machine: ``TENSORFERRY_AUTO_TABLE`` (a JSON path) if set, else the
-    shipped default matching ``device_name`` (H100/H200), else the H200 one."""
-    path = envs.auto_table_path()
+def default_table(device_name: str | None = None, *, path: str | None = None) -> AutoTable:
+    """The table at ``path`` (a JSON file from ``tensorferry bench sendrecv --tune``) if given,
+    else the shipped default matching ``device_name`` (H100/H200), else the H200 one."""
     if path:
         return AutoTable.load(path)
     if device_name is None:
