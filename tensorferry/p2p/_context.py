@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,10 +97,14 @@ class P2PContext:
         self._watcher.start()
 
     def _watch_idle_pairs(self) -> None:
-        """Reads the frames of pairs no caller holds, every ``_IDLE_READ_S``: a rank that makes
-        no call still answers its peers' faults (their next calls wait for that answer)."""
+        """Steps the pairs nobody stepped in the last half ``_IDLE_READ_S``: a rank that makes no
+        call still answers its peers' faults (their next calls wait for that answer), and a
+        transfer nobody waits for still moves. A pair a caller drives is left to it: a step
+        here would take the GIL and the pair's lock from under its wait."""
         while not self._stopping.wait(_IDLE_READ_S):
             for pair in list(self._pairs.values()):
+                if time.monotonic() - pair.stepped_at < _IDLE_READ_S / 2:
+                    continue
                 if pair.lock.acquire(blocking=False):
                     try:
                         pair.progress()

@@ -36,8 +36,8 @@ faults that cross answer each other). Until the answer comes the faulting side n
 calls but issues none of them: some may fall below the cut. No fault shifts a later message,
 and other pairs never hear of it.
 
-A peer that makes no call still answers: a watcher thread (:func:`watch_idle_pairs`) reads the
-frames of pairs no caller holds, every few milliseconds.
+A peer that makes no call still answers: a watcher thread (``P2PContext._watch_idle_pairs``)
+steps the pairs nobody stepped for a few milliseconds.
 
 Thread-safety: every method runs under the pair's re-entrant lock; callers' threads, the
 acceptor thread (attaching the peer's link) and the completion pool's poller (transfers with
@@ -101,6 +101,7 @@ class Pair:
         self._out: Any = None  # our link to the peer (we write; the peer only its bye)
         self._in: Any = None  # the peer's link to us (we read)
         self._out_read_at = 0.0
+        self.stepped_at = 0.0  # monotonic time of the last step (progress) anyone ran
         self.lost: BaseException | None = None
         self.streams: dict[str, Any] = {}  # CUDA: one send and one receive stream per pair
         self._client: Any = None
@@ -129,6 +130,7 @@ class Pair:
         """Reads the peer's frames, ends what passed its deadline, issues what can go and
         completes what finished."""
         with self.lock:
+            self.stepped_at = time.monotonic()
             self._pump()
             self._check_deadlines()
             self._advance()

@@ -283,3 +283,39 @@ def test_routes_of_two_kinds_for_one_message_fail_it_on_the_transport(kind, fram
     assert isinstance(message.error, MismatchError) and message.error.field == "transport"
     assert "different transports for message 0" in str(message.error)
     assert [frame["k"] for frame in pair._out.frames if frame["k"] == "f"] == ["f"]
+
+
+def test_the_idle_watcher_steps_only_the_pairs_nobody_steps():
+    """The watcher thread steps a pair nobody stepped for half its period (a rank that makes
+    no call still answers its peer) and leaves one that a caller drives to that caller: its
+    step would take the GIL and the pair's lock from under the caller's wait."""
+    import threading
+
+    from tensorferry.p2p import _context
+
+    class _Pair:
+        def __init__(self) -> None:
+            self.lock = threading.RLock()
+            self.stepped_at = 0.0
+            self.watched = 0
+
+        def progress(self) -> None:
+            self.stepped_at = time.monotonic()
+            self.watched += 1
+
+    driven, idle = _Pair(), _Pair()
+    ctx = object.__new__(_context.P2PContext)
+    ctx._stopping = threading.Event()
+    ctx._pairs = {1: driven, 2: idle}
+    watcher = threading.Thread(target=ctx._watch_idle_pairs)
+    watcher.start()
+    try:
+        until = time.monotonic() + 12 * _context._IDLE_READ_S
+        while time.monotonic() < until:
+            driven.stepped_at = time.monotonic()  # a caller's wait steps it all along
+            time.sleep(_context._IDLE_READ_S / 20)
+    finally:
+        ctx._stopping.set()
+        watcher.join(5)
+    assert driven.watched == 0
+    assert idle.watched >= 5
