@@ -27,10 +27,8 @@ import functools
 import json
 import os
 import secrets
-import selectors
 import socket
 import struct
-import time
 from typing import Any
 
 from tensorferry import _native
@@ -169,8 +167,6 @@ class Link:
         self._chunk = bytearray(_CHUNK)  # what one read through the compiled helper takes in
         self.closed = False
         self._ended = False  # the peer closed its end (what came before is still read)
-        self.interest = selectors.EVENT_READ  # what the engine's selector watches it for
-        self.read_at = float("-inf")  # monotonic time of the last receive()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -248,7 +244,6 @@ class Link:
 
     def receive(self) -> list[dict[str, Any]] | None:
         """Reads what is available. Returns the complete frames, or ``None`` at EOF/reset."""
-        self.read_at = time.monotonic()
         while not self._ended:
             chunk = self._recv()
             if chunk is None:  # the end: frames that came before it are handled first

@@ -261,25 +261,6 @@ def _inspect_plain(
     return _detached(items) if grads else tuple(items), desc
 
 
-def lone_of_layout(item: Any, desc: Descriptor, device: torch.device) -> torch.Tensor | None:
-    """``item`` as a message's one tensor (detached where it requires grad) when it is a plain
-    contiguous tensor on ``device`` of the one-tensor layout ``desc`` (an interned descriptor);
-    else ``None``, for the detailed check to name what differs. The same checks as
-    :func:`as_tensor_list` on ``[item]``, made by one call of the compiled loop where it is
-    loaded: a lone static message repeats its channel's layout."""
-    if type(item) not in _PLAIN_TYPES:
-        return None
-    native = _native.helper()
-    walked = (
-        native.inspect_plain((item,), _PLAIN_TYPE_TUPLE, _PLAIN_DTYPES, desc)
-        if native is not None
-        else _walk((item,))
-    )
-    if walked is None or (walked[1] is not desc and walked[1] != desc) or item.device != device:
-        return None
-    return item.detach() if walked[0] else item
-
-
 def _walk(items: Sequence[Any]) -> tuple[bool, Descriptor] | None:
     """The one pass in Python: ``(any requires grad, descriptor)``, or ``None`` for anything
     unusual (as ``inspect_plain`` of ``tensorferry/_native``)."""
