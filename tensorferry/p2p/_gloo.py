@@ -186,7 +186,6 @@ class _Group:
     def __init__(self, pg: Any, other: int, epoch: int) -> None:
         self.pg, self.other, self.epoch = pg, other, epoch
         self._waiters: dict[str, queue.SimpleQueue] = {}
-        self.given_up = False
 
     def abort(self) -> None:
         """A fault: its waiters end after the works they hold (gloo cannot cut a wait short;
@@ -194,7 +193,6 @@ class _Group:
         last few faults'): dropped at once, it would close its connection, and the peer's
         transfers on it could fail as if this rank were gone before the fault's notice told it
         why."""
-        self.given_up = True
         self.stop()
         _given_up.append(self)
 
