@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 ONE_SIDED = "ce"
-# How often the idle-pair watcher reads frames of pairs no caller holds (seconds).
+# How often the idle-pair watcher wakes to step the pairs nobody stepped meanwhile (seconds).
 _IDLE_READ_S = 0.02
 # The two-sided transports: name -> (module, class), imported when a message first names one.
 TWO_SIDED = {
