@@ -272,6 +272,12 @@ def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
         (["bench", "sendrecv", "--sizes", "1X"], "size '1X' is not a byte count"),
         (["bench", "sendrecv", "--transports", "pigeon"], "--transports 'pigeon': choose from"),
         (["bench", "sendrecv", "--modes", "sideways"], "--modes 'sideways': choose from"),
+        (
+            ["bench", "sendrecv", "--tune", "--modes", "one_way"],
+            "--tune needs --modes one_way,both",
+        ),
+        (["bench", "sendrecv", "--tune", "--transports", "auto"], "at least one of nccl, nvlink"),
+        (["bench", "sendrecv", "--table", "/no/such/table.json"], "--table '/no/such/table.json'"),
         (["bench", "allgather", "--transports", "pigeon", "--world", "2"], "unknown ['pigeon']"),
         (["bench", "lifecycle", "--devices", "9"], "--devices '9'"),
     ],

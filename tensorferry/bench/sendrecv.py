@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes (K/M/G suffixes)")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="comma-separated")
     parser.add_argument("--modes", default="one_way,both", help="one_way, both")
-    parser.add_argument("--tune", action="store_true", help="also write auto_table.json")
+    parser.add_argument(
+        "--tune", action="store_true", help="also write auto_table.json (needs both modes)"
+    )
     parser.add_argument(
         "--table",
         default=None,
@@ -93,6 +95,24 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit(
                 f"tensorferry bench sendrecv: {flag} {given!r}: choose from {','.join(known)}"
             )
+    if args.tune:
+        # The table has rules for both modes and names only these channels: a run that cannot
+        # fill it says so now, not after measuring.
+        modes = set(args.modes.split(","))
+        channels = set(args.transports.split(",")) & {"nccl", "nvlink", "ce"}
+        if modes != {"one_way", "both"} or not channels:
+            raise SystemExit(
+                "tensorferry bench sendrecv: --tune needs --modes one_way,both and at least one "
+                f"of nccl, nvlink, ce in --transports (given --modes {args.modes!r}, "
+                f"--transports {args.transports!r})"
+            )
+    if args.table:
+        from tensorferry.p2p.nvlink._autotable import AutoTable
+
+        try:
+            AutoTable.load(args.table)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"tensorferry bench sendrecv: --table {args.table!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
