@@ -147,6 +147,12 @@ class Pair:
         """Whether messages are open (read without the lock: a hint)."""
         return bool(self._open["send"] or self._open["recv"])
 
+    def waiting(self) -> bool:
+        """Whether a message waits for the peer's frame (or its route's making): only a thread
+        that steps the pair issues it."""
+        with self.lock:
+            return any(m.state == WAITING for open_ in self._open.values() for m in open_.values())
+
     def incoming_fd(self) -> int | None:
         """The descriptor the peer's frames arrive on (``None`` before it connected)."""
         link = self._in

@@ -291,16 +291,29 @@ class Transfer:
 
     def _block(self, limit: float) -> bool:
         """Waits on this thread in a route's blocking wait (a gloo work) until it ends or
-        ``limit``, where nothing else of the transfer needs this thread meanwhile; returns
-        whether it did."""
+        ``limit``, where nothing else needs this thread meanwhile; returns whether it did.
+
+        Nothing may wait for a peer's frame meanwhile, in this transfer or another of this
+        rank (a send left unwaited while its caller waits for the reply): only a thread that
+        steps the pair issues it once the frame comes, and blocked here this one could not."""
         if any(m.state == WAITING for m in self._messages):
             return False
         for message in self._messages:
             if message.state == ISSUED:
                 route = self._route_of(message)
-                if hasattr(route, "block") and route.block(message, limit, self.deadline):
+                if not hasattr(route, "block"):
+                    continue
+                if self._others_waiting():
+                    return False
+                if route.block(message, limit, self.deadline):
                     return True
         return False
+
+    def _others_waiting(self) -> bool:
+        """Whether a message of this rank outside this transfer waits for its peer's frame."""
+        if not self._pairs:
+            return False
+        return any(pair.waiting() for pair in self._pairs[0].ctx.busy_pairs([]))
 
     def _route_of(self, message: Message) -> Any:
         return self._pairs[0].ctx.route(message.route)

@@ -507,6 +507,45 @@ def packed_ping_pong(rank: int, world: int, rounds: int) -> str:
     return "ok"
 
 
+def reply_awaited_beside_an_unwaited_send(rank: int, world: int, rounds: int) -> list | str:
+    """Rank 0 sends without waiting, then waits for rank 1's reply (a stage that hands its
+    output on and waits for what comes back). The receiver's post of each send may come while
+    rank 0 waits for the reply: that wait must issue the send, not leave it to the idle-pair
+    watcher (milliseconds later). Returns the names of the threads that issued rank 0's
+    sends; every byte is checked."""
+    if rank > 1:
+        return "idle"
+    from tensorferry.p2p import _context
+
+    peer = 1 - rank
+    shape, dtype = (1024,), torch.float32
+    ctx = _context.current()
+    route = type(ctx.route(ctx.choose("auto", peer, (torch.empty(0, device=D()),))))
+    issuers: list[str] = []
+    write = route.write
+
+    def recorded(self, pair, sends):
+        issuers.append(threading.current_thread().name)
+        return write(self, pair, sends)
+
+    route.write = recorded
+    try:
+        for r in range(rounds):
+            out, into = payload(rank, peer, r, shape, dtype), poisoned(shape, dtype)
+            if rank == 0:
+                sent = tf.send(out, peer)
+                tf.recv(into, peer).wait(T)
+                sent.wait(T)
+            else:
+                time.sleep(0.005)  # the post comes while rank 0 waits for the reply
+                tf.recv(into, peer).wait(T)
+                tf.send(out, peer).wait(T)
+            assert same_bytes(into, payload(peer, rank, r, shape, dtype)), r
+    finally:
+        route.write = write
+    return sorted(set(issuers))
+
+
 def contexts_on_other_devices(rank: int, world: int) -> list[int]:
     """The other CUDA devices on which this rank's process has a context. Each process moves
     tensors of its own device only; a context elsewhere (made when a thread of the library's

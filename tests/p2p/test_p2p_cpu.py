@@ -379,6 +379,12 @@ def test_single_tensor_result_and_callbacks(pool):
         assert "done" in result["repr"]
 
 
+def test_a_send_left_unwaited_is_issued_by_the_wait_for_the_reply(pool):
+    # Before, the wait for the reply blocked in gloo while the send still waited for its post,
+    # and the idle-pair watcher issued it up to 10 ms later.
+    assert pool.run("reply_awaited_beside_an_unwaited_send", 30)[:2] == [["MainThread"]] * 2
+
+
 def test_ring_sendrecv_send_peer_differs_from_recv_peer(pool):
     assert pool.run("ring_sendrecv", 4) == ["ok"] * WORLD
 
