@@ -276,7 +276,10 @@ def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
             ["bench", "sendrecv", "--tune", "--modes", "one_way"],
             "--tune needs --modes one_way,both",
         ),
-        (["bench", "sendrecv", "--tune", "--transports", "auto"], "at least one of nccl, nvlink"),
+        (
+            ["bench", "sendrecv", "--tune", "--transports", "auto"],
+            "at least one of nvlink, ce, nccl",
+        ),
         (["bench", "sendrecv", "--table", "/no/such/table.json"], "--table '/no/such/table.json'"),
         (["bench", "allgather", "--transports", "pigeon", "--world", "2"], "unknown ['pigeon']"),
         (["bench", "lifecycle", "--devices", "9"], "--devices '9'"),

@@ -95,20 +95,20 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit(
                 f"tensorferry bench sendrecv: {flag} {given!r}: choose from {','.join(known)}"
             )
+    from tensorferry.p2p.nvlink._autotable import MODES, TRANSPORTS, AutoTable
+
     if args.tune:
-        # The table has rules for both modes and names only these channels: a run that cannot
+        # The table has rules for every mode and names only its channels: a run that cannot
         # fill it says so now, not after measuring.
         modes = set(args.modes.split(","))
-        channels = set(args.transports.split(",")) & {"nccl", "nvlink", "ce"}
-        if modes != {"one_way", "both"} or not channels:
+        channels = set(args.transports.split(",")) & set(TRANSPORTS)
+        if modes != set(MODES) or not channels:
             raise SystemExit(
-                "tensorferry bench sendrecv: --tune needs --modes one_way,both and at least one "
-                f"of nccl, nvlink, ce in --transports (given --modes {args.modes!r}, "
-                f"--transports {args.transports!r})"
+                f"tensorferry bench sendrecv: --tune needs --modes {','.join(MODES)} and at "
+                f"least one of {', '.join(TRANSPORTS)} in --transports (given --modes "
+                f"{args.modes!r}, --transports {args.transports!r})"
             )
     if args.table:
-        from tensorferry.p2p.nvlink._autotable import AutoTable
-
         try:
             AutoTable.load(args.table)
         except (OSError, ValueError) as exc:
