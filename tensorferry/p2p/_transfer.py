@@ -298,21 +298,17 @@ class Transfer:
         steps the pair issues it once the frame comes, and blocked here this one could not."""
         if any(m.state == WAITING for m in self._messages):
             return False
-        for message in self._messages:
-            if message.state == ISSUED:
-                route = self._route_of(message)
-                if not hasattr(route, "block"):
-                    continue
-                if self._others_waiting():
-                    return False
-                if route.block(message, limit, self.deadline):
-                    return True
-        return False
-
-    def _others_waiting(self) -> bool:
-        """Whether a message of this rank outside this transfer waits for its peer's frame."""
-        if not self._pairs:
+        blocking = [
+            (message, route)
+            for message in self._messages
+            if message.state == ISSUED and hasattr(route := self._route_of(message), "block")
+        ]
+        if not blocking or self._rank_waiting():
             return False
+        return any(route.block(message, limit, self.deadline) for message, route in blocking)
+
+    def _rank_waiting(self) -> bool:
+        """Whether a message of this rank, of any transfer, waits for its peer's frame."""
         return any(pair.waiting() for pair in self._pairs[0].ctx.busy_pairs([]))
 
     def _route_of(self, message: Message) -> Any:
