@@ -98,6 +98,20 @@ _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES) if dtype is not
 # Tensors that travel as their bytes: plain ones, and Parameters, which arrive as plain tensors
 # as over GPU edges (see host_values). Other subclasses are pickled whole.
 RAW_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_READABLE_DEVICES = frozenset(("cpu", "cuda"))  # where a tensor's bytes can be read from
+
+
+def travels_raw(value: Any) -> bool:
+    """Whether the channels take ``value`` out of the pickle and move it as its bytes: a plain
+    tensor or ``Parameter``, strided, in host or CUDA memory, of a dtype with a code. Any other
+    tensor (a subclass, a sparse one, one on the meta device, which has no bytes) is pickled
+    whole. The compile- and execute-time checks (``_sendable``) leave out exactly these."""
+    return (
+        type(value) in RAW_TENSOR_TYPES
+        and value.layout is torch.strided
+        and value.device.type in _READABLE_DEVICES
+        and value.dtype in _DTYPE_CODE
+    )
 
 
 def dtype_of(code: int) -> torch.dtype:
@@ -371,16 +385,13 @@ class _TensorPickler(pickle.Pickler):
         self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) not in RAW_TENSOR_TYPES or obj.layout is not torch.strided:
-            return None
-        code = _DTYPE_CODE.get(obj.dtype)
-        if code is None:
+        if not travels_raw(obj):
             return None
         index = self._seen.get(id(obj))
         if index is None:
             index = self._seen[id(obj)] = len(self.tensors)
             self.tensors.append(host_values(obj))
-        return (index, code, tuple(obj.shape), obj.is_cuda)
+        return (index, _DTYPE_CODE[obj.dtype], tuple(obj.shape), obj.is_cuda)
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -486,7 +497,7 @@ class Channel:
             GraphStopped, PeerDied: the graph is ending.
         """
         try:
-            if type(value) in RAW_TENSOR_TYPES and value.layout is torch.strided:
+            if travels_raw(value):
                 self._write_tensor(value, timeout)
             elif isinstance(value, RemoteError):
                 self._write_bytes(_KIND_ERROR, pickle.dumps(value), timeout)
@@ -500,9 +511,9 @@ class Channel:
 
     def _write_tensor(self, tensor: torch.Tensor, timeout: float) -> None:
         flags = _FLAG_WAS_CUDA if tensor.is_cuda else 0
-        code = _DTYPE_CODE.get(tensor.dtype)
+        code = _DTYPE_CODE[tensor.dtype]
         ndim = tensor.dim()
-        if code is None or ndim > _MAX_NDIM:
+        if ndim > _MAX_NDIM:
             self._write_object(tensor, timeout)
             return
         tensor = host_values(tensor)

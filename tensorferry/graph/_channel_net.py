@@ -47,12 +47,12 @@ import torch
 from tensorferry.errors import TransferTimeoutError
 from tensorferry.graph._channel import (
     _DTYPE_CODE,
-    RAW_TENSOR_TYPES,
     GraphStopped,
     PeerDied,
     _TensorPickler,
     dtype_of,
     host_values,
+    travels_raw,
     unreadable,
 )
 from tensorferry.graph._plan import DRIVER, GraphSpec
@@ -136,11 +136,7 @@ def _blob_entry(tensor: torch.Tensor, was_cuda: bool) -> bytes:
 
 def _encode(value: Any) -> list[memoryview | bytes]:
     """The frame of one message, as buffers to send in order."""
-    if (
-        type(value) in RAW_TENSOR_TYPES
-        and value.layout is torch.strided
-        and value.dtype in _DTYPE_CODE
-    ):
+    if travels_raw(value):
         was_cuda = value.is_cuda
         tensor = host_values(value)
         head = _HEAD.pack(_KIND_TENSOR, 1, 0) + _blob_entry(tensor, was_cuda)

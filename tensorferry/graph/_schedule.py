@@ -7,7 +7,9 @@ Default schedule (overlap off)
     therefore a subsequence of one global sequence in which each rendezvous send sits right next
     to its receive, so sends and receives between any two actors come in the same order on both
     sides and the schedules cannot deadlock, whatever the transports. Results for the driver are
-    written right after they are computed.
+    written right after they are computed. Then each WRITE over a buffered channel (``shm``,
+    ``tcp``) moves up to right after its COMPUTE where the deadlock simulation allows (as
+    below), so a result leaves as it was returned, not as the actor's later methods left it.
 
 Overlap schedule (``overlap_communication=True``)
     Starting from the default schedule, every WRITE moves up to right after the COMPUTE that made
@@ -28,7 +30,13 @@ from dataclasses import replace
 from tensorferry.graph._deadlock import check_deadlock, find_deadlock
 from tensorferry.graph._plan import DRIVER, GraphSpec, Operation, OpKind, Schedules
 
-__all__ = ["build_schedules", "default_schedules", "overlap_schedules", "moved_operations"]
+__all__ = [
+    "build_schedules",
+    "default_schedules",
+    "early_buffered_writes",
+    "overlap_schedules",
+    "moved_operations",
+]
 
 
 def default_schedules(graph: GraphSpec) -> Schedules:
@@ -130,6 +138,36 @@ def overlap_schedules(
         New schedules; ``moved`` marks operations that now come before computation they
         followed in ``base``.
     """
+    moves = (
+        (OpKind.WRITE, lambda ops, i: _write_target(graph, ops, i)),
+        (OpKind.READ, lambda ops, i: _read_target(ops, i)),
+    )
+    return _moved_early(graph, base, moves, capacity=capacity, max_inflight=max_inflight)
+
+
+def early_buffered_writes(
+    graph: GraphSpec, base: Schedules, *, capacity: int = 1, max_inflight: int = 1
+) -> Schedules:
+    """The schedule without overlap: ``base`` with each write over a buffered channel (``shm``,
+    ``tcp``) moved up to right after the method that made it, where the deadlock simulation
+    allows. A result then leaves as it was returned, as with overlap on: sent at its
+    consumer's turn, it carried whatever the actor's later methods changed in place (its
+    weights) first. A write to a buffer waits for nobody, so the move costs no time."""
+
+    def target(ops: list[Operation], index: int) -> int:
+        edge_id = ops[index].edge_id
+        assert edge_id is not None
+        return index if graph.edge(edge_id).rendezvous else _write_target(graph, ops, index)
+
+    moves = ((OpKind.WRITE, target),)
+    return _moved_early(graph, base, moves, capacity=capacity, max_inflight=max_inflight)
+
+
+def _moved_early(
+    graph: GraphSpec, base: Schedules, moves: tuple, *, capacity: int, max_inflight: int
+) -> Schedules:
+    """``base`` with the operations of each ``(kind, target_of)`` of ``moves`` moved to
+    ``target_of(ops, index)`` in turn, each kept where the deadlock simulation passes."""
     work: dict[str, list[Operation]] = {actor: list(ops) for actor, ops in base.items()}
     ancestors = _ancestors(graph)
 
@@ -173,10 +211,7 @@ def overlap_schedules(
             else:
                 run = 1  # again from the same place, a move at a time
 
-    for kind, target_of in (
-        (OpKind.WRITE, lambda ops, i: _write_target(graph, ops, i)),
-        (OpKind.READ, lambda ops, i: _read_target(ops, i)),
-    ):
+    for kind, target_of in moves:
         for actor in work:
             if actor == DRIVER:
                 continue  # the driver writes inputs first and reads results as get() asks
@@ -226,10 +261,7 @@ def build_schedules(
     Raises:
         DeadlockError: the schedules can deadlock (names the wait cycle).
     """
-    schedules = default_schedules(graph)
-    if overlap:
-        schedules = overlap_schedules(
-            graph, schedules, capacity=capacity, max_inflight=max_inflight
-        )
+    move = overlap_schedules if overlap else early_buffered_writes
+    schedules = move(graph, default_schedules(graph), capacity=capacity, max_inflight=max_inflight)
     check_deadlock(graph, schedules, capacity=capacity, max_inflight=max_inflight)
     return schedules

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tensorferry.graph._channel import travels_raw
+
 __all__ = [
     "check_sendable",
     "first_unpicklable",
@@ -23,11 +25,12 @@ __all__ = [
 
 
 class _ProbePickler(pickle.Pickler):
-    """Pickles a value with its tensors left out (as the channels take them out): whether the
-    rest pickles, without copying any tensor to find out."""
+    """Pickles a value with the tensors the channels take out left out (``travels_raw``):
+    whether the rest pickles, without copying those tensors to find out. A tensor the channels
+    pickle whole (a subclass, say) is pickled here too, so what fails there fails here."""
 
     def persistent_id(self, obj: Any) -> Any:
-        return id(obj) if isinstance(obj, torch.Tensor) else None
+        return id(obj) if travels_raw(obj) else None
 
 
 _PLAIN = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
@@ -42,11 +45,10 @@ class _LayoutPickler(_ProbePickler):
         self._seen: set[int] = set()
 
     def persistent_id(self, obj: Any) -> Any:
-        pid = super().persistent_id(obj)
-        if pid is not None and pid not in self._seen:
-            self._seen.add(pid)
+        if isinstance(obj, torch.Tensor) and id(obj) not in self._seen:
+            self._seen.add(id(obj))
             self.layout.append((tuple(obj.shape), obj.dtype))
-        return pid
+        return super().persistent_id(obj)
 
 
 def tensor_layout(value: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:

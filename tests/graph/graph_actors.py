@@ -12,6 +12,17 @@ import time
 import torch
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass: the graph's channels pickle it whole."""
+
+
+def unpicklable_tagged(x: torch.Tensor) -> Tagged:
+    """``x`` as a :class:`Tagged` holding a lambda, so it does not pickle."""
+    tagged = x.as_subclass(Tagged)
+    tagged.hook = lambda: None
+    return tagged
+
+
 class Calc:
     def __init__(self, offset: float = 0.0) -> None:
         self.offset = offset
@@ -49,6 +60,11 @@ class Calc:
     def lock_if(self, x: torch.Tensor, flag: bool) -> object:
         """A result that cannot be pickled (so cannot leave the process) when ``flag``."""
         return {"lock": threading.Lock(), "x": x} if flag else x
+
+    def tagged_if(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        """A tensor subclass that cannot be pickled (the channels pickle subclasses whole)
+        when ``flag``."""
+        return unpicklable_tagged(x) if flag else x
 
     def structure(self, x: torch.Tensor) -> dict:
         return {"double": x * 2, "items": [x.sum(), "label", 3]}
@@ -270,10 +286,13 @@ class GpuCalc:
         return x * 3
 
 
-def check_unsendable_results(graph, through, *, numel: int, timeout: float) -> None:
-    """Runs a graph of ``lock_if`` whose result goes to the driver and through another actor
-    (``through(x)`` is what that one returns): an execution whose result cannot be pickled
-    fails alone with ``ActorError``, and the ones around it return whole."""
+def check_unsendable_results(
+    graph, through, *, numel: int, timeout: float, method: str = "lock_if"
+) -> None:
+    """Runs a graph of ``method`` (``lock_if`` or ``tagged_if``) whose result goes to the
+    driver and through another actor (``through(x)`` is what that one returns): an execution
+    whose result cannot be pickled fails alone with ``ActorError``, and the ones around it
+    return whole."""
     import pytest
 
     import tensorferry as tf
@@ -282,7 +301,7 @@ def check_unsendable_results(graph, through, *, numel: int, timeout: float) -> N
         x = torch.randn(numel)
         ref = graph.execute(x, flag)
         if flag:
-            with pytest.raises(tf.ActorError, match=r"lock_if.* cannot be pickled"):
+            with pytest.raises(tf.ActorError, match=rf"{method}.* cannot be pickled"):
                 ref.get(timeout=timeout)
         else:
             direct, passed_on = ref.get(timeout=timeout)

@@ -87,6 +87,29 @@ def test_tensors_that_require_grad_arrive_detached(ring, tcp_edge, channel):
     assert weight.requires_grad and out.grad_fn is not None  # the sender's own are untouched
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass: pickled whole, so it arrives as itself."""
+
+
+@pytest.mark.parametrize("channel", ["shm", "tcp"])
+def test_tensors_without_readable_bytes_or_of_a_subclass_are_pickled_whole(ring, tcp_edge, channel):
+    # A meta tensor has no bytes (its data pointer is 0: copied as bytes, the process died).
+    writer, reader = (ring[1], ring[2]) if channel == "shm" else tcp_edge
+    meta = torch.empty(3, 5, device="meta")
+    tagged = torch.arange(4.0).as_subclass(_Tagged)
+    for value in (meta, [meta, torch.ones(2)], tagged, {"t": tagged}):
+        writer.write(value, timeout=1)
+        got = reader.read(timeout=1)
+        if isinstance(value, torch.Tensor):
+            got, value = [got], [value]
+        got = list(got.values()) if isinstance(got, dict) else got
+        value = list(value.values()) if isinstance(value, dict) else value
+        for g, want in zip(got, value, strict=True):
+            assert type(g) is type(want) and g.device == want.device and g.shape == want.shape
+            if not want.is_meta:
+                assert torch.equal(g.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor))
+
+
 @pytest.mark.parametrize("channel", ["shm", "tcp"])
 def test_conjugate_and_negative_views_arrive_as_their_values(ring, tcp_edge, channel):
     # Their memory holds x; the flag that conjugates or negates it is not in the bytes.

@@ -15,7 +15,15 @@ import warnings
 import pytest
 import torch
 from channel_values import LoadsBadly, every_raw_dtype, same_bytes
-from graph_actors import Broken, Calc, Keeps, SlowStart, check_unsendable_results, cramped_map
+from graph_actors import (
+    Broken,
+    Calc,
+    Keeps,
+    SlowStart,
+    check_unsendable_results,
+    cramped_map,
+    unpicklable_tagged,
+)
 from killed_driver import kill_a_driver, no_segments
 
 import tensorferry as tf
@@ -92,6 +100,26 @@ def test_a_kept_tensor_changed_by_the_next_execution_arrives_as_it_was_returned(
     try:
         refs = [graph.execute(float(k)) for k in range(1, 21)]
         assert [ref.get(timeout=60) for ref in refs] == [(float(k), float(k)) for k in range(1, 21)]
+    finally:
+        graph.teardown(kill_actors=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_kept_tensor_changed_by_a_later_method_arrives_as_it_was_returned(trio, overlap):
+    """Without overlap, a result for another actor was written at its consumer's turn, after
+    its actor's later methods of the execution: one that filled the kept tensor again made it
+    arrive with the later values (with overlap on, as it was returned)."""
+    a, b, _ = trio
+    with InputNode() as inp:
+        first = a.fill_kept.bind(inp[0], 4)
+        again = a.fill_kept.bind(inp[1], 4)  # the same kept tensor, filled in place
+        dag = MultiOutputNode([b.extremes.bind(first), again])
+    graph = dag.compile(overlap_communication=overlap)
+    try:
+        for k in range(1, 4):
+            extremes, filled_again = graph.execute(float(k), -float(k)).get(timeout=30)
+            assert extremes == (float(k), float(k))
+            assert torch.equal(filled_again, torch.full((4,), -float(k)))
     finally:
         graph.teardown(kill_actors=False)
 
@@ -1025,6 +1053,8 @@ def test_an_input_that_cannot_be_sent_fails_alone_and_the_graph_goes_on(trio):
             graph.execute(x, threading.Lock())
         with pytest.raises(TypeError, match=r"inp\[1\] cannot be pickled"):
             graph.execute(x, (y, lambda: None))  # a tensor beside it does not help
+        with pytest.raises(TypeError, match=r"inp\[1\] cannot be pickled"):
+            graph.execute(x, unpicklable_tagged(y))  # a tensor subclass is pickled whole
         added, combined = graph.execute(x, y).get(timeout=10)
         assert torch.equal(added, x + 1.0)
         assert torch.equal(combined, Calc(100.0).combine(x, y + 10.0))
@@ -1032,15 +1062,18 @@ def test_an_input_that_cannot_be_sent_fails_alone_and_the_graph_goes_on(trio):
         graph.teardown(kill_actors=False)
 
 
+@pytest.mark.parametrize("method", ["lock_if", "tagged_if"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_result_that_cannot_be_sent_fails_its_execution_only(trio, overlap):
+def test_a_result_that_cannot_be_sent_fails_its_execution_only(trio, overlap, method):
+    # tagged_if: a tensor subclass, which the channels pickle whole (a check that left every
+    # tensor out passed it, and the failed write ended the actor's loop)
     a, b, _ = trio
     with InputNode() as inp:
-        sent = a.lock_if.bind(inp[0], inp[1])
+        sent = getattr(a, method).bind(inp[0], inp[1])
         dag = MultiOutputNode([sent, b.add.bind(sent)])  # to the driver and to another actor
     graph = dag.compile(overlap_communication=overlap)
     try:
-        check_unsendable_results(graph, lambda x: x + 10.0, numel=4, timeout=10)
+        check_unsendable_results(graph, lambda x: x + 10.0, numel=4, timeout=10, method=method)
     finally:
         graph.teardown(kill_actors=False)
 
