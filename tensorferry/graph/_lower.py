@@ -4,6 +4,8 @@ Checks (each a :class:`GraphCompileError` with what to change):
 - the output is a method call or a ``MultiOutputNode`` of method calls;
 - the graph has exactly one ``InputNode``;
 - every bound call matches its method's signature (no missing or unknown arguments);
+- every call takes a node as an argument (the input, or another call's result), so that every
+  call runs once per ``execute()``;
 - no call bound in the graph is left out of the outputs (its result would be lost);
 - transport hints sit only on method calls, and not on a method annotated to return no tensor;
 - each actor-to-actor edge gets a transport that works between the two devices: ``nccl``,
@@ -149,6 +151,18 @@ def _check_signature(node: ClassMethodNode) -> None:
         raise GraphCompileError(f"{node.actor.name}.{node.method}: {problem}")
 
 
+def _check_follows_a_node(node: ClassMethodNode) -> None:
+    """A call with no node among its arguments waits for nothing: it would run on its own,
+    ahead of every ``execute()``, as often as its output has room."""
+    nodes = (InputNode, InputAttributeNode, ClassMethodNode)
+    if not any(isinstance(v, nodes) for v in (*node.args, *node.kwargs.values())):
+        raise GraphCompileError(
+            f"{node!r} takes no node as an argument (the InputNode, an input's key or another "
+            "call's result), so nothing would make it wait for execute(): it would run ahead, "
+            "on its own; bind it to the input or to a result it should follow"
+        )
+
+
 def _arg_ref(value: Any, task_ids: dict[int, int], where: str) -> ArgRef:
     if isinstance(value, InputNode):
         return ArgRef("input", None)
@@ -207,6 +221,8 @@ def lower(
             f"'with InputNode() as inp:'), found {len(inputs)}"
         )
     calls = [n for n in nodes if isinstance(n, ClassMethodNode)]
+    for node in calls:
+        _check_follows_a_node(node)
     in_graph = {n._node_id for n in nodes}
     lost = [
         n for n in inputs[0]._bound if isinstance(n, ClassMethodNode) and n._node_id not in in_graph

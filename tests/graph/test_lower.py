@@ -99,6 +99,22 @@ def test_graph_without_input_is_rejected():
         lower(dag)
 
 
+def test_a_call_that_takes_no_node_is_rejected():
+    # Nothing made it wait for execute(): it ran ahead, as often as its output had room (six
+    # runs for three executions).
+    a, b = FakeActor("A"), FakeActor("B")
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.consume.bind(0), b.consume.bind(inp)])
+    with pytest.raises(GraphCompileError, match=r"A\.consume.*takes no node.*execute\(\)"):
+        lower(dag)
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.consume.bind(x=0), b.consume.bind(inp)])
+    with pytest.raises(GraphCompileError, match="takes no node"):
+        lower(dag)
+    with InputNode() as inp:
+        lower(MultiOutputNode([a.combine.bind(0, b=inp.key), b.consume.bind(inp)]))
+
+
 def test_transport_hint_on_a_method_returning_none_is_rejected():
     a, b = FakeActor("A", "cuda:0"), FakeActor("B", "cuda:1")
     with InputNode() as inp:
