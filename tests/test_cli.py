@@ -283,12 +283,55 @@ def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
         (["bench", "sendrecv", "--table", "/no/such/table.json"], "--table '/no/such/table.json'"),
         (["bench", "allgather", "--transports", "pigeon", "--world", "2"], "unknown ['pigeon']"),
         (["bench", "lifecycle", "--devices", "9"], "--devices '9'"),
+        (["bench", "toy", "--modes", ""], "--modes must be cached, uncached or both"),
+        (["bench", "toy", "--programs", ","], "--programs: choose one or more of"),
     ],
 )
 def test_bad_lists_are_one_line_before_anything_starts(argv, text):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert text in str(exc.value.code)
+
+
+@pytest.mark.parametrize(
+    "argv, env, text",
+    [
+        # Passed the parser, then a traceback from ClientConfig.
+        (["bench", "lifecycle", "--streams-per-device", "3"], {}, "must be at least 6"),
+        # Reached the store: a C++ traceback.
+        (["doctor", "--layout-timeout", "-1"], {}, "must be a positive number, got '-1'"),
+        (["doctor"], {"TENSORFERRY_LOG_LEVEL": "loud"}, "TENSORFERRY_LOG_LEVEL='loud' must be"),
+    ],
+)
+def test_bad_values_are_usage_errors(argv, env, text, monkeypatch, capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert text in capsys.readouterr().err
+
+
+def test_the_log_level_variable_sets_the_library_logger_where_it_is_set(monkeypatch):
+    import logging
+
+    from tensorferry import envs
+
+    logger = logging.getLogger("tensorferry")
+    before = logger.level
+    try:
+        monkeypatch.setenv("TENSORFERRY_LOG_LEVEL", "debug")
+        envs.apply_log_level()  # (tf.init, an actor's spawn)
+        assert logger.level == logging.DEBUG
+        monkeypatch.delenv("TENSORFERRY_LOG_LEVEL")
+        logger.setLevel(logging.ERROR)
+        envs.apply_log_level()  # unset: the program's own configuration stays
+        assert logger.level == logging.ERROR
+        monkeypatch.setenv("TENSORFERRY_LOG_LEVEL", "loud")
+        with pytest.raises(ValueError, match="TENSORFERRY_LOG_LEVEL='loud' must be one of"):
+            envs.apply_log_level()
+    finally:
+        logger.setLevel(before)
 
 
 @pytest.mark.parametrize(

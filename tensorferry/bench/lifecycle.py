@@ -15,12 +15,26 @@ from tensorferry.cli._args import add_bench_output_arguments, positive_int
 __all__ = ["add_arguments", "run"]
 
 
+def _streams_per_device(text: str) -> int:
+    from tensorferry.runtime.client import STREAM_ROLES
+
+    count = positive_int(text)
+    if count < len(STREAM_ROLES):
+        raise argparse.ArgumentTypeError(
+            f"must be at least {len(STREAM_ROLES)} (one stream per role), got {text!r}"
+        )
+    return count
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cycles", type=positive_int, default=1000, help="create+close cycles per mode"
     )
     parser.add_argument(
-        "--streams-per-device", type=positive_int, default=14, help="streams each client holds"
+        "--streams-per-device",
+        type=_streams_per_device,
+        default=14,
+        help="streams each client holds (at least one per stream role: 6)",
     )
     parser.add_argument(
         "--devices", default="all", help="'all' (every CUDA device, else the CPU) or e.g. '0,1'"

@@ -59,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
     programs = [p for p in args.programs.split(",") if p]
     unknown = set(programs) - set(PROGRAMS)
-    if unknown:
-        raise SystemExit(f"unknown program(s) {sorted(unknown)}; choose from {PROGRAMS}")
+    if unknown or not programs:
+        raise SystemExit(f"--programs: choose one or more of {PROGRAMS}, got {args.programs!r}")
     modes = [m for m in args.modes.split(",") if m]
-    if set(modes) - {"cached", "uncached"}:
-        raise SystemExit(f"--modes must be a subset of cached,uncached, got {args.modes}")
+    if set(modes) - {"cached", "uncached"} or not modes:
+        raise SystemExit(f"--modes must be cached, uncached or both, got {args.modes!r}")
     use_cuda = on_two_gpus(args.device)
     config = {
         "programs": programs,

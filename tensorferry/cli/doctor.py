@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 
+from tensorferry.cli._args import positive_float
+
 __all__ = [
     "add_arguments",
     "run",
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument(
         "--layout-timeout",
-        type=float,
+        type=positive_float,
         default=60.0,
         help="under torchrun: seconds to wait for every rank when gathering the node layout",
     )
