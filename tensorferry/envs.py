@@ -65,9 +65,28 @@ def visualize_schedule() -> bool:
     return os.environ.get("TENSORFERRY_VISUALIZE_SCHEDULE", "") not in ("", "0", "false", "no")
 
 
-def log_level() -> str:
-    """Log level of the ``tensorferry`` logger (``TENSORFERRY_LOG_LEVEL``, WARNING)."""
-    return os.environ.get("TENSORFERRY_LOG_LEVEL", "WARNING").upper()
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> str | None:
+    """Log level of the ``tensorferry`` logger (``TENSORFERRY_LOG_LEVEL``), ``None`` when unset."""
+    raw = os.environ.get("TENSORFERRY_LOG_LEVEL", "")
+    if not raw:
+        return None
+    if raw.upper() not in _LOG_LEVELS:
+        raise ValueError(f"TENSORFERRY_LOG_LEVEL={raw!r} must be one of {', '.join(_LOG_LEVELS)}")
+    return raw.upper()
+
+
+def apply_log_level() -> None:
+    """Sets the ``tensorferry`` logger's level from ``TENSORFERRY_LOG_LEVEL`` where it is set
+    (``tf.init``, spawning an actor, the command line); unset, the logger keeps the level the
+    program's own logging configuration gives it."""
+    import logging
+
+    level = log_level()
+    if level is not None:
+        logging.getLogger("tensorferry").setLevel(level)
 
 
 def spin_us() -> float:

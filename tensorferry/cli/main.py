@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     problem = folder_problem(out) if out else None  # every command that writes takes --out
     if problem is not None:
         parser.error(f"--out {out}: {problem}")
-    level = logging.INFO if args.verbose else getattr(logging, envs.log_level(), logging.WARNING)
+    try:
+        configured = envs.log_level()
+    except ValueError as exc:
+        parser.error(str(exc))
+    level = logging.INFO if args.verbose else getattr(logging, configured or "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "bench":
         # Every timed call takes one path: the compiled validation is built before the first.

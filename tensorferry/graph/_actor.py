@@ -28,6 +28,7 @@ import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from tensorferry import envs
 from tensorferry._seconds import checked_seconds
 from tensorferry.errors import ActorDiedError, ActorError, TransferTimeoutError
 from tensorferry.graph._dag import ClassMethodNode
@@ -238,6 +239,7 @@ class ActorClass:
             ValueError: an unknown executor, or Ray options for a local actor.
             ImportError: ``executor="ray"`` without Ray installed.
         """
+        envs.apply_log_level()
         name = name or f"{self.cls.__name__}-{next(_names)}"
         start_timeout = checked_seconds(start_timeout, "start_timeout")
         problem = signature_mismatch(self.cls, "__init__", args, kwargs)

@@ -372,6 +372,7 @@ def init(
     timeout_s = (
         checked_seconds(timeout, "timeout") if timeout is not None else envs.transfer_timeout_s()
     )
+    envs.apply_log_level()
     _native.start()  # the compiled validation loop, loaded or built in the background
     with _lock:
         if _context is not None:

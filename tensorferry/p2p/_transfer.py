@@ -125,8 +125,9 @@ class Transfer:
                 deadline, the call's ``timeout``, ends it with this error too).
             MismatchError, PeerLostError, TransportError: how it failed.
         """
+        seconds = self._seconds(timeout)  # checked done or not: a bad timeout is a bad call
         if not self._done.is_set():
-            limit = time.monotonic() + self._seconds(timeout)
+            limit = time.monotonic() + seconds
             spin_until = time.monotonic() + _SPIN_S
             extended = False
             pause = 20e-6

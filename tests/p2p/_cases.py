@@ -921,6 +921,12 @@ def wait_timeout_then_complete(rank: int, world: int) -> str:
     assert not h.done()
     got = h.result(T)
     assert same_bytes(got, payload(1, 0, 9, (8,), torch.float32))
+    for endless in (float("inf"), float("nan"), -1.0):  # refused once it is done too
+        try:
+            h.wait(timeout=endless)
+            raise AssertionError(f"wait({endless}) of a done transfer was taken")
+        except ValueError:
+            pass
     return "ok"
 
 
