@@ -24,7 +24,10 @@ _DESCRIPTION = "tensorferry: fast tensor transfers between GPUs and compiled act
 # command name -> (module, one-line help)
 COMMANDS = {
     "doctor": ("tensorferry.cli.doctor", "versions, devices, links and usable transports"),
-    "demo": ("tensorferry.cli.demo", "the main job: an overlapped actor graph, checked"),
+    "demo": (
+        "tensorferry.cli.demo",
+        "the main job: round trips beside torch.distributed, then an overlapped actor graph",
+    ),
 }
 # benchmark name -> (module, one-line help). Each writes to bench-results/<name>/ by default
 # and takes --json (see tensorferry.cli._args.add_bench_output_arguments).
