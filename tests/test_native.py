@@ -232,17 +232,33 @@ def test_the_compiled_check_takes_no_reference_it_keeps(native):
     assert end - start < 64 * 1024, f"{end - start} bytes kept by 16000 calls"
 
 
-def test_a_tensor_listed_twice_is_found_wherever_it_is(native):
+def test_receive_buffers_that_share_memory_are_found_as_the_python_way_finds_them(
+    native, monkeypatch
+):
+    from tensorferry import _native
+
+    base = torch.zeros(64)
+    apart = [base[0:4], base[4:8], torch.zeros(3), base[8:8], base[8:8], base[60:64]]
+    assert native.first_overlap(apart) is None and native.first_overlap(tuple(apart)) is None
+    assert native.first_overlap([]) is None and native.first_overlap(apart[:1]) is None
+    cases = {
+        "listed twice": ([apart[2], base[0:4], apart[2]], (0, 2)),
+        "views that overlap": ([base[0:4], base[2:6]], (0, 1)),
+        "one inside another": ([base[10:20], torch.ones(2), base[12:13]], (0, 2)),
+        "another dtype's view": ([base[:8], base.view(torch.int8)[4:5]], (0, 1)),
+        "the later one first in memory": ([base[30:40], base[20:31]], (1, 0)),
+    }
     tensors = [torch.randn(2) for _ in range(40)]
-    assert native.listed_once(tensors) and native.listed_once(tuple(tensors))
-    assert native.listed_once([]) and native.listed_once(tensors[:1])
-    for first, second in ((0, 1), (0, 39), (17, 23), (38, 39)):
-        listed = list(tensors)
-        listed[second] = listed[first]
-        assert not native.listed_once(listed), (first, second)
+    cases["far apart in a long list"] = ([*tensors, tensors[17]], (17, 40))
+    for name, (listed, pair) in cases.items():
+        assert native.first_overlap(listed) == pair, name
+    monkeypatch.setattr(_native, "helper", lambda: None)
+    for name, (listed, pair) in cases.items():
+        assert _spec._first_overlap(listed) == pair, f"Python way: {name}"
+    assert _spec._first_overlap(apart) is None
     before = sys.getrefcount(tensors[0])
     for _ in range(1000):
-        native.listed_once(tensors)
+        native.first_overlap(tensors)
     after = sys.getrefcount(tensors[0])  # read outside the assert, which keeps operands
     assert after == before
 
@@ -277,7 +293,9 @@ def test_the_compiled_check_refuses_wrong_arguments(native):
     with pytest.raises(TypeError, match="list or a tuple"):
         native.inspect_plain(5, _spec._PLAIN_TYPE_TUPLE, _spec._PLAIN_DTYPES, None)
     with pytest.raises(TypeError, match="list or a tuple"):
-        native.listed_once(5)
+        native.first_overlap(5)
+    with pytest.raises(TypeError, match="item 1 is not a tensor"):
+        native.first_overlap([torch.ones(1), 5])
     with pytest.raises(TypeError, match="copy_pieces"):
         native.copy_pieces(1, 2)
     with pytest.raises(TypeError, match="dsts must be a list or a tuple"):

@@ -195,19 +195,58 @@ PyObject* inspect_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
   return Py_BuildValue("(ON)", grads ? Py_True : Py_False, desc);
 }
 
-// listed_once(items) -> bool: whether no object is listed twice in a list or tuple (a receive
-// buffer given twice would be written twice at once).
-PyObject* listed_once(PyObject* /*module*/, PyObject* items) {
-  PyObject* seq = PySequence_Fast(items, "listed_once: items must be a list or a tuple");
+// first_overlap(tensors) -> (i, j) or None: two tensors of a list or tuple whose bytes share
+// memory (j's start lies within i's), or None when none do. A receive's buffers must lie apart:
+// the transports write them at once. From Python each tensor's address and size cost a fraction
+// of a microsecond, too much for a many-tensor message's every call.
+PyObject* first_overlap(PyObject* /*module*/, PyObject* tensors) {
+  if (!PyList_Check(tensors) && !PyTuple_Check(tensors)) {  // (a tensor itself iterates)
+    PyErr_SetString(PyExc_TypeError, "first_overlap: tensors must be a list or a tuple");
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Fast(tensors, "first_overlap: tensors must be a list or a tuple");
   if (seq == nullptr) {
     return nullptr;
   }
-  PyObject** begin = PySequence_Fast_ITEMS(seq);
-  std::vector<PyObject*> objects(begin, begin + PySequence_Fast_GET_SIZE(seq));
-  Py_DECREF(seq);  // only the addresses are compared from here on
-  std::sort(objects.begin(), objects.end());
-  const bool once = std::adjacent_find(objects.begin(), objects.end()) == objects.end();
-  return PyBool_FromLong(once);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  struct Span {
+    uintptr_t start, end;
+    Py_ssize_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(items[i])) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError, "first_overlap: item %zd is not a tensor", i);
+      return nullptr;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(items[i]);
+    const uintptr_t nbytes = static_cast<uintptr_t>(tensor.nbytes());
+    if (nbytes != 0) {
+      const uintptr_t start = reinterpret_cast<uintptr_t>(tensor.data_ptr());
+      spans.push_back({start, start + nbytes, i});
+    }
+  }
+  Py_DECREF(seq);
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.start != b.start ? a.start < b.start : a.index < b.index;
+  });
+  // Sorted by start: a span overlaps an earlier one exactly when it starts before the furthest
+  // end so far, whose owner is then one it overlaps.
+  uintptr_t furthest = 0;
+  Py_ssize_t owner = -1;
+  for (const Span& span : spans) {
+    if (owner >= 0 && span.start < furthest) {
+      return Py_BuildValue("(nn)", owner, span.index);
+    }
+    if (span.end > furthest) {
+      furthest = span.end;
+      owner = span.index;
+    }
+  }
+  Py_RETURN_NONE;
 }
 
 // addresses(tensors) -> bytes: each tensor's data address (its data_ptr()), as native-order
@@ -602,7 +641,7 @@ PyObject* recv_now(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
 PyMethodDef methods[] = {
     {"inspect_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inspect_plain)),
      METH_FASTCALL, "Validates and describes a message's tensors in one pass (or None)."},
-    {"listed_once", listed_once, METH_O, "Whether no object is listed twice."},
+    {"first_overlap", first_overlap, METH_O, "Two tensors whose bytes share memory, or None."},
     {"addresses", addresses, METH_O, "The tensors' data addresses as 64-bit words."},
     {"copy_pieces", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(copy_pieces)),
      METH_FASTCALL, "Copies tensors into tensors with one kernel launch (or returns False)."},

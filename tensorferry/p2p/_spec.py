@@ -333,9 +333,9 @@ def _check_tensor(t: Any, index: int, device: torch.device, what: str) -> torch.
             if t.device.type == device.type == "cuda"
             else ""
         )
+        where = "the CPU" if device.type == "cpu" else f"{device} or the CPU"
         raise ValueError(
-            f"{what}[{index}] is on {t.device}; this rank moves tensors of {device} (or the "
-            f"CPU){owner}"
+            f"{what}[{index}] is on {t.device}; this rank moves tensors of {where}{owner}"
         )
     # Before is_contiguous(): CSR has none. A nested tensor has no one shape to describe.
     if t.layout is not torch.strided or t.is_quantized or t.is_nested:
@@ -409,11 +409,21 @@ def as_recv_list(
     return _detached(out), describe(out), single
 
 
-def _listed_once(tensors: Sequence[torch.Tensor]) -> bool:
+def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """Positions of two of ``tensors`` whose bytes share memory, or ``None`` when none do."""
     native = _native.helper()
     if native is not None:
-        return native.listed_once(tensors)
-    return len({id(t) for t in tensors}) == len(tensors)
+        return native.first_overlap(tensors)
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, i) for i, t in enumerate(tensors) if t.nbytes
+    )
+    furthest, owner = -1, None
+    for start, end, i in spans:
+        if owner is not None and start < furthest:
+            return owner, i
+        if end > furthest:
+            furthest, owner = end, i
+    return None
 
 
 def check_receives_apart(
@@ -429,17 +439,18 @@ def check_receives_apart(
     batch gives its entries' numbers, named only when one is wrong). Sends may share memory with
     each other.
 
-    Reading every tensor's address costs a fraction of a microsecond each, too much for the
-    per-call path of many-tensor messages: a call that only receives is checked in full only
-    when one tensor object is listed twice (the likely mistake); a call that sends and receives
-    is always checked in full."""
+    A call that only receives is checked in one compiled pass where the helper is loaded
+    (reading each tensor's address and size from Python costs a fraction of a microsecond)."""
     kinds = {kind for _, kind, _ in parts}
     if "recv" not in kinds:
         return
     if "send" not in kinds:
+        owners = [(what, i) for what, _, part in parts for i in range(len(part))]
         tensors = [t for _, _, part in parts for t in part] if len(parts) > 1 else parts[0][2]
-        if len(tensors) < 2 or _listed_once(tensors):
-            return
+        clash = _first_overlap(tensors) if len(tensors) > 1 else None
+        if clash is not None:
+            _overlap_error(owners[clash[1]], owners[clash[0]], names)
+        return
     spans = []
     for what, kind, tensors in parts:
         for i, t in enumerate(tensors):
@@ -456,15 +467,19 @@ def check_receives_apart(
             recv_owner if start < recv_end else send_owner if is_recv and start < send_end else None
         )
         if clash is not None:
-            raise ValueError(
-                f"{names(owner[0])}[{owner[1]}] shares memory with {names(clash[0])}[{clash[1]}]: "
-                "a transfer cannot receive into memory it also sends from or receives into "
-                "elsewhere; receive into a separate tensor"
-            )
+            _overlap_error(owner, clash, names)
         if is_recv and end > recv_end:
             recv_end, recv_owner = end, owner
         elif not is_recv and end > send_end:
             send_end, send_owner = end, owner
+
+
+def _overlap_error(owner: tuple[Any, int], clash: tuple[Any, int], names: Callable) -> None:
+    raise ValueError(
+        f"{names(owner[0])}[{owner[1]}] shares memory with {names(clash[0])}[{clash[1]}]: "
+        "a transfer cannot receive into memory it also sends from or receives into "
+        "elsewhere; receive into a separate tensor"
+    )
 
 
 def _check_buffer_types(items: Sequence[Any], what: str) -> None:
