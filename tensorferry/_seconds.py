@@ -2,7 +2,9 @@
 
 Infinity is refused rather than taken to mean "forever": Python's own locks cannot wait that
 long (``OverflowError`` deep inside a wait, after the work started), and a wait that can never
-end is the hang this library promises not to have. A large number waits as long as anyone needs.
+end is the hang this library promises not to have. A large number waits as long as anyone needs:
+it is taken as at most :data:`LONGEST_S` (about 31 years), which every wait below can hold (gloo
+refused a wait of 1e15 s mid-transfer, and ``datetime.timedelta`` refuses more than about 8e13).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["checked_seconds"]
+__all__ = ["checked_seconds", "LONGEST_S"]
+
+LONGEST_S = 1e9
 
 
 def checked_seconds(value: Any, what: str, *, zero_ok: bool = False) -> float:
@@ -24,7 +28,7 @@ def checked_seconds(value: Any, what: str, *, zero_ok: bool = False) -> float:
     """
     kind = type(value)
     if (kind is float or kind is int) and (0 < value < math.inf or (zero_ok and value == 0)):
-        return float(value)  # the common case, on per-call paths: two comparisons
+        return min(float(value), LONGEST_S)  # the common case, on per-call paths
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
     seconds = float(value)
@@ -36,4 +40,4 @@ def checked_seconds(value: Any, what: str, *, zero_ok: bool = False) -> float:
     if seconds < 0 or (seconds == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         raise ValueError(f"{what} must be {bound} seconds, got {value!r}")
-    return seconds
+    return min(seconds, LONGEST_S)

@@ -37,11 +37,11 @@ from tensorferry.runtime._events import current_stream_idle, record_on_current_s
 __all__ = ["send", "recv", "sendrecv", "batch", "Batch", "prepare", "ring_all_gather"]
 
 
-def _check_options(static: Any, timeout: Any) -> None:
+def _check_options(static: Any, timeout: Any) -> float | None:
+    """The call's ``timeout`` as checked seconds (``None``: the ``tf.init`` timeout)."""
     if not isinstance(static, bool):
         raise TypeError(f"static must be a bool, got {type(static).__name__}")
-    if timeout is not None:
-        checked_seconds(timeout, "timeout")
+    return None if timeout is None else checked_seconds(timeout, "timeout")
 
 
 def _message(
@@ -112,7 +112,7 @@ def send(
         RuntimeError: ``tf.init()`` was not called.
     """
     ctx = _context.current()
-    _check_options(static, timeout)
+    timeout = _check_options(static, timeout)
     message, _ = _message(ctx, "send", tensors, dst, transport, "tensors")
     return _submit(ctx, [message], Transfer(_deadline(ctx, timeout)))
 
@@ -146,7 +146,7 @@ def recv(
         RuntimeError: ``tf.init()`` was not called.
     """
     ctx = _context.current()
-    _check_options(static, timeout)
+    timeout = _check_options(static, timeout)
     message, single = _message(ctx, "recv", buffers, src, transport, "buffers")
     if len(message.tensors) > 1:
         check_receives_apart([("buffers", "recv", message.tensors)])
@@ -171,7 +171,7 @@ def sendrecv(
         A :class:`Transfer` whose ``result()`` is what was received (tensor or list).
     """
     ctx = _context.current()
-    _check_options(static, timeout)
+    timeout = _check_options(static, timeout)
     out, _ = _message(ctx, "send", send_tensors, send_peer, transport, "send_tensors")
     inc, single = _message(ctx, "recv", recv_buffers, recv_peer, transport, "recv_buffers")
     check_receives_apart(
@@ -190,7 +190,7 @@ class Batch(Transfer):
     """
 
     def __init__(self, *, static: bool, transport: str, timeout: float | None) -> None:
-        _check_options(static, timeout)
+        timeout = _check_options(static, timeout)
         self._ctx = _context.current()
         super().__init__(math.inf, [])
         self._transport = transport
@@ -332,6 +332,7 @@ class _Ring(Transfer):
             timeout=self._timeout,
         )
         self._pairs = self._current._pairs
+        self.deadline = self._current.deadline  # the timeout covers each step
 
     def _progress(self, *, hand_off: bool = True) -> bool:
         current = self._current
@@ -378,7 +379,7 @@ def ring_all_gather(
         TypeError, ValueError: bad shapes, dtypes or devices (nothing moved).
     """
     ctx = _context.current()
-    _check_options(False, timeout)
+    timeout = _check_options(False, timeout)
     (inp,), _, _ = as_tensor_list(inp, ctx.device, "inp")
     (out,), _, _ = as_tensor_list(out, ctx.device, "out")
     world, rank = ctx.world_size, ctx.rank

@@ -160,11 +160,14 @@ class _Wire:
 
 
 def _gloo_calls(issue: Callable[[], list]) -> list:
-    """``issue()``'s works; gloo's own errors (a pair it closed) as ``TransportError``."""
+    """``issue()``'s works; gloo's own errors as ``TransportError``, a connection it closed as
+    ``PeerLostError`` (the pair then asks its link whether the peer is gone or faulted)."""
     try:
         return issue()
     except RuntimeError as exc:
-        raise TransportError(f"gloo: {str(exc).strip()}") from None
+        text = str(exc).strip()
+        lost = any(hint in text for hint in _LOST_HINTS)
+        raise (PeerLostError if lost else TransportError)(f"gloo: {text}") from None
 
 
 def _tag(message: Message) -> int:

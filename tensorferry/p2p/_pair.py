@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,9 @@ _ERRORS = {c.__name__: c for c in (MismatchError, TransferTimeoutError, PeerLost
 # How often our own link is read for its end (a peer gone without a word); the peer's link,
 # read at every step, tells sooner.
 _OUT_READ_S = 0.005
+# How long a route that found its connection closed waits for the link to say why (a fault
+# notice, or its own end) before it faults on its own.
+_PEERS_WORD_S = 0.2
 
 
 class Pair:
@@ -360,12 +364,33 @@ class Pair:
             for _, message, _ in ours:
                 message.state = ISSUED  # (only now: threads that wait read it without the lock)
 
+    def _hear_from_peer(self, message: Message, seconds: float) -> None:
+        """Reads the peer's frames for up to ``seconds``, until ``message`` ended (a fault
+        frame) or the pair is lost (the link's end)."""
+        until = time.monotonic() + seconds
+        while message.state != ENDED and self.lost is None:
+            fd, left = self.incoming_fd(), until - time.monotonic()
+            if fd is None or left <= 0:
+                return
+            select.select([fd], [], [], left)
+            self._pump()
+
     def _failed(self, message: Message, exc: TensorFerryError) -> None:
-        """Issuing ``message`` raised: the pair is lost (its messages failed), or its route
-        failed, which is a fault."""
+        """Issuing or completing ``message`` raised: the pair is lost (its messages failed), or
+        its route failed, which is a fault, unless the peer's fault explains it. A route that
+        found its connection closed asks the link first: a peer whose gloo wait timed out
+        closed the connection before its fault's notice left, and the notice (the real cause:
+        the peer's timeout) comes on the link within moments, as would the link's end of a
+        peer that is gone."""
+        if self.lost is None and message.state != ENDED:
+            self._pump()  # a fault frame ends the message with the peer's error
+            if isinstance(exc, PeerLostError):
+                self._hear_from_peer(message, _PEERS_WORD_S)
+        if message.state == ENDED:
+            return
         if self.lost is not None:
             self._end(message, exc)
-        elif message.state != ENDED:
+        else:
             self._fault(exc, True, cause=message)
 
     def _check_new_routes(self) -> None:
@@ -474,7 +499,7 @@ class Pair:
             if not route.finished(self, message):
                 return not route.one_sided
         except TensorFerryError as exc:
-            self._fault(exc, True, cause=message)
+            self._failed(message, exc)
             return False
         if not route.receiver_posts:
             if message.kind == "send" and route.confirms_receives:

@@ -136,10 +136,11 @@ class Transfer:
                 if self._done.is_set():
                     break
                 now = time.monotonic()
+                if timeout is None:  # until the deadline, which a ring's next step moves on
+                    limit = max(limit, self.deadline + 1.0)
                 if now > limit:
-                    raise TransferTimeoutError(
-                        f"{self.description}: not done within {timeout:.3g} s of waiting"
-                    )
+                    within = "its timeout" if timeout is None else f"{timeout:.3g} s of waiting"
+                    raise TransferTimeoutError(f"{self.description}: not done within {within}")
                 if self._block(limit):
                     continue
                 if now >= spin_until and not extended:
@@ -164,11 +165,9 @@ class Transfer:
         ``TransferTimeoutError`` it raises when not done within ``timeout``."""
         try:
             self.wait(timeout)
-        except TransferTimeoutError:
-            if not self._done.is_set():
-                raise
         except Exception:
-            pass
+            if not self._done.is_set():  # not how it failed: not done in time, or not submitted
+                raise
         return self._error
 
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:

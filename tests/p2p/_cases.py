@@ -622,7 +622,7 @@ def transports_differ(rank: int, world: int, senders: str) -> tuple | None:
 # ---------------------------------------------------------------------- validation
 # How many calls bad_arguments makes everywhere, and how many more where a rank has another
 # GPU to misuse.
-BAD_CALLS = 32
+BAD_CALLS = 33
 BAD_CALLS_WITH_ANOTHER_GPU = 2
 
 
@@ -673,6 +673,7 @@ def bad_arguments(rank: int, world: int) -> list[str]:
         # Receiving into memory the same call sends from, or receives into twice: garbled.
         "exchange in place": lambda: tf.sendrecv(x, peer, x, peer),
         "one buffer twice": lambda: tf.recv([x, x], peer),
+        "receive views that overlap": lambda: tf.recv([x[:3], x[2:]], peer),
         "batch shift in place": lambda: _batch_shift_in_place(x, peer, (rank - 1) % world),
         # Views whose conjugation or negation is a flag: their bytes are not their values.
         "conjugate view": lambda: tf.send(
@@ -867,6 +868,83 @@ def failed_while_frozen_then_idle(rank: int, world: int) -> list:
         except TensorFerryError as exc:
             outcome = type(exc).__name__
         outcomes.append((outcome, round(time.monotonic() - t0, 2)))
+    return outcomes
+
+
+def _outcome_of(step: Any) -> str:
+    """``"ok"``, or the class name of the library error ``step()`` raised."""
+    try:
+        step()
+        return "ok"
+    except TensorFerryError as exc:
+        return type(exc).__name__
+
+
+def timeouts_past_any_need(rank: int, world: int) -> list[str]:
+    """A call's timeout of 1e15 s (or 1e300) is taken as one long enough for anything: gloo
+    refused it mid-transfer ("Python int too large to convert to C int") and the pair
+    faulted. A ring all-gather's ``wait()`` lasts as long as its steps keep their timeouts:
+    rank 2 moves the ring on late, each step well within 2 s, the whole beyond 3 s (it
+    stopped at the first step's deadline with a TypeError). Returns each step's outcome."""
+    peer = (rank + 1) % world
+    outcomes = []
+    sent = payload(rank, peer, 1, (8,), torch.float32)
+    got = tf.sendrecv(sent, peer, tf.TensorSpec((8,)), (rank - 1) % world, timeout=1e15)
+    expected = payload((rank - 1) % world, rank, 1, (8,), torch.float32)
+    outcomes.append("ok" if same_bytes(got.result(timeout=1e300), expected) else "wrong bytes")
+    out = torch.full((world, 2), -1.0)
+    if rank == 2:
+        time.sleep(1.2)
+    ring = tf.ring_all_gather(out, torch.full((2,), float(rank)), timeout=2)
+    if rank == 2:
+        time.sleep(1.2)
+    ring.wait()
+    rows = [float(v) for v in out[:, 0]]
+    outcomes.append("ok" if rows == [float(r) for r in range(world)] else f"rows {rows}")
+    with tf.batch() as group:  # not submitted yet: asking how it failed is a mistake
+        group.send(sent, peer)
+        try:
+            group.exception(1)
+            outcomes.append("exception() answered inside the block")
+        except RuntimeError:
+            outcomes.append("ok")
+        group.recv(tf.TensorSpec((8,)), (rank - 1) % world)
+    group.wait(T)
+    return outcomes
+
+
+def receive_right_after_the_peer_timed_out(rank: int, world: int) -> list[str]:
+    """Rank 0's receive times out while rank 1 makes no call; gloo closes the pair's connection
+    then, before rank 0's fault notice leaves. Rank 1 receives 1 ms after that timeout, before
+    its idle-pairs watcher (every 20 ms) may have read the notice: its post found the
+    connection closed and failed with "connection closed by peer", a fault of its own, instead
+    of rank 0's timeout. Returns each step's outcome (an error by its class)."""
+    if rank > 1:
+        return []
+    timed_out_at = _common_instant() + 1.0
+    if rank == 0:
+        tf.send(payload(0, 1, 1, (8,), torch.float32), 1).wait(T)
+        left = timed_out_at - time.time()
+        outcomes = [_outcome_of(lambda: tf.recv(tf.TensorSpec((8,)), 1, timeout=left).wait())]
+        time.sleep(1.0)
+        for tag in (2, 3):
+            sent = payload(0, 1, tag, (8,), torch.float32)
+            outcomes.append(_outcome_of(lambda sent=sent: tf.send(sent, 1).wait(T)))
+        return outcomes
+    tf.recv(tf.TensorSpec((8,)), 0).wait(T)
+    time.sleep(max(0.0, timed_out_at + 0.001 - time.time()))
+    outcomes = []
+    for tag in (2, 3):
+
+        def receive(tag: int = tag) -> None:
+            got = tf.recv(tf.TensorSpec((8,)), 0, timeout=5.0).result(T)
+            assert same_bytes(got, payload(0, 1, tag, (8,), torch.float32)), tag
+
+        outcomes.append(_outcome_of(receive))
+    # The send rank 0's timed-out receive was for: failed in the fault, at once (and the pair's
+    # calls are even again for the cases after this one).
+    late = payload(1, 0, 1, (8,), torch.float32)
+    outcomes.append(_outcome_of(lambda: tf.send(late, 0, timeout=5.0).wait(T)))
     return outcomes
 
 

@@ -441,6 +441,7 @@ def test_bad_arguments_raise_before_anything_moves(pool):
     assert "sparse csr: TypeError" in outcomes[0] and "devices mixed: ValueError" in outcomes[0]
     assert "conjugate view: ValueError" in outcomes[0]
     assert "negative view last: ValueError" in outcomes[0]
+    assert "receive views that overlap: ValueError" in outcomes[0]
     assert pool.run("ring_sendrecv", 1) == ["ok"] * WORLD  # still usable
 
 
@@ -492,6 +493,21 @@ def test_a_rank_gone_idle_still_tells_the_peer_what_failed_while_it_waited_for_a
     assert first == second == "TransferTimeoutError", results[1]
     assert first_s < 1.5 and second_s < 1.5, results[1]  # not the receives' 4 s timeout
     assert pool.run("send_recv_all_dtypes", 65)[:2] == ["ok", "ok"]
+
+
+def test_timeouts_past_any_need_and_ring_steps_that_each_keep_theirs(pool):
+    assert pool.run("timeouts_past_any_need", timeout=60) == [["ok"] * 3] * WORLD
+
+
+def test_a_receive_right_after_the_peer_timed_out_fails_with_the_peers_timeout(pool):
+    # Rank 1's first receive either learnt of the fault before it was numbered (its watcher
+    # read the notice: both go through) or after (it fails with rank 0's timeout, and so does
+    # its send): never with an error of its own. The next message meets either way.
+    results = pool.run("receive_right_after_the_peer_timed_out", timeout=60)
+    sender, receiver = results[0], results[1]
+    assert sender[0] == "TransferTimeoutError" and receiver[1] == sender[2] == "ok", results
+    assert receiver[0] == sender[1] and receiver[0] in ("ok", "TransferTimeoutError"), results
+    assert receiver[2] == "TransferTimeoutError", results  # the send rank 0's receive was for
 
 
 def test_a_pair_reset_right_after_a_fault_ends_on_both_sides(pool):
