@@ -312,8 +312,11 @@ class GlooRoute:
         self._make_in_background(pair.peer, epoch)
         with self._lock:
             made = self._groups.get(pair.peer)
-        if made is not None and isinstance(made[1], BaseException):
-            raise made[1]
+            if made is not None and isinstance(made[1], BaseException):
+                # The caller hears of it; the pair's next message tries afresh (kept, the error
+                # failed that message too, and with it the peer's, as a fault of the pair).
+                del self._groups[pair.peer]
+                raise made[1]
 
     def _make_in_background(self, peer: int, epoch: int) -> None:
         try:

@@ -105,6 +105,28 @@ def _fork_and_look(rank: int, world: int) -> str:
     return answer
 
 
+def _prepare_with_a_late_peer(rank: int, world: int) -> str:
+    """Rank 1 comes 4 s late, past the world's 2 s timeout: rank 0's ``prepare`` fails, and
+    then its receive (timeout 20 s) meets rank 1's send. The failed prepare's error was kept
+    and failed that receive at once, and, as a fault of the pair, rank 1's send too."""
+    if rank == 0:
+        try:
+            tf.prepare(1)
+            return "prepare returned"
+        except TransferTimeoutError:
+            pass
+        return str(tf.recv(torch.zeros(2), 1, timeout=20).result(30).tolist())
+    time.sleep(4.0)
+    tf.send(torch.full((2,), 7.0), 0, timeout=20).wait(30)
+    return "sent"
+
+
+def test_a_failed_prepare_leaves_the_next_message_to_make_the_pair_afresh():
+    from tensorferry.p2p._launch import run_world
+
+    assert run_world(_prepare_with_a_late_peer, backend="gloo", timeout=2) == ["[7.0, 7.0]", "sent"]
+
+
 def test_a_wait_shorter_than_the_spin_window_returns_in_its_time():
     from tensorferry.p2p._launch import run_world
 
