@@ -307,59 +307,6 @@ def prepare(peers: int | Sequence[int], *, transports: Sequence[str] | None = No
             ctx.prepare(peer, name)
 
 
-class _Ring(Transfer):
-    """A ring all-gather's steps, each a :func:`sendrecv` submitted once the one before it
-    ended (its received row is the next step's sent row)."""
-
-    def __init__(self, ctx: Any, rows: torch.Tensor, transport: str, timeout: float | None):
-        super().__init__(_deadline(ctx, timeout), rows)
-        self._ctx, self._rows, self._transport, self._timeout = ctx, rows, transport, timeout
-        self._step = -1
-        self._current: Transfer | None = None
-        self._next_step()
-
-    def _next_step(self) -> None:
-        _ctx, world, rank = self._ctx, self._ctx.world_size, self._ctx.rank
-        self._step += 1
-        step = self._step
-        send_row, recv_row = (rank - step) % world, (rank - step - 1) % world
-        self._current = sendrecv(
-            self._rows[send_row],
-            (rank + 1) % world,
-            self._rows[recv_row],
-            (rank - 1) % world,
-            transport=self._transport,
-            timeout=self._timeout,
-        )
-        self._pairs = self._current._pairs
-        self.deadline = self._current.deadline  # the timeout covers each step
-
-    def _progress(self, *, hand_off: bool = True) -> bool:
-        current = self._current
-        if current is None:
-            return self._done.is_set()
-        current._progress(hand_off=hand_off)
-        if current._done.is_set():
-            if current._error is not None:
-                self._current = None
-                self._error = current._error
-                self._finish()
-            elif self._step == self._ctx.world_size - 2:
-                self._current = None
-                self._finish()
-            else:
-                self._next_step()
-        return self._done.is_set()
-
-    def _block(self, limit: float) -> bool:
-        current = self._current
-        return current._block(limit) if current is not None else False
-
-    @property
-    def description(self) -> str:
-        return f"ring_all_gather step {self._step + 1} of {self._ctx.world_size - 1}"
-
-
 def ring_all_gather(
     out: torch.Tensor, inp: torch.Tensor, *, transport: str = "auto", timeout: float | None = None
 ) -> Transfer:
@@ -370,10 +317,16 @@ def ring_all_gather(
         inp: this rank's contribution; same shape and dtype on every rank.
         out: contiguous, ``inp.dtype``, on the same device; shape ``[world * inp.numel()]``
             (flat) or ``[world, *inp.shape]``. Row ``r`` receives rank ``r``'s ``inp``.
-        transport, timeout: as for :func:`send` (timeout covers each step).
+        transport: as for :func:`send`.
+        timeout: seconds for each step (default: the ``tf.init`` timeout); the whole all-gather
+            fails with ``TransferTimeoutError`` once ``world - 1`` times that has passed.
+
+    Every step's messages are numbered at this call, so the steps meet the peers' steps
+    whatever other calls follow and whenever the transfer is waited for; a step's send goes
+    once the step before received the row it sends.
 
     Returns:
-        A :class:`Transfer` whose ``result()`` is ``out``; its ``wait()`` moves the steps on.
+        A :class:`Transfer` whose ``result()`` is ``out``.
 
     Raises:
         TypeError, ValueError: bad shapes, dtypes or devices (nothing moved).
@@ -400,9 +353,17 @@ def ring_all_gather(
         done = Transfer(_deadline(ctx, timeout), out)
         done._finish()
         return done
-    ring = _Ring(ctx, rows, transport, timeout)
-    ring._value = out
-    return ring
+    right, left = (rank + 1) % world, (rank - 1) % world
+    messages: list[Message] = []
+    received: Message | None = None  # the step before's receive
+    for step in range(world - 1):
+        sent, _ = _message(ctx, "send", rows[(rank - step) % world], right, transport, "out")
+        sent.after = received  # it sends the row that receive brings
+        received, _ = _message(ctx, "recv", rows[(rank - step - 1) % world], left, transport, "out")
+        messages += [sent, received]
+    per_step = timeout if timeout is not None else ctx.timeout_s
+    deadline = time.monotonic() + per_step * (world - 1)
+    return _submit(ctx, messages, Transfer(deadline, out))
 
 
 def _check_gathers_apart(

@@ -38,9 +38,12 @@ class Message:
         confirmed: a send of such a route: it told the receiver it sent.
         error: why it failed (set once it is known; it ends with it).
         done_event: a CUDA event after its device work, for ``Transfer.wait_stream``.
+        after: a message of this rank that must end before this one is issued (a ring
+            all-gather's send, after the receive that brings the row it sends), or ``None``.
     """
 
     __slots__ = (
+        "after",
         "announced",
         "answered",
         "caller_event",
@@ -74,6 +77,11 @@ class Message:
         self.confirmed = False
         self.error: BaseException | None = None
         self.done_event: Any = None
+        self.after: Message | None = None
+
+    def held(self) -> bool:
+        """Whether it waits for its ``after`` message, not for its peer."""
+        return self.after is not None and self.after.state != ENDED
 
     @property
     def peer(self) -> int:

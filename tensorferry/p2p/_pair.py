@@ -155,7 +155,11 @@ class Pair:
         """Whether a message waits for the peer's frame (or its route's making): only a thread
         that steps the pair issues it."""
         with self.lock:
-            return any(m.state == WAITING for open_ in self._open.values() for m in open_.values())
+            return any(
+                m.state == WAITING and not m.held()
+                for open_ in self._open.values()
+                for m in open_.values()
+            )
 
     def incoming_fd(self) -> int | None:
         """The descriptor the peer's frames arrive on (``None`` before it connected)."""
@@ -413,6 +417,11 @@ class Pair:
         joins the step's ``writes``); returns whether it was taken care of."""
         route = self.ctx.route(message.route)
         kind, seq = message.kind, message.seq
+        if message.held():
+            return False  # later messages of its direction wait for it
+        if message.after is not None and message.after.error is not None:
+            self._failed(message, message.after.error)  # what it would send never came
+            return True
         try:
             if not route.prepared(self, kind):
                 return False

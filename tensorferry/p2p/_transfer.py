@@ -136,8 +136,6 @@ class Transfer:
                 if self._done.is_set():
                     break
                 now = time.monotonic()
-                if timeout is None:  # until the deadline, which a ring's next step moves on
-                    limit = max(limit, self.deadline + 1.0)
                 if now > limit:
                     within = "its timeout" if timeout is None else f"{timeout:.3g} s of waiting"
                     raise TransferTimeoutError(f"{self.description}: not done within {within}")
@@ -296,7 +294,7 @@ class Transfer:
         Nothing may wait for a peer's frame meanwhile, in this transfer or another of this
         rank (a send left unwaited while its caller waits for the reply): only a thread that
         steps the pair issues it once the frame comes, and blocked here this one could not."""
-        if any(m.state == WAITING for m in self._messages):
+        if any(m.state == WAITING and not m.held() for m in self._messages):
             return False
         blocking = [
             (message, route)

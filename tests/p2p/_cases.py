@@ -880,6 +880,37 @@ def _outcome_of(step: Any) -> str:
         return type(exc).__name__
 
 
+def ring_all_gathers_beside_other_calls(rank: int, world: int) -> list[str]:
+    """Every rank makes the same calls: two all-gathers, then a ``sendrecv`` with its
+    neighbours; rank 0 first works a while (then polls ``done()``) and waits for the second
+    all-gather before the first. A step went out when its ring was next polled, so each rank
+    numbered its steps at different points among its other calls: rows of one gather landed
+    in the other and in the ``sendrecv``, with no error. Returns what was wrong, if anything."""
+    n = 256
+    first, second = torch.zeros(world, n, device=D()), torch.zeros(world, n, device=D())
+    a = tf.ring_all_gather(first, torch.full((n,), rank + 1.0, device=D()))
+    b = tf.ring_all_gather(second, torch.full((n,), -rank - 1.0, device=D()))
+    if rank == 0:
+        time.sleep(0.3)
+        a.done()
+    exchanged = tf.sendrecv(
+        torch.full((n,), 100.0 + rank, device=D()),
+        (rank + 1) % world,
+        torch.zeros(n, device=D()),
+        (rank - 1) % world,
+    )
+    for ring in (b, a) if rank == 0 else (a, b):
+        ring.wait(T)
+    got = exchanged.result(T)
+    rows = torch.arange(1, world + 1, dtype=torch.float32, device=D())
+    wrong = []
+    if not torch.equal(first[:, 0], rows) or not torch.equal(second[:, 0], -rows):
+        wrong.append(f"gathered {first[:, 0].tolist()} and {second[:, 0].tolist()}")
+    if float(got[0]) != 100.0 + (rank - 1) % world:
+        wrong.append(f"the sendrecv got {float(got[0])}")
+    return wrong
+
+
 def timeouts_past_any_need(rank: int, world: int) -> list[str]:
     """A call's timeout of 1e15 s (or 1e300) is taken as one long enough for anything: gloo
     refused it mid-transfer ("Python int too large to convert to C int") and the pair

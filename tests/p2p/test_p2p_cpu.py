@@ -517,6 +517,10 @@ def test_a_rank_gone_idle_still_tells_the_peer_what_failed_while_it_waited_for_a
     assert pool.run("send_recv_all_dtypes", 65)[:2] == ["ok", "ok"]
 
 
+def test_ring_all_gathers_meet_their_steps_whenever_they_are_waited_for(pool):
+    assert pool.run("ring_all_gathers_beside_other_calls", timeout=60) == [[]] * WORLD
+
+
 def test_timeouts_past_any_need_and_ring_steps_that_each_keep_theirs(pool):
     assert pool.run("timeouts_past_any_need", timeout=60) == [["ok"] * 3] * WORLD
 

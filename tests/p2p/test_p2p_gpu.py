@@ -103,6 +103,10 @@ def test_ring_all_gather(pool, stacked, in_place):
     assert pool.run("all_gather", stacked, in_place) == ["ok", "ok"]
 
 
+def test_ring_all_gathers_meet_their_steps_whenever_they_are_waited_for(pool):
+    assert pool.run("ring_all_gathers_beside_other_calls", timeout=60) == [[], []]
+
+
 @pytest.mark.parametrize("kind", ["count", "dtype", "shape"])
 def test_mismatch_on_both_sides(pool, kind):
     assert pool.run("mismatch", kind) == [kind, kind]
