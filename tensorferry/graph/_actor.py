@@ -219,7 +219,8 @@ class ActorClass:
                 actors: a device of this machine (default ``"cpu"``). Ray actors: one of the
                 GPUs Ray gives the actor, numbered from 0 (default ``"cuda:0"`` with
                 ``num_gpus``, else ``"cpu"``).
-            name: the actor's name in schedules and pictures (default ``ClassName-N``).
+            name: the actor's name in schedules and pictures (default ``ClassName-N``); the
+                actors of one graph need names of their own.
             start_timeout: seconds to wait for the actor to start and construct (for Ray
                 actors this includes waiting for a node with the resources asked for).
             executor: ``"local"`` (a process on this machine) or ``"ray"`` (a Ray actor on any
@@ -348,6 +349,8 @@ class ActorHandle:
 
     # ------------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> ActorMethod:
+        if name.startswith("__"):  # a protocol's probe (pickle, copy): not a method
+            raise AttributeError(name)
         check_method_name(self.actor_class, name)
         return ActorMethod(self, name)
 

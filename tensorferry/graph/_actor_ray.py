@@ -169,8 +169,18 @@ class RayActorHandle:
 
     # ------------------------------------------------------------------ methods
     def __getattr__(self, name: str) -> ActorMethod:
+        if name.startswith("__"):  # a protocol's probe (pickle, copy): not a method
+            raise AttributeError(name)
         check_method_name(self.actor_class, name)
         return ActorMethod(self, name)  # type: ignore[arg-type]
+
+    def __reduce__(self) -> Any:
+        # As a local handle: it stays with the process that spawned the actor (unpickled
+        # elsewhere it recursed in __getattr__, and a graph took it for a dead actor).
+        raise TypeError(
+            f"the handle of actor {self.name} cannot be sent to another process; call that "
+            "actor from the driver, or bind its method into the graph"
+        )
 
     def _request(self, message: tuple, timeout: float) -> Any:
         import ray

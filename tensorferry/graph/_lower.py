@@ -7,6 +7,7 @@ Checks (each a :class:`GraphCompileError` with what to change):
 - every call takes a node as an argument (the input, or another call's result), so that every
   call runs once per ``execute()``;
 - no call bound in the graph is left out of the outputs (its result would be lost);
+- no two actors share a name (the name is an actor's identity in the graph);
 - transport hints sit only on method calls, and not on a method annotated to return no tensor;
 - each actor-to-actor edge gets a transport that works between the two devices: ``nccl``,
   ``nvlink`` and ``ce`` need two different CUDA devices; ``auto`` picks NCCL there and the
@@ -241,14 +242,18 @@ def lower(
             )
 
     actors: dict[str, ActorSpec] = {}
+    handles: dict[str, Any] = {}  # an actor's name is its identity in the graph
     device_keys: dict[str, Any] = {}
     task_ids: dict[int, int] = {}
     tasks: list[TaskSpec] = []
     for node in calls:
         _check_signature(node)
         name = node.actor.name
-        if name in actors and actors[name].device != node.actor.device:
-            raise GraphCompileError(f"two actors are named {name!r}")
+        if handles.setdefault(name, node.actor) is not node.actor:
+            raise GraphCompileError(
+                f"two actors are named {name!r}: the graph would take them for one; spawn "
+                "them with names of their own (spawn(..., name=...))"
+            )
         actors[name] = ActorSpec(name, node.actor.device)
         device_keys[name] = _device_key(node.actor)
         where = repr(node)

@@ -99,6 +99,18 @@ def test_graph_without_input_is_rejected():
         lower(dag)
 
 
+def test_two_actors_of_one_name_are_rejected():
+    # The name is an actor's identity in the graph: two were taken for one (both calls ran on
+    # the first, and the second was left running after teardown).
+    first, second = FakeActor("worker"), FakeActor("worker")
+    with InputNode() as inp:
+        dag = MultiOutputNode([first.consume.bind(inp), second.consume.bind(inp)])
+    with pytest.raises(GraphCompileError, match="two actors are named 'worker'"):
+        lower(dag)
+    with InputNode() as inp:
+        lower(MultiOutputNode([first.consume.bind(inp), first.produce.bind(inp)]))  # one actor
+
+
 def test_a_call_that_takes_no_node_is_rejected():
     # Nothing made it wait for execute(): it ran ahead, as often as its output had room (six
     # runs for three executions).
