@@ -112,7 +112,9 @@ class Executor(Protocol):
 
     def profile_records(self) -> list: ...
 
-    def teardown(self, *, timeout: float, kill_actors: bool) -> None: ...
+    def teardown(self, *, timeout: float, kill_actors: bool) -> list:
+        """Stops the graph; returns the profile records its actors reported while stopping."""
+        ...
 
 
 def _check_p2p_transports(graph: GraphSpec) -> None:
@@ -504,7 +506,11 @@ class CompiledGraph:
         if self._foreign is not None:
             return  # a forked process: the graph and its shared memory are its parent's
         limit = self.options.teardown_timeout if timeout is None else timeout
-        self._executor.teardown(timeout=limit, kill_actors=kill_actors)
+        if self.options.profile:  # kept: the timeline is drawn after the graph ended, too
+            self._profile.extend(self._executor.profile_records())
+        last = self._executor.teardown(timeout=limit, kill_actors=kill_actors)
+        if self.options.profile:
+            self._profile.extend(last)
 
     def __enter__(self) -> CompiledGraph:
         return self
@@ -529,7 +535,9 @@ class CompiledGraph:
         return write_schedule(self.graph, self.schedules, path)
 
     def profile_records(self) -> list:
-        """Every recorded operation span so far (needs ``compile(profile=True)``)."""
+        """Every recorded operation span so far (needs ``compile(profile=True)``). While the
+        graph runs, an actor's spans of its last executions may come with its next one; after
+        :meth:`teardown` every span is here."""
         if not self.options.profile:
             raise RuntimeError("compile the graph with profile=True to record its timeline")
         if not self._closed:

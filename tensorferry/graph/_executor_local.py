@@ -275,14 +275,15 @@ class LocalExecutor(ExecutorBase):
         return records
 
     # ------------------------------------------------------------------ teardown
-    def teardown(self, *, timeout: float, kill_actors: bool) -> None:
-        """Stops every actor's loop, optionally ends the processes, removes the channels.
+    def teardown(self, *, timeout: float, kill_actors: bool) -> list:
+        """Stops every actor's loop, optionally ends the processes, removes the channels;
+        returns the profile records the actors wrote as they stopped.
 
         Finishes within about ``timeout`` seconds: an actor that does not stop in time is
         killed.
         """
         if self._torn_down:
-            return
+            return []
         self._torn_down = True
         deadline = time.monotonic() + timeout
         self._closing.set()
@@ -311,9 +312,11 @@ class LocalExecutor(ExecutorBase):
                 self.handles[name].kill(timeout=max(0.1, left))
         if self._watchdog is not None:
             self._watchdog.join(timeout=0.5)
+        last = self.profile_records()  # what the actors wrote as they stopped
         for channel in (*self._inputs.values(), *self._outputs.values(), *self._profiles):
             channel.close()
         if self._control is not None:
             self._control.close()
         unlink_prefix(self.prefix)
         self._store = None
+        return last

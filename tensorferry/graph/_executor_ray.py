@@ -346,14 +346,15 @@ class RayExecutor(ExecutorBase):
         return records
 
     # ------------------------------------------------------------------ teardown
-    def teardown(self, *, timeout: float, kill_actors: bool) -> None:
-        """Stops every actor's loop, optionally kills the actors, closes the connections.
+    def teardown(self, *, timeout: float, kill_actors: bool) -> list:
+        """Stops every actor's loop, optionally kills the actors, closes the connections;
+        returns the profile records the actors kept as they stopped.
 
         Finishes within about ``timeout`` seconds: an actor whose loop does not end in time is
         killed.
         """
         if self._torn_down:
-            return
+            return []
         self._torn_down = True
         deadline = time.monotonic() + timeout
         self._closing.set()
@@ -378,6 +379,7 @@ class RayExecutor(ExecutorBase):
                             log.warning("actor %s ended with an error: %s",
                                         self._names[self._run_refs[ref]], why)  # fmt: skip
                 stubborn = [self._run_refs[ref] for ref in late]
+        last = self.profile_records() if alive and self._profile else []
         for name in self._names:
             if self.handles[name].graph is self:
                 self.handles[name].graph = None
@@ -394,6 +396,7 @@ class RayExecutor(ExecutorBase):
             self._listener.close()
             self._listener = None
         self._store = None
+        return last
 
 
 def _first_line(exc: BaseException) -> str:

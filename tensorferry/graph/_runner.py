@@ -21,6 +21,7 @@ place of the result, so every downstream task of that execution skips and the dr
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -311,6 +312,8 @@ class ScheduleRunner:
                 self._flush_profile()
                 execution += 1
         except GraphStopped:
+            with contextlib.suppress(Exception):  # the last spans, where the channel has room
+                self._flush_profile()
             return "stopped"
         except PeerDied:
             peer_died = True

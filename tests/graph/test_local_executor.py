@@ -1082,6 +1082,25 @@ def test_a_killed_driver_leaves_no_actor_and_no_segment(tmp_path):
     kill_a_driver(tmp_path, gpu=False)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_execution_s_spans_are_there_after_teardown(tmp_path, overlap):
+    # An actor wrote its spans only where the driver had read the last batches (4 slots) and
+    # kept the rest for its next execution: after 20 executions the driver had 0-3's, and
+    # after teardown none at all (nothing was kept), so no timeline could be drawn.
+    a, b = spawn_pair()
+    with InputNode() as inp:
+        dag = b.add.bind(a.add.bind(inp))
+    with dag.compile(overlap_communication=overlap, profile=True) as graph:
+        for i in range(20):
+            got = graph.execute(torch.full((4,), float(i))).get(timeout=10)
+            assert torch.equal(got, torch.full((4,), i + 3.0))
+    records = graph.profile_records()
+    for name in (a.name, b.name):
+        ran = {r[1] for r in records if r[0] == name and r[3] == "COMPUTE"}
+        assert ran == set(range(20)), (name, sorted(ran))
+    assert graph.visualize_timeline(tmp_path / "timeline.png").stat().st_size > 10_000
+
+
 def test_context_manager_tears_down(tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORFERRY_VISUALIZE_SCHEDULE", "1")
     monkeypatch.chdir(tmp_path)
