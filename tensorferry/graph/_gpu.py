@@ -409,7 +409,8 @@ class GpuOps:
         if self._host.pending:
             self._pump_until(channel.writable, f"write edge {edge.edge_id}")
         announced = self._announced.pop(edge.edge_id, None) == execution
-        problem = value if isinstance(value, RemoteError) else edge_check(edge, value)
+        graph = self.runner.plan.graph
+        problem = value if isinstance(value, RemoteError) else edge_check(graph, edge, value)
         if problem is not None:
             self._fail_send(execution, op, edge, problem, announced, done)
             return
@@ -435,7 +436,8 @@ class GpuOps:
         meta = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
         if edge.static_shape and edge.edge_id in self._static:
             if self._static[edge.edge_id][1] != meta[1]:
-                problem = static_shape_error(edge, self._static[edge.edge_id][1], meta[1])
+                before = self._static[edge.edge_id][1]
+                problem = static_shape_error(graph, edge, before, meta[1])
                 self._fail_send(execution, op, edge, problem, announced, done)
                 return
             # After an announcement: its outcome (none went wrong); else the layout is as agreed.

@@ -465,14 +465,14 @@ class ScheduleRunner:
     def _kept_promise(self, edge: EdgeSpec, result: Any) -> Any:
         """``result``, or the error that replaces it when it breaks its node's
         ``direct_return`` or ``static_shape`` promise."""
-        problem = edge_check(edge, result)
+        problem = edge_check(self.graph, edge, result)
         if problem is not None:
             return problem
         if not edge.static_shape:
             return result
         layout = tensor_layout(result)
         first = self._layouts.setdefault(edge.src_task, layout)
-        return result if layout == first else static_shape_error(edge, first, layout)
+        return result if layout == first else static_shape_error(self.graph, edge, first, layout)
 
     def close(self) -> None:
         for channel in (*self.readers.values(), *self.writers.values()):
@@ -491,24 +491,31 @@ def remote_error(actor: str, label: str, exc: BaseException) -> RemoteError:
     )
 
 
-def edge_check(edge: EdgeSpec, value: Any) -> RemoteError | None:
+def node_of(graph: GraphSpec, edge: EdgeSpec) -> str:
+    """The node whose result ``edge`` carries, as errors name it (``actor.method#n``)."""
+    return f"{edge.src_actor}.{graph.task(edge.src_task).label}"
+
+
+def edge_check(graph: GraphSpec, edge: EdgeSpec, value: Any) -> RemoteError | None:
     """An edge whose node promised ``direct_return`` carries one tensor: anything else breaks
     the promise (and over a rendezvous edge could not travel at all)."""
     if edge.direct_return and not isinstance(value, torch.Tensor):
+        node = node_of(graph, edge)
         return RemoteError(
-            f"{edge.src_actor}",
-            f"TypeError: the result goes over {edge.transport} with direct_return=True but is a "
-            f"{type(value).__name__}, not a tensor",
+            node,
+            f"TypeError: the result of {node} goes over {edge.transport} with "
+            f"direct_return=True but is a {type(value).__name__}, not a tensor",
             "",
         )
     return None
 
 
-def static_shape_error(edge: EdgeSpec, before: Any, now: Any) -> RemoteError:
+def static_shape_error(graph: GraphSpec, edge: EdgeSpec, before: Any, now: Any) -> RemoteError:
     """The error that replaces a result whose tensors left the layout its node promised."""
+    node = node_of(graph, edge)
     return RemoteError(
-        edge.src_actor,
-        f"ValueError: edge {edge.edge_id} was compiled with static_shape=True but its "
-        f"tensors changed from {before} to {now}",
+        node,
+        f"ValueError: {node} was compiled with static_shape=True but its result's tensors "
+        f"changed from {before} to {now}",
         "",
     )

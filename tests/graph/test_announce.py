@@ -61,10 +61,14 @@ WRITE = Operation("a", OpKind.WRITE, edge_id=0)
 READ = Operation("b", OpKind.READ, edge_id=0)
 
 
+def _task(task_id: int) -> SimpleNamespace:
+    return SimpleNamespace(label=f"method#{task_id}")
+
+
 def _ops(control, link, *, writers=None, readers=None, overlap=True) -> GpuOps:
     """A GpuOps of one side of ``EDGE``, without a GPU."""
     ops = object.__new__(GpuOps)
-    graph = SimpleNamespace(edge=lambda edge_id: EDGE)
+    graph = SimpleNamespace(edge=lambda edge_id: EDGE, task=_task)
     plan = SimpleNamespace(schedule=[WRITE], graph=graph, max_inflight=1, actor="x")
     ops.runner = SimpleNamespace(writers=writers or {}, readers=readers or {}, plan=plan)
     ops._control = control
@@ -164,7 +168,9 @@ def test_only_static_nccl_edges_with_room_for_two_messages_announce(channel_pair
     ):
         ops = object.__new__(GpuOps)
         plan = SimpleNamespace(
-            schedule=[WRITE], graph=SimpleNamespace(edge=lambda _id, e=edge: e), max_inflight=1
+            schedule=[WRITE],
+            graph=SimpleNamespace(edge=lambda _id, e=edge: e, task=_task),
+            max_inflight=1,
         )
         ops.runner = SimpleNamespace(writers={0: writer}, plan=plan)
         assert ops._announcing_edges() == []

@@ -661,9 +661,16 @@ def test_promises_on_shared_memory_edges_are_kept_as_on_gpu_edges(trio, overlap)
             want = value["again"] if isinstance(value, dict) else value
             assert torch.equal(same, want) and torch.equal(got[1], y)
         for changed, why in ((torch.randn(5), r"\(5,\)"), (x.double(), "float64")):
-            with pytest.raises(tf.ActorError, match=f"static_shape=True but .*{why}"):
+            # The error names the node whose promise broke (it named "edge 1").
+            with pytest.raises(
+                tf.ActorError,
+                match=rf"calc0\.echo#0 was compiled with static_shape=True but .*{why}",
+            ):
                 graph.execute(changed, y).get(timeout=30)
-        with pytest.raises(tf.ActorError, match="direct_return=True but is a int, not a tensor"):
+        with pytest.raises(
+            tf.ActorError,
+            match=r"result of calc0\.echo#1 goes over .* direct_return=True but is a int, not",
+        ):
             graph.execute(x, 3).get(timeout=30)
         got = graph.execute(x, y).get(timeout=30)
         assert torch.equal(got[0], x) and torch.equal(got[1], y)
