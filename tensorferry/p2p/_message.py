@@ -83,6 +83,11 @@ class Message:
         """Whether it waits for its ``after`` message, not for its peer."""
         return self.after is not None and self.after.state != ENDED
 
+    def waits_for_peer(self) -> bool:
+        """Whether it waits for its peer's frame (or its route's making): only a thread that
+        steps its pair issues it then."""
+        return self.state == WAITING and not self.held()
+
     @property
     def peer(self) -> int:
         return self.op.peer

@@ -155,11 +155,7 @@ class Pair:
         """Whether a message waits for the peer's frame (or its route's making): only a thread
         that steps the pair issues it."""
         with self.lock:
-            return any(
-                m.state == WAITING and not m.held()
-                for open_ in self._open.values()
-                for m in open_.values()
-            )
+            return any(m.waits_for_peer() for open_ in self._open.values() for m in open_.values())
 
     def incoming_fd(self) -> int | None:
         """The descriptor the peer's frames arrive on (``None`` before it connected)."""

@@ -445,10 +445,10 @@ def check_receives_apart(
     if "recv" not in kinds:
         return
     if "send" not in kinds:
-        owners = [(what, i) for what, _, part in parts for i in range(len(part))]
         tensors = [t for _, _, part in parts for t in part] if len(parts) > 1 else parts[0][2]
         clash = _first_overlap(tensors) if len(tensors) > 1 else None
-        if clash is not None:
+        if clash is not None:  # (who is who is worked out only for the error)
+            owners = [(what, i) for what, _, part in parts for i in range(len(part))]
             _overlap_error(owners[clash[1]], owners[clash[0]], names)
         return
     spans = []

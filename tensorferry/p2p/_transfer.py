@@ -294,7 +294,7 @@ class Transfer:
         Nothing may wait for a peer's frame meanwhile, in this transfer or another of this
         rank (a send left unwaited while its caller waits for the reply): only a thread that
         steps the pair issues it once the frame comes, and blocked here this one could not."""
-        if any(m.state == WAITING and not m.held() for m in self._messages):
+        if any(m.waits_for_peer() for m in self._messages):
             return False
         blocking = [
             (message, route)
