@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import datetime
 import logging
 import queue
 import threading
@@ -62,6 +63,8 @@ _UNCLAIMED_S = 0.002
 # Groups given up on (faults), the last few kept referenced: see _Group.abort. Older ones go
 # (their connections close and their waits end), so faults again and again leak nothing.
 _given_up: collections.deque = collections.deque(maxlen=4)
+# Heads a pair keeps for reuse, per size: a new one costs an allocation on every message.
+_HEADS_KEPT = 4
 
 
 class _Works:
@@ -78,6 +81,7 @@ class _Works:
         "keep",
         "peer",
         "small",
+        "spare",
         "started",
         "withdrawn",
         "works",
@@ -91,8 +95,10 @@ class _Works:
         head: torch.Tensor | None = None,
         small: Sequence[tuple[torch.Tensor, int]] = (),
         keep: Any = None,
+        spare: tuple[_Group, torch.Tensor] | None = None,
     ) -> None:
         self.works, self.peer, self.head, self.small, self.keep = works, peer, head, small, keep
+        self.spare = spare  # (its group, its head): the head goes back to the group once done
         self.started = time.monotonic()
         self.claimed = threading.Lock()  # held by the one thread that waits for the works
         self.finished = False
@@ -176,9 +182,7 @@ def _tag(message: Message) -> int:
     return message.seq & 0x7FFFFFFF
 
 
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
+def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
@@ -189,6 +193,18 @@ class _Group:
     def __init__(self, pg: Any, other: int, epoch: int) -> None:
         self.pg, self.other, self.epoch = pg, other, epoch
         self._waiters: dict[str, queue.SimpleQueue] = {}
+        self._heads: dict[int, list[torch.Tensor]] = {}  # (under the pair's lock)
+
+    def head(self, nbytes: int) -> torch.Tensor:
+        """A message's head of ``nbytes`` bytes: one a finished message gave back, or new."""
+        free = self._heads.get(nbytes)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, head: torch.Tensor) -> None:
+        """``head``'s message ended and gloo is done with it: a later message may use it."""
+        free = self._heads.setdefault(head.numel(), [])
+        if len(free) < _HEADS_KEPT:
+            free.append(head)
 
     def abort(self) -> None:
         """A fault: its waiters end after the works they hold (gloo cannot cut a wait short;
@@ -367,10 +383,12 @@ class GlooRoute:
             [(m, {"g": 1 + len(w.alone)}) for m, w in zip(messages, wires, strict=True)]
         )
         for message, wire in zip(messages, wires, strict=True):
-            head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+            head = group.head(wire.head_bytes)
             ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
             buffers = [head, *wire.alone]
-            self._issue(message, group, group.pg.recv, buffers, head=head, small=wire.small)
+            self._issue(
+                message, group, group.pg.recv, buffers, head=head, small=wire.small, spare=head
+            )
 
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
@@ -382,7 +400,7 @@ class GlooRoute:
         group = self._group(pair)
         for message, _ in sends:
             wire = _Wire(message.tensors)
-            head = torch.empty(wire.head_bytes, dtype=torch.uint8)
+            head = group.head(wire.head_bytes)
             at = head.data_ptr()
             ctypes.memmove(at, _AGREED, _STATUS)
             at += _STATUS
@@ -390,16 +408,23 @@ class GlooRoute:
                 ctypes.memmove(at, tensor.data_ptr(), nbytes)
                 at += nbytes
             buffers = [head, *wire.alone]
-            self._issue(message, group, group.pg.send, buffers, keep=buffers)
+            self._issue(message, group, group.pg.send, buffers, keep=buffers, spare=head)
 
     def _issue(
-        self, message: Message, group: _Group, move: Callable, buffers: list, **fields: Any
+        self,
+        message: Message,
+        group: _Group,
+        move: Callable,
+        buffers: list,
+        *,
+        spare: torch.Tensor,
+        **fields: Any,
     ) -> None:
         """``move`` (the group's send or receive) of each of ``buffers`` under ``message``'s
         tag; their works become the message's, unclaimed until a thread waits for them."""
         tag = _tag(message)
         works = _gloo_calls(lambda: [move([b], group.other, tag) for b in buffers])
-        message.pending = _Works(works, message.peer, **fields)
+        message.pending = _Works(works, message.peer, spare=(group, spare), **fields)
         self._groups_of[id(message.pending)] = group
 
     def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
@@ -426,6 +451,10 @@ class GlooRoute:
         if works.finished:
             if works.error is not None:
                 raise works.error
+            if works.spare is not None:  # gloo is done with its head (it failed: maybe not)
+                group, head = works.spare
+                works.spare = None
+                group.give_back(head)
             return not works.withdrawn or message.error is not None
         if id(works) in self._groups_of and time.monotonic() > works.started + _UNCLAIMED_S:
             self.hand_off(message, message.transfer.deadline)  # nobody waits in it: a thread

@@ -48,6 +48,26 @@ _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 # Reads one JSON value from the start of a string: json.loads without its whitespace scans and
 # its detection of a bytes payload's encoding, a few microseconds a frame on the caller's path.
 _decode = json.JSONDecoder().raw_decode
+
+
+def _unencodable(value: Any) -> Any:
+    raise TypeError(f"a frame cannot carry {type(value).__name__}")
+
+
+def _frame_encoder() -> Any:
+    """Writes one frame as compact JSON, as ``json.dumps(frame, separators=(",", ":"))``
+    does, but with json's C encoder made once: ``json.dumps`` makes an encoder per call
+    (about half of a post frame's host time). Frames are flat dicts: no cycle check."""
+    make = json.encoder.c_make_encoder
+    if make is None:  # no C accelerator in this Python
+        return lambda frame: json.dumps(frame, separators=(",", ":"))
+    encode = make(
+        None, _unencodable, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+    return lambda frame: "".join(encode(frame, 0))
+
+
+_encode = _frame_encoder()
 _MAX_FRAME = 64 << 20
 
 
@@ -182,7 +202,7 @@ class Link:
         if isinstance(frame, bytes):
             payload = frame
         else:
-            payload = json.dumps(frame, separators=(",", ":")).encode()
+            payload = _encode(frame).encode()
         self._out += _LEN.pack(len(payload))
         self._out += payload
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import threading
 import time
@@ -106,6 +107,8 @@ class Pair:
         self._in: Any = None  # the peer's link to us (we read)
         self._out_read_at = 0.0
         self.stepped_at = 0.0  # monotonic time of the last step (progress) anyone ran
+        # No open message's deadline comes before this (monotonic): steps look at none before.
+        self._deadlines_from = math.inf
         self.lost: BaseException | None = None
         self.streams: dict[str, Any] = {}  # CUDA: one send and one receive stream per pair
         self._client: Any = None
@@ -128,15 +131,18 @@ class Pair:
                     continue
                 self._open[kind][message.seq] = message
                 self._unchecked.append(("h" if kind == "recv" else "p", message.seq))
+                if message.transfer is not None:
+                    self._deadlines_from = min(self._deadlines_from, message.transfer.deadline)
             self._advance(poll=False)  # the peer's frames are read by whoever waits
 
     def progress(self) -> None:
         """Reads the peer's frames, ends what passed its deadline, issues what can go and
         completes what finished."""
         with self.lock:
-            self.stepped_at = time.monotonic()
+            self.stepped_at = now = time.monotonic()
             self._pump()
-            self._check_deadlines()
+            if now > self._deadlines_from:
+                self._check_deadlines()
             self._advance()
 
     def attach_incoming(self, link: Any) -> None:
@@ -303,27 +309,29 @@ class Pair:
             self._check_new_routes()
         for kind in ("send", "recv"):
             last = self._next[kind]
-            posts: list[tuple[Any, Message, None]] = []  # (route, message, None): see _go
             seq = self._to_announce[kind]
-            while seq < last:  # (a fault on the way empties _open: look it up each time)
-                message = self._open[kind].get(seq)
-                unannounced = message is not None and not message.announced
-                if unannounced and not self._announce(message, posts):
-                    break  # its route is still being made: later messages wait for it
-                seq += 1
-            self._to_announce[kind] = seq
-            self._go(posts)
-            writes: list[tuple[Any, Message, dict]] = []  # (route, message, its post)
+            if seq < last:
+                posts: list[tuple[Any, Message, None]] = []  # (route, message, None): see _go
+                while seq < last:  # (a fault on the way empties _open: look it up each time)
+                    message = self._open[kind].get(seq)
+                    unannounced = message is not None and not message.announced
+                    if unannounced and not self._announce(message, posts):
+                        break  # its route is still being made: later messages wait for it
+                    seq += 1
+                self._to_announce[kind] = seq
+                self._go(posts)
             seq = self._to_issue[kind]
-            while seq < last:
-                message = self._open[kind].get(seq)
-                waiting = message is not None and message.state == WAITING
-                if waiting and not self._try_issue(message, writes):
-                    break  # later messages of this direction wait for it
-                seq += 1
-            self._to_issue[kind] = seq
-            self._go(writes)
-            if poll:
+            if seq < last:
+                writes: list[tuple[Any, Message, dict]] = []  # (route, message, its post)
+                while seq < last:
+                    message = self._open[kind].get(seq)
+                    waiting = message is not None and message.state == WAITING
+                    if waiting and not self._try_issue(message, writes):
+                        break  # later messages of this direction wait for it
+                    seq += 1
+                self._to_issue[kind] = seq
+                self._go(writes)
+            if poll and self._open[kind]:
                 for message in list(self._open[kind].values()):
                     if message.state == ISSUED and not self._poll(message):
                         break
@@ -527,9 +535,14 @@ class Pair:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
+        self._deadlines_from = math.inf
         for kind in ("send", "recv"):
             for message in self._open[kind].values():
-                if message.transfer is not None and now > message.transfer.deadline:
+                if message.transfer is None:
+                    continue
+                if now <= message.transfer.deadline:
+                    self._deadlines_from = min(self._deadlines_from, message.transfer.deadline)
+                else:
                     why = (
                         "no matching call within the transfer timeout"
                         if message.state == WAITING
