@@ -67,7 +67,7 @@ def _submit(ctx: _context.P2PContext, messages: list[Message], transfer: Transfe
     """Submits ``messages`` as ``transfer``, after the caller's current stream's work: an
     event marks it, unless that work is over already (then nothing needs to wait for it)."""
     event = None
-    cuda = any(m.tensors and m.tensors[0].is_cuda for m in messages)
+    cuda = ctx.device.type == "cuda" and any(m.tensors[0].is_cuda for m in messages)
     if cuda and not current_stream_idle(ctx.device.index):
         event = record_on_current_stream(ctx.device.index)
         transfer._caller_event = event  # back to the pool once every message is issued

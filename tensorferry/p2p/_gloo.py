@@ -296,6 +296,9 @@ class GlooRoute:
             TensorFerryError: making it failed (a fault of the pair).
         """
         epoch = pair.epoch
+        made = self._groups.get(pair.peer)  # (the usual answer, without the table's lock)
+        if made is not None and made[0] == epoch and type(made[1]) is _Group:
+            return True
         with self._lock:
             made = self._groups.get(pair.peer)
             if made is not None and made[0] == epoch:

@@ -199,10 +199,7 @@ class Link:
     def queue(self, frame: dict[str, Any] | bytes) -> None:
         """Queues ``frame`` (a dict, or one already encoded as JSON); :meth:`flush` writes it
         (with whatever else is queued)."""
-        if isinstance(frame, bytes):
-            payload = frame
-        else:
-            payload = _encode(frame).encode()
+        payload = frame if isinstance(frame, bytes) else _encode(frame).encode()
         self._out += _LEN.pack(len(payload))
         self._out += payload
 

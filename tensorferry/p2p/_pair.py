@@ -145,6 +145,12 @@ class Pair:
                 self._check_deadlines()
             self._advance()
 
+    def settle(self) -> None:
+        """Ends what its route finished and issues what that lets go, without reading the
+        peer's frames: a waiter's look right after a route's blocking wait ended."""
+        with self.lock:
+            self._advance()
+
     def attach_incoming(self, link: Any) -> None:
         """The acceptor thread hands over the link the peer made to us."""
         with self.lock:

@@ -46,23 +46,6 @@ _FRAME_WAIT_S = 100e-6
 _WORD_SPIN_S = 200e-6
 
 
-class _Flag:
-    """Whether the transfer ended: set once, read by any thread. Nothing blocks on it (waiters
-    poll), so it needs none of ``threading.Event``'s condition, which costs microseconds to
-    make per call."""
-
-    __slots__ = ("_set",)
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-
 class Transfer:
     """The handle of one ``send``/``recv``/``sendrecv``/``batch``.
 
@@ -77,7 +60,9 @@ class Transfer:
         self._pairs: list[Pair] = []
         self._open = 0
         self._error: BaseException | None = None
-        self._done = _Flag()
+        # Whether it ended: set once, read by any thread. Nothing blocks on it (waiters poll),
+        # so it is a plain attribute, not a threading.Event.
+        self._ended = False
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
         self._watched = False
@@ -104,7 +89,7 @@ class Transfer:
         event, self._caller_event = self._caller_event, None
         if event is not None:  # every message ended: no wait on it is still to be enqueued
             recycle(event)
-        self._done.set()
+        self._ended = True
         with self._lock:
             callbacks, self._callbacks = self._callbacks, []
         if callbacks:
@@ -113,9 +98,9 @@ class Transfer:
     # ------------------------------------------------------------------ the user's calls
     def done(self) -> bool:
         """Whether it ended (done or failed); looks for progress first, without waiting."""
-        if not self._done.is_set():
+        if not self._ended:
             self._progress()
-        return self._done.is_set()
+        return self._ended
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Waits until every message ended; returns ``self``.
@@ -126,20 +111,26 @@ class Transfer:
             MismatchError, PeerLostError, TransportError: how it failed.
         """
         seconds = self._seconds(timeout)  # checked done or not: a bad timeout is a bad call
-        if not self._done.is_set():
-            limit = time.monotonic() + seconds
-            spin_until = time.monotonic() + _SPIN_S
-            extended = False
+        if not self._ended:
+            now = time.monotonic()
+            limit = now + seconds
+            spin_until = now + _SPIN_S
+            extended = blocked = False
             pause = 20e-6
             while True:
-                self._progress(hand_off=False)
-                if self._done.is_set():
+                if blocked:  # its works ended (or the limit came): their pairs' look ends them
+                    for pair in self._pairs:
+                        pair.settle()
+                else:
+                    self._progress(hand_off=False)
+                if self._ended:
                     break
                 now = time.monotonic()
                 if now > limit:
                     within = "its timeout" if timeout is None else f"{timeout:.3g} s of waiting"
                     raise TransferTimeoutError(f"{self.description}: not done within {within}")
-                if self._block(limit):
+                blocked = self._block(limit)
+                if blocked:
                     continue
                 if now >= spin_until and not extended:
                     extended = True
@@ -164,7 +155,7 @@ class Transfer:
         try:
             self.wait(timeout)
         except Exception:
-            if not self._done.is_set():  # not how it failed: not done in time, or not submitted
+            if not self._ended:  # not how it failed: not done in time, or not submitted
                 raise
         return self._error
 
@@ -172,7 +163,7 @@ class Transfer:
         """Calls ``fn(transfer)`` once it ended, on a completion-pool thread (at once on this
         thread if it ended already). Exceptions of ``fn`` are logged."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._ended:
                 self._callbacks.append(fn)
                 watch = not self._watched
                 self._watched = True
@@ -201,12 +192,12 @@ class Transfer:
             self.wait(timeout)  # CPU tensors: no stream to order, the bytes must be there
             return
         limit = time.monotonic() + self._seconds(timeout)
-        while any(m.state == WAITING for m in self._messages) and not self._done.is_set():
+        while any(m.state == WAITING for m in self._messages) and not self._ended:
             self._progress()
             if time.monotonic() > limit:
                 raise TransferTimeoutError(f"{self.description}: not issued within {timeout} s")
             time.sleep(20e-6)
-        if self._done.is_set() and self._error is not None:
+        if self._ended and self._error is not None:
             raise self._error
         for message in self._messages:
             if message.state == ENDED or not message.tensors or not message.tensors[0].is_cuda:
@@ -222,8 +213,8 @@ class Transfer:
         return "; ".join(m.describe() for m in self._messages) or "an empty transfer"
 
     def __repr__(self) -> str:
-        state = "done" if self._done.is_set() else "pending"
-        if self._done.is_set() and self._error is not None:
+        state = "done" if self._ended else "pending"
+        if self._ended and self._error is not None:
             state = f"failed: {type(self._error).__name__}"
         return f"<Transfer {self.description} ({state})>"
 
@@ -236,13 +227,13 @@ class Transfer:
         if self._pairs:  # a receive posted with another peer may be what this one waits on
             for pair in self._pairs[0].ctx.busy_pairs(self._pairs):
                 pair.progress()
-        if hand_off and not self._done.is_set():
+        if hand_off and not self._ended:
             for message in self._messages:
                 if message.state == ISSUED:
                     route = self._route_of(message)
                     if hasattr(route, "hand_off"):
                         route.hand_off(message, self.deadline)
-        return self._done.is_set()
+        return self._ended
 
     def _copying_seconds(self) -> float:
         """How long the transfer's bytes take to move where every message left is issued on a
@@ -294,13 +285,14 @@ class Transfer:
         Nothing may wait for a peer's frame meanwhile, in this transfer or another of this
         rank (a send left unwaited while its caller waits for the reply): only a thread that
         steps the pair issues it once the frame comes, and blocked here this one could not."""
-        if any(m.waits_for_peer() for m in self._messages):
-            return False
-        blocking = [
-            (message, route)
-            for message in self._messages
-            if message.state == ISSUED and hasattr(route := self._route_of(message), "block")
-        ]
+        blocking = []
+        for message in self._messages:
+            if message.waits_for_peer():
+                return False
+            if message.state == ISSUED:
+                route = self._route_of(message)
+                if hasattr(route, "block"):
+                    blocking.append((message, route))
         if not blocking or self._rank_waiting():
             return False
         return any(route.block(message, limit, self.deadline) for message, route in blocking)
