@@ -379,6 +379,8 @@ class CompiledGraph:
         ``submit_timeout``) for the oldest to finish; its result is kept for its ref.
 
         Raises:
+            TransferTimeoutError: no room within ``submit_timeout`` (the oldest execution in
+                flight did not finish); nothing was submitted, and the graph goes on.
             TypeError: the arguments do not match what the graph reads, or one cannot be sent
                 to the actors (it does not pickle). Nothing was submitted; the graph goes on.
             ActorDiedError: an actor of the graph died.
@@ -391,8 +393,16 @@ class CompiledGraph:
             raise TransferTimeoutError(f"execute() waited {timeout:.3g} s for the graph's lock")
         try:
             self._check_usable()
-            while self._submitted - self._read >= self.options.max_inflight:
-                self._read_one(timeout)
+            inflight = self.options.max_inflight
+            try:
+                while self._submitted - self._read >= inflight:
+                    self._read_one(timeout)
+            except TransferTimeoutError:
+                raise TransferTimeoutError(
+                    f"execute() waited {timeout:.3g} s (submit_timeout) for room: max_inflight="
+                    f"{inflight} executions are in flight and execution {self._read} has not "
+                    "finished; nothing was submitted, the graph goes on"
+                ) from None
             try:
                 self._executor.submit(payloads, timeout=timeout)
             except ActorDiedError as exc:

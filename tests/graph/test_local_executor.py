@@ -273,6 +273,25 @@ def test_get_timeout_then_result(trio):
         graph.teardown(kill_actors=False)
 
 
+def test_execute_without_room_names_its_limits_and_the_graph_goes_on(trio):
+    a, _, _ = trio
+    with InputNode() as inp:
+        dag = a.slow.bind(inp, 0.5)
+    graph = dag.compile(max_inflight=1, submit_timeout=0.05)
+    try:
+        x = torch.randn(2)
+        first = graph.execute(x)
+        with pytest.raises(tf.TransferTimeoutError) as caught:
+            graph.execute(x + 1)
+        text = str(caught.value)
+        assert "submit_timeout" in text and "max_inflight=1" in text, text
+        assert "execution 0 has not finished" in text and "channel" not in text, text
+        assert torch.equal(first.get(timeout=10), x)
+        assert torch.equal(graph.execute(x + 2).get(timeout=10), x + 2)  # nothing was submitted
+    finally:
+        graph.teardown(kill_actors=False)
+
+
 def test_direct_calls_and_busy_actor(trio):
     a, _, _ = trio
     assert a.getpid.call() == a.pid
