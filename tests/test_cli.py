@@ -12,11 +12,15 @@ import torch
 from tensorferry.cli.main import main
 
 
-def test_doctor_reports_transports(capsys):
+def test_doctor_reports_transports_and_where_each_name_goes(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out
-    assert "gloo    usable" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "p2p" in lines["gloo"] and "graph" not in lines["gloo"]
+    assert lines["gloo"].endswith(" usable")
+    assert "graph (local executor)" in lines["shm"] and "graph (Ray executor)" in lines["tcp"]
+    assert "graph executors" in out
 
 
 def test_doctor_says_how_packed_messages_are_copied(capsys, monkeypatch):
@@ -154,6 +158,9 @@ def test_doctor_json_explains_unusable_transports(capsys):
     assert all(isinstance(reason, str) and reason for reason in unusable.values())
     if not info["devices"]:
         assert info["transports"]["nccl"] == "no CUDA device"
+    # The names a transport= or with_transport accepts, and no executor among them.
+    assert set(info["transports"]) == {"gloo", "ce", "nccl", "nvlink", "shm", "tcp"}
+    assert info["executors"]["local"] is None and "ray" in info["executors"]
 
 
 def test_bench_lifecycle_writes_results(tmp_path, capsys):

@@ -21,6 +21,7 @@ __all__ = [
     "add_arguments",
     "run",
     "transport_report",
+    "executor_report",
     "link_matrix",
     "node_layout",
     "native_report",
@@ -102,8 +103,21 @@ def link_matrix(count: int) -> dict[tuple[int, int], str]:
     return links
 
 
+# Where each transport name is accepted: tf.send's ``transport=`` (p2p), a graph edge's
+# ``with_transport`` (graph), or both.
+TRANSPORT_USES = {
+    "gloo": "p2p (CPU tensors)",
+    "ce": "p2p, graph",
+    "nccl": "p2p, graph",
+    "nvlink": "p2p, graph",
+    "shm": "graph (local executor)",
+    "tcp": "graph (Ray executor)",
+}
+
+
 def transport_report() -> dict[str, str | None]:
-    """Per transport: ``None`` when usable here, else why not."""
+    """Per transport name (see :data:`TRANSPORT_USES`): ``None`` when usable here, else why
+    not."""
     import torch
     import torch.distributed as dist
 
@@ -113,9 +127,8 @@ def transport_report() -> dict[str, str | None]:
     report: dict[str, str | None] = {}
     if not dist.is_available():
         reason = "this torch build has no torch.distributed"
-        return dict.fromkeys(("gloo", "nccl", "nvlink", "ce", "shm"), reason)
+        return dict.fromkeys(("gloo", "nccl", "nvlink", "ce"), reason) | {"shm": None, "tcp": None}
     report["gloo"] = None if dist.is_gloo_available() else "torch built without gloo"
-    report["shm"] = None
     if cuda == 0:
         report["nccl"] = "no CUDA device"
     elif not dist.is_nccl_available():
@@ -140,10 +153,15 @@ def transport_report() -> dict[str, str | None]:
     else:
         triton_reason = None
     report["nvlink"] = peer_reason or symm_reason or triton_reason
-    report["ray"] = (
-        None if _version("ray") else "Ray is not installed (pip install 'tensorferry[ray]')"
-    )
+    report["shm"] = None
+    report["tcp"] = executor_report()["ray"]
     return report
+
+
+def executor_report() -> dict[str, str | None]:
+    """Per graph executor: ``None`` when usable here, else why not."""
+    ray = None if _version("ray") else "Ray is not installed (pip install 'tensorferry[ray]')"
+    return {"local": None, "ray": ray}
 
 
 def side_channel_report() -> str:
@@ -262,6 +280,7 @@ def _collect() -> dict:
         if i < j
     ]
     info["transports"] = transport_report()
+    info["executors"] = executor_report()
     info["side_channel"] = side_channel_report()
     if native_build_coming():
         # Otherwise the doctor says nothing for the compiler's seconds (stderr: --json keeps
@@ -298,8 +317,12 @@ def run(args: argparse.Namespace) -> int:
             i, j = p["pair"]
             access = "peer access" if p["peer_access"] else "NO peer access"
             print(f"  cuda:{i} <-> cuda:{j}  {p['link']:<8} {access}")
-    print("transports")
+    print("transports (p2p: tf.send's transport=; graph: an edge's with_transport)")
     for name, reason in info["transports"].items():
+        usable = "usable" if reason is None else "unusable: " + reason
+        print(f"  {name:<7} {TRANSPORT_USES[name]:<23} {usable}")
+    print("graph executors")
+    for name, reason in info["executors"].items():
         print(f"  {name:<7} {'usable' if reason is None else 'unusable: ' + reason}")
     print(f"p2p control links (message frames, fault notices)\n  {info['side_channel']}")
     print(f"compiled validation (TENSORFERRY_NATIVE)\n  {info['native']}")
