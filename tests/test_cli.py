@@ -263,14 +263,17 @@ def test_a_run_that_fails_its_checks_leaves_no_out_folder(tmp_path, monkeypatch)
 def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    for argv in (
-        ["demo", "--out", str(blocker / "pictures")],
-        ["bench", "batch", "--out", str(blocker)],
+    for argv, command in (
+        (["demo", "--out", str(blocker / "pictures")], "tensorferry demo"),
+        (["bench", "batch", "--out", str(blocker)], "tensorferry bench batch"),
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
-        assert "cannot make that folder" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "cannot make that folder" in err
+        # The usage and the error are the command's own, not the top level's list of commands.
+        assert f"usage: {command} " in err and f"{command}: error:" in err, err
 
 
 @pytest.mark.parametrize(

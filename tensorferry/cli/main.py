@@ -66,14 +66,14 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(_module=module)
+        sub.set_defaults(_module=module, _parser=sub)
         if name == command:
             importlib.import_module(module).add_arguments(sub)
     bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
     benches = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
         sub = benches.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(_module=module)
+        sub.set_defaults(_module=module, _parser=sub)
         if name == benchmark:
             importlib.import_module(module).add_arguments(sub)
     return parser
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = getattr(args, "out", None)
     problem = folder_problem(out) if out else None  # every command that writes takes --out
-    if problem is not None:
-        parser.error(f"--out {out}: {problem}")
+    if problem is not None:  # the usage of the command that takes it
+        args._parser.error(f"--out {out}: {problem}")
     try:
         configured = envs.log_level()
     except ValueError as exc:
