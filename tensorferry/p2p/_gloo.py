@@ -28,6 +28,7 @@ import collections
 import ctypes
 import datetime
 import logging
+import math
 import queue
 import threading
 import time
@@ -56,15 +57,25 @@ PACK_BELOW = 256 << 10
 _STATUS = 1
 _AGREED = b"\x01"
 _LOST_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "EOF")
+# gloo's words for a wait that timed out: this work's, or another work's of the pair (gloo then
+# closes the pair, and every wait on it fails).
+_TIMEOUT_HINTS = ("Timed out waiting", "Application timeout caused pair closure")
 _MAKING = "making"
 # Works nobody claimed this long after their start go to the pair's waiter thread (a send
 # nobody waits for still ends, and its message with it).
 _UNCLAIMED_S = 0.002
+# A caller whose works a waiter thread waits for looks up this often (seconds): a fault of the
+# pair (another message's timeout, the peer's notice) ends its message while the works go on.
+_HANDED_OFF_LOOK_S = 0.005
 # Groups given up on (faults), the last few kept referenced: see _Group.abort. Older ones go
 # (their connections close and their waits end), so faults again and again leak nothing.
 _given_up: collections.deque = collections.deque(maxlen=4)
-# Heads a pair keeps for reuse, per size: a new one costs an allocation on every message.
+# Heads a pair keeps for reuse (a new one costs an allocation on every message): at most this
+# many of one size, of at most _HEAD_KEPT_MAX bytes each and _HEADS_KEPT_BYTES in all, the sizes
+# used last kept first (messages of ever new sizes must not pile heads up).
 _HEADS_KEPT = 4
+_HEAD_KEPT_MAX = 1 << 20
+_HEADS_KEPT_BYTES = 4 << 20
 
 
 class _Works:
@@ -126,7 +137,7 @@ class _Works:
             text = str(exc)
             if any(hint in text for hint in _LOST_HINTS):
                 self.error = PeerLostError(f"gloo: rank {self.peer} is gone ({text.strip()})")
-            elif time.monotonic() >= until:
+            elif time.monotonic() >= until or any(hint in text for hint in _TIMEOUT_HINTS):
                 self.error = TransferTimeoutError(f"gloo: with rank {self.peer}: {text.strip()}")
             else:
                 self.error = TransportError(f"gloo: transfer with rank {self.peer} failed: {text}")
@@ -183,7 +194,9 @@ def _tag(message: Message) -> int:
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
+    """``seconds`` as gloo's timeout, rounded up to its whole milliseconds: rounded down, gloo's
+    wait would time out just before the transfer's deadline, which is then not yet passed."""
+    return datetime.timedelta(milliseconds=math.ceil(seconds * 1000))
 
 
 class _Group:
@@ -193,18 +206,35 @@ class _Group:
     def __init__(self, pg: Any, other: int, epoch: int) -> None:
         self.pg, self.other, self.epoch = pg, other, epoch
         self._waiters: dict[str, queue.SimpleQueue] = {}
-        self._heads: dict[int, list[torch.Tensor]] = {}  # (under the pair's lock)
+        # Heads given back, by size, the size given back last at the end (under the pair's lock)
+        self._heads: dict[int, list[torch.Tensor]] = {}
+        self._heads_bytes = 0
 
     def head(self, nbytes: int) -> torch.Tensor:
         """A message's head of ``nbytes`` bytes: one a finished message gave back, or new."""
         free = self._heads.get(nbytes)
-        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+        if not free:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        self._heads_bytes -= nbytes
+        return free.pop()
 
     def give_back(self, head: torch.Tensor) -> None:
         """``head``'s message ended and gloo is done with it: a later message may use it."""
-        free = self._heads.setdefault(head.numel(), [])
-        if len(free) < _HEADS_KEPT:
-            free.append(head)
+        nbytes = head.numel()
+        if nbytes > _HEAD_KEPT_MAX:
+            return
+        free = self._heads.pop(nbytes, [])
+        self._heads[nbytes] = free  # (now the last: the size used last)
+        if len(free) >= _HEADS_KEPT:
+            return
+        free.append(head)
+        self._heads_bytes += nbytes
+        while self._heads_bytes > _HEADS_KEPT_BYTES:  # the sizes used longest ago go first
+            size, oldest = next(iter(self._heads.items()))
+            oldest.pop()
+            self._heads_bytes -= size
+            if not oldest:
+                del self._heads[size]
 
     def abort(self) -> None:
         """A fault: its waiters end after the works they hold (gloo cannot cut a wait short;
@@ -471,7 +501,8 @@ class GlooRoute:
 
         This thread waits in gloo's own wait when the wait may last until the transfer's
         ``deadline`` (gloo's wait cannot end early without failing the pair's group); for a
-        shorter ``limit`` a waiter thread waits in gloo and this one waits for that thread."""
+        shorter ``limit`` a waiter thread waits in gloo and this one waits for that thread, a
+        few milliseconds at a time (the caller looks whether a fault ended the message)."""
         works: _Works = message.pending
         if works.finished:
             return False
@@ -481,7 +512,7 @@ class GlooRoute:
             return True
         self.hand_off(message, deadline)
         left = min(limit, deadline) - time.monotonic()
-        if left > 0 and works.claimed.acquire(timeout=left):
+        if left > 0 and works.claimed.acquire(timeout=min(left, _HANDED_OFF_LOOK_S)):
             works.claimed.release()
         return True
 

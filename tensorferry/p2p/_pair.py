@@ -149,6 +149,8 @@ class Pair:
         """Ends what its route finished and issues what that lets go, without reading the
         peer's frames: a waiter's look right after a route's blocking wait ended."""
         with self.lock:
+            if time.monotonic() > self._deadlines_from:  # (a message that timed out is the cause)
+                self._check_deadlines()
             self._advance()
 
     def attach_incoming(self, link: Any) -> None:

@@ -979,6 +979,75 @@ def receive_right_after_the_peer_timed_out(rank: int, world: int) -> list[str]:
     return outcomes
 
 
+def _swap_rows(rank: int) -> None:
+    """A ``sendrecv`` of one row with the other rank of a pair (0 and 1), its bytes checked."""
+    mine, theirs = payload(rank, 1 - rank, 3, (8,), torch.float32), torch.full((8,), -1.0)
+    tf.sendrecv(mine, 1 - rank, theirs, 1 - rank).wait(T)
+    assert same_bytes(theirs, payload(1 - rank, rank, 3, (8,), torch.float32))
+
+
+def a_timeout_beside_a_longer_receive(rank: int, world: int) -> list[str]:
+    """Rank 0 posts a receive with a long timeout, then one with 0.25 s, from a rank 1 that
+    makes no call until both ended, and waits for the short one, or for the long one with a
+    shorter ``wait(timeout)`` (a waiter thread waits in gloo) or with none (this thread waits
+    in gloo). The short one's timeout fails both, each with ``TransferTimeoutError``, at once:
+    gloo closes the pair when a wait times out, and the long one's wait failing on the closed
+    pair ("pair closure") was taken for a transport error, the pair's fault with it, on both
+    sides; and a ``wait(timeout)`` whose message a fault ended waited out its timeout. Rank 1's
+    two sends then fail at once with rank 0's error; a ``sendrecv`` after them goes through.
+    Returns each step's outcomes."""
+    from tensorferry.p2p import _context
+
+    if rank > 1:
+        return []
+    store = _context.current().store
+    outcomes = []
+    for step in range(6):
+        ended = f"cases/{next(_STORE_KEYS)}/ended"
+        if rank == 0:
+            long = tf.recv(tf.TensorSpec((8,)), 1, timeout=30.0)
+            short = tf.recv(tf.TensorSpec((8,)), 1, timeout=0.25)
+            first, second = (short, long) if step % 3 == 0 else (long, short)
+            wait_s = None if step % 3 == 2 else T
+            outcomes += [_outcome_of(lambda t=t, s=wait_s: t.wait(s)) for t in (first, second)]
+            store.set(ended, "1")
+        else:
+            store.wait([ended])
+            for tag in (1, 2):
+                sent = payload(1, 0, tag, (8,), torch.float32)
+                outcomes.append(_outcome_of(lambda sent=sent: tf.send(sent, 0, timeout=5).wait(T)))
+        outcomes.append(_outcome_of(lambda: _swap_rows(rank)))
+    return outcomes
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def messages_of_ever_new_sizes(rank: int, world: int) -> int:
+    """Rank 0 sends rank 1 600 messages of one tensor each, every one of a size not sent
+    before (80 to 248 KB: variable-length batches), from and into views of one buffer, each
+    received byte checked. Returns how many bytes this rank's resident memory grew by: the
+    pair kept a head for reuse of every size it had seen (about 100 MB each side here)."""
+    if rank > 1:
+        return 0
+    sizes = [20000 + 70 * i for i in range(600)]
+    buffer = torch.empty(max(sizes))
+    tf.sendrecv(torch.ones(1), 1 - rank, torch.empty(1), 1 - rank).wait(T)  # the pair is made
+    before = _resident_bytes()
+    for i, numel in enumerate(sizes):
+        view = buffer[:numel]
+        if rank == 0:
+            view.fill_(float(i))
+            tf.send(view, 1).wait(T)
+        else:
+            view.fill_(-1.0)
+            tf.recv(view, 0).wait(T)
+            assert bool((view == float(i)).all()), i
+    return _resident_bytes() - before
+
+
 def reset_right_after_a_fault(rank: int, world: int) -> list[str]:
     """Rank 0's send times out while rank 1 is idle, and both reset the pair at once (the
     uncached benchmark's step): rank 1 reads the fault's notice only inside its reset. Both

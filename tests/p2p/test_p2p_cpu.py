@@ -536,6 +536,19 @@ def test_a_receive_right_after_the_peer_timed_out_fails_with_the_peers_timeout(p
     assert receiver[2] == "TransferTimeoutError", results  # the send rank 0's receive was for
 
 
+def test_a_timeout_beside_a_longer_receive_is_a_timeout_on_both_sides(pool):
+    # Whichever of the two receives rank 0 waits for, both end with TransferTimeoutError, and
+    # so do rank 1's sends meant for them; the pair then works.
+    results = pool.run("a_timeout_beside_a_longer_receive", timeout=60)
+    step = ["TransferTimeoutError", "TransferTimeoutError", "ok"]
+    assert results[0] == step * 6 and results[1] == step * 6, results
+
+
+def test_messages_of_ever_new_sizes_leave_memory_flat(pool):
+    grown = pool.run("messages_of_ever_new_sizes", timeout=120)[:2]
+    assert all(growth < 40e6 for growth in grown), grown
+
+
 def test_a_pair_reset_right_after_a_fault_ends_on_both_sides(pool):
     # The reset's notices must survive the fault's epoch change on the side that reads the
     # fault's notice late, and the fault's answer must survive the reset.
