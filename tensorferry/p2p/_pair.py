@@ -141,16 +141,15 @@ class Pair:
         with self.lock:
             self.stepped_at = now = time.monotonic()
             self._pump()
-            if now > self._deadlines_from:
-                self._check_deadlines()
+            self._check_deadlines(now)
             self._advance()
 
     def settle(self) -> None:
-        """Ends what its route finished and issues what that lets go, without reading the
-        peer's frames: a waiter's look right after a route's blocking wait ended."""
+        """Ends what passed its deadline or its route finished and issues what that lets go,
+        without reading the peer's frames: a waiter's look right after a route's blocking wait
+        ended (deadlines first: a message that timed out is the fault's cause)."""
         with self.lock:
-            if time.monotonic() > self._deadlines_from:  # (a message that timed out is the cause)
-                self._check_deadlines()
+            self._check_deadlines(time.monotonic())
             self._advance()
 
     def attach_incoming(self, link: Any) -> None:
@@ -541,8 +540,11 @@ class Pair:
             with contextlib.suppress(TensorFerryError):
                 self._send({"k": "s", "e": self.epoch, "n": message.seq})
 
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
+    def _check_deadlines(self, now: float) -> None:
+        """Faults the pair for the first open message whose deadline passed by monotonic
+        ``now``; looks at none before the earliest deadline known to be open."""
+        if now <= self._deadlines_from:
+            return
         self._deadlines_from = math.inf
         for kind in ("send", "recv"):
             for message in self._open[kind].values():
