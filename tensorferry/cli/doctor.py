@@ -127,7 +127,7 @@ def transport_report() -> dict[str, str | None]:
     report: dict[str, str | None] = {}
     if not dist.is_available():
         reason = "this torch build has no torch.distributed"
-        return dict.fromkeys(("gloo", "nccl", "nvlink", "ce"), reason) | {"shm": None, "tcp": None}
+        return dict.fromkeys(("gloo", "nccl", "nvlink", "ce"), reason) | _host_channels()
     report["gloo"] = None if dist.is_gloo_available() else "torch built without gloo"
     if cuda == 0:
         report["nccl"] = "no CUDA device"
@@ -153,9 +153,13 @@ def transport_report() -> dict[str, str | None]:
     else:
         triton_reason = None
     report["nvlink"] = peer_reason or symm_reason or triton_reason
-    report["shm"] = None
-    report["tcp"] = executor_report()["ray"]
-    return report
+    return report | _host_channels()
+
+
+def _host_channels() -> dict[str, str | None]:
+    """The graph's host channels, which need no torch.distributed: shm (local executor), tcp
+    (Ray executor, usable where Ray is)."""
+    return {"shm": None, "tcp": executor_report()["ray"]}
 
 
 def executor_report() -> dict[str, str | None]:
