@@ -176,6 +176,19 @@ class _Wire:
                 self.head_bytes += nbytes
 
 
+def _packed(group: _Group, message: Message) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A send's head (a head of ``group``'s, filled) and the buffers it goes as."""
+    wire = _Wire(message.tensors)
+    head = group.head(wire.head_bytes)
+    at = head.data_ptr()
+    ctypes.memmove(at, _AGREED, _STATUS)
+    at += _STATUS
+    for tensor, nbytes in wire.small:  # (contiguous CPU tensors: plain bytes)
+        ctypes.memmove(at, tensor.data_ptr(), nbytes)
+        at += nbytes
+    return head, [head, *wire.alone]
+
+
 def _gloo_calls(issue: Callable[[], list]) -> list:
     """``issue()``'s works; gloo's own errors as ``TransportError``, a connection it closed as
     ``PeerLostError`` (the pair then asks its link whether the peer is gone or faulted)."""
@@ -426,21 +439,22 @@ class GlooRoute:
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
 
+    def stage(self, pair: Pair, message: Message) -> None:
+        """Packs a send at its call, where the pair's group is made: its head (the status
+        byte saying the layouts agreed, then the small tensors back to back) and its large
+        tensors. Once the receiver's post comes, only gloo's send is left to do: the sender
+        waits for that post anyway, and the packing is off the message's way."""
+        made = self._groups.get(pair.peer)
+        if made is not None and made[0] == pair.epoch and type(made[1]) is _Group:
+            message.staged = _packed(made[1], message)
+
     def write(self, pair: Pair, sends: list[tuple[Message, dict]]) -> None:
-        """Sends each message into the receives the peer posted (its post): its head (the
-        status byte saying the layouts agreed, then the small tensors back to back), then
-        each large tensor."""
+        """Sends each message into the receives the peer posted (its post): its head, then
+        each large tensor (packed at the call where :meth:`stage` could)."""
         group = self._group(pair)
         for message, _ in sends:
-            wire = _Wire(message.tensors)
-            head = group.head(wire.head_bytes)
-            at = head.data_ptr()
-            ctypes.memmove(at, _AGREED, _STATUS)
-            at += _STATUS
-            for tensor, nbytes in wire.small:  # (contiguous CPU tensors: plain bytes)
-                ctypes.memmove(at, tensor.data_ptr(), nbytes)
-                at += nbytes
-            buffers = [head, *wire.alone]
+            staged, message.staged = message.staged, None
+            head, buffers = staged if staged is not None else _packed(group, message)
             self._issue(message, group, group.pg.send, buffers, keep=buffers, spare=head)
 
     def _issue(

@@ -68,6 +68,14 @@ def _frame_encoder() -> Any:
 
 
 _encode = _frame_encoder()
+
+
+def _framed(frame: dict[str, Any]) -> bytes:
+    """``frame`` as it goes on the wire: its length, then its JSON."""
+    payload = _encode(frame).encode()
+    return _LEN.pack(len(payload)) + payload
+
+
 _MAX_FRAME = 64 << 20
 
 
@@ -191,17 +199,17 @@ class Link:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, frame: dict[str, Any] | bytes) -> None:
-        """Queues ``frame`` and writes what the socket takes now."""
-        self.queue(frame)
-        self.flush()
-
-    def queue(self, frame: dict[str, Any] | bytes) -> None:
-        """Queues ``frame`` (a dict, or one already encoded as JSON); :meth:`flush` writes it
-        (with whatever else is queued)."""
-        payload = frame if isinstance(frame, bytes) else _encode(frame).encode()
-        self._out += _LEN.pack(len(payload))
-        self._out += payload
+    def send(self, *frames: dict[str, Any]) -> None:
+        """Writes ``frames`` now, in one system call when nothing is queued before them; what
+        the socket does not take waits for :meth:`flush`. Raises OSError if it is broken."""
+        data = b"".join(_framed(frame) for frame in frames)
+        if self._out:
+            self._out += data
+            self.flush()
+            return
+        sent = self._send(data)
+        if sent < len(data):
+            self._out += memoryview(data)[sent:]
 
     def flush(self) -> None:
         """Writes queued bytes until the socket would block. Raises OSError if it is broken."""
@@ -243,18 +251,6 @@ class Link:
             return memoryview(self._chunk)[:got]
         return b"" if -got in _AGAIN else None
 
-    def write(self, payload: bytes) -> None:
-        """Sends one encoded frame now: in one system call when nothing is queued before it
-        (what the socket does not take is queued, as :meth:`send`). Raises OSError if the
-        socket is broken."""
-        if self._out:
-            self.send(payload)
-            return
-        data = _LEN.pack(len(payload)) + payload
-        sent = self._send(data)
-        if sent < len(data):
-            self._out += data[sent:]
-
     @property
     def wants_write(self) -> bool:
         return bool(self._out)
@@ -280,7 +276,7 @@ class Link:
             if len(data) < end:
                 break
             text = data[start + _LEN.size : end].decode()
-            frame, parsed = _decode(text)  # compact JSON, as queue() writes it
+            frame, parsed = _decode(text)  # compact JSON, as send() writes it
             if parsed != len(text) or not isinstance(frame, dict):
                 return None  # not a frame of ours: treat as a lost peer
             frames.append(frame)

@@ -31,6 +31,8 @@ class Message:
         seq, epoch: its number in its direction of the pair, and the pair's epoch then.
         state: ``WAITING``, ``ISSUED`` or ``ENDED``.
         pending: the route's handle of the issued work.
+        staged: what its route prepared at the call for its issue (a gloo send's packed
+            bytes), or ``None``.
         announced: its frame went to the peer (a two-sided send's header, a one-sided
             receive's post).
         answered: a two-sided send: the receiver's answer (accepted or mismatched) came; a
@@ -56,6 +58,7 @@ class Message:
         "pending",
         "route",
         "seq",
+        "staged",
         "state",
         "transfer",
     )
@@ -72,6 +75,7 @@ class Message:
         self.epoch = -1
         self.state = WAITING
         self.pending: Any = None
+        self.staged: Any = None
         self.answered = False
         self.announced = False
         self.confirmed = False

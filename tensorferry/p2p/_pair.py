@@ -206,8 +206,12 @@ class Pair:
         return stream
 
     # ------------------------------------------------------------------ frames
-    def _head(self, message: Message) -> dict:
+    @staticmethod
+    def _about(kind: str, message: Message) -> dict:
+        """The frame ``kind`` (``h``: a header, ``p``: a post) of ``message``: its number, its
+        layout and its route."""
         return {
+            "k": kind,
             "e": message.epoch,
             "n": message.seq,
             "d": descriptor_text(message.desc),
@@ -216,7 +220,12 @@ class Pair:
 
     def send_posts(self, posts: list[tuple[Message, dict]]) -> None:
         """Writes the post frame of each ``(message, the route's fields)``, in one write."""
-        self._send(*({"k": "p", **self._head(message), **fields} for message, fields in posts))
+        frames = []
+        for message, fields in posts:
+            frame = self._about("p", message)
+            frame.update(fields)
+            frames.append(frame)
+        self._send(*frames)
 
     def _send(self, *frames: dict) -> None:
         """Writes ``frames`` to the peer (in one write), connecting first if need be.
@@ -226,9 +235,7 @@ class Pair:
         """
         self.connect()
         try:
-            for frame in frames:
-                self._out.queue(frame)
-            self._out.flush()
+            self._out.send(*frames)
         except OSError as exc:
             self._gone(str(exc))
             raise self.lost from None  # type: ignore[misc]
@@ -346,15 +353,21 @@ class Pair:
     def _announce(self, message: Message, posts: list) -> bool:
         """Tells the peer of ``message``: a two-sided send's header; a posted receive joins
         the step's ``posts`` (posting also issues it: the sender sends once it reads the post).
-        Returns ``False`` when the route's resources with the peer are still being made."""
+        A send of a route the receiver posts first is staged: what its issue needs that does
+        not depend on the post is done now, while the receiver's call is under way. Returns
+        ``False`` when the route's resources with the peer are still being made."""
         route = self.ctx.route(message.route)
         try:
-            if route.receiver_posts and message.kind == "recv":
+            if not route.receiver_posts:
+                if message.kind == "send":
+                    self._send(self._about("h", message))
+            elif message.kind == "send":
+                if message.after is None:  # (a held send's bytes are not there yet)
+                    route.stage(self, message)
+            else:
                 if not route.prepared(self, "recv"):
                     return False
                 posts.append((route, message, None))
-            elif not route.receiver_posts and message.kind == "send":
-                self._send({"k": "h", **self._head(message)})
         except TensorFerryError as exc:  # the pair is lost, or its route failed: a fault
             self._failed(message, exc)
         message.announced = True

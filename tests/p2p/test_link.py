@@ -83,12 +83,14 @@ def test_frames_that_come_together_or_in_pieces_are_read_whole(pair):
     assert link.receive() == []  # nothing left over
 
 
-def test_the_frames_queue_writes_are_read_back(pair):
+def test_frames_sent_together_are_read_back(pair):
     link, writer = pair
     sender = Link(writer, peer=0)
-    sender.queue({"k": "f", "e": 3, "msg": 'a "quoted" reason, é'})
-    sender.queue(b'{"k":"h","e":0,"c":"r","q":7,"d":"","st":false,"t":"nccl"}')
-    sender.flush()
+    sender.send(
+        {"k": "f", "e": 3, "msg": 'a "quoted" reason, é'},
+        {"k": "h", "e": 0, "c": "r", "q": 7, "d": "", "st": False, "t": "nccl"},
+    )
+    assert not sender.wants_write
     assert read_until(link, 2) == [
         {"k": "f", "e": 3, "msg": 'a "quoted" reason, é'},
         {"k": "h", "e": 0, "c": "r", "q": 7, "d": "", "st": False, "t": "nccl"},
@@ -123,32 +125,19 @@ def test_a_closed_connection_counts_as_a_lost_peer(pair):
     assert got is None
 
 
-def test_a_frame_written_at_once_goes_after_the_queued_ones(pair):
-    link, writer = pair
-    sender = Link(writer, peer=0)
-    sender.queue({"k": "f", "e": 1, "msg": "queued first"})
-    sender.write(b'{"k":"h","e":1,"c":"s","q":0,"d":"float32:4","st":true,"t":"nccl"}')
-    assert not sender.wants_write
-    sender.write(b'{"k":"h","e":1,"c":"s","q":1,"d":"float32:4","st":true,"t":"nccl"}')
-    assert read_until(link, 3) == [
-        {"k": "f", "e": 1, "msg": "queued first"},
-        {"k": "h", "e": 1, "c": "s", "q": 0, "d": "float32:4", "st": True, "t": "nccl"},
-        {"k": "h", "e": 1, "c": "s", "q": 1, "d": "float32:4", "st": True, "t": "nccl"},
-    ]
-
-
 def test_what_the_socket_does_not_take_at_once_is_queued_and_arrives_whole(pair):
     link, writer = pair
     writer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     sender = Link(writer, peer=0)
-    # Larger than the socket buffers on both ends: the first write cannot take it all.
-    texts = ["x" * (4 << 20), "after it"]
-    for text in texts:
-        sender.write(json.dumps({"k": "f", "e": 2, "msg": text}).encode())
+    # Larger than the socket buffers on both ends: the first write cannot take it all, and
+    # the frames sent after it wait behind what is left of it.
+    texts = ["x" * (4 << 20), "after it", "and after that"]
+    sender.send({"k": "f", "e": 2, "msg": texts[0]})
     assert sender.wants_write
+    sender.send({"k": "f", "e": 2, "msg": texts[1]}, {"k": "f", "e": 2, "msg": texts[2]})
     frames: list = []
     deadline = time.monotonic() + 10
-    while len(frames) < 2 and time.monotonic() < deadline:
+    while len(frames) < 3 and time.monotonic() < deadline:
         sender.flush()
         got = link.receive()
         assert got is not None, "the link reported a lost peer"
