@@ -71,9 +71,10 @@ _HANDED_OFF_LOOK_S = 0.005
 # (their connections close and their waits end), so faults again and again leak nothing.
 _given_up: collections.deque = collections.deque(maxlen=4)
 # Heads a pair keeps for reuse (a new one costs an allocation on every message): at most this
-# many of one size, of at most _HEAD_KEPT_MAX bytes each and _HEADS_KEPT_BYTES in all, the sizes
-# used last kept first (messages of ever new sizes must not pile heads up).
-_HEADS_KEPT = 4
+# many of one size (a loop of separate calls has as many in flight), of at most _HEAD_KEPT_MAX
+# bytes each and _HEADS_KEPT_BYTES in all, the sizes used last kept first (messages of ever
+# new sizes must not pile heads up).
+_HEADS_KEPT = 64
 _HEAD_KEPT_MAX = 1 << 20
 _HEADS_KEPT_BYTES = 4 << 20
 

@@ -204,6 +204,9 @@ class _PostingRoute:
     def post(self, pair: Pair, messages: list[Message]) -> None:
         self.runs.append(("post", [m.seq for m in messages]))
 
+    def stage(self, pair: Pair, message: Message) -> None:
+        self.runs.append(("stage", [message.seq]))
+
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames here
 
@@ -230,7 +233,9 @@ def test_a_calls_messages_are_posted_and_written_as_one_run(pair):
     assert all(m.state == ISSUED for m in receives)
     sends = _messages("send", 3)
     pair.submit(sends)
-    assert route.runs[1:] == []  # no post from the peer yet
+    # Staged at the call (what their issue needs besides the post); no post from the peer yet
+    assert route.runs[1:] == [("stage", [0]), ("stage", [1]), ("stage", [2])]
+    del route.runs[1:]
     desc = descriptor_text(describe([torch.zeros(4)]))
     for seq in (0, 1):  # two posts come before the next step, the third after it
         pair._on_frame({"k": "p", "e": 0, "n": seq, "d": desc, "r": "posting"})
