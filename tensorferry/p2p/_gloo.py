@@ -227,8 +227,10 @@ class _Group:
     def head(self, nbytes: int) -> torch.Tensor:
         """A message's head of ``nbytes`` bytes: one a finished message gave back, or new."""
         free = self._heads.get(nbytes)
-        if not free:
+        if free is None:
             return torch.empty(nbytes, dtype=torch.uint8)
+        if len(free) == 1:  # (no size is kept with no head: the oldest is always one to drop)
+            del self._heads[nbytes]
         self._heads_bytes -= nbytes
         return free.pop()
 

@@ -14,6 +14,7 @@ from _pool import WorkerPool
 
 import tensorferry.p2p as tf
 from tensorferry.errors import TensorFerryError, TransferTimeoutError
+from tensorferry.p2p import _gloo
 
 WORLD = 3
 
@@ -547,6 +548,26 @@ def test_a_timeout_beside_a_longer_receive_is_a_timeout_on_both_sides(pool):
 def test_messages_of_ever_new_sizes_leave_memory_flat(pool):
     grown = pool.run("messages_of_ever_new_sizes", timeout=120)[:2]
     assert all(growth < 40e6 for growth in grown), grown
+
+
+def test_kept_heads_stay_within_their_bound_after_a_size_was_taken_up():
+    # A message took the last kept head of one size; then heads of many other sizes came back,
+    # past the bound: those of the sizes used longest ago go (it raised IndexError, out of a
+    # wait(), once the size taken up was the oldest).
+    group = _gloo._Group(None, 1, 0)
+    first = group.head(1000)
+    group.give_back(first)
+    assert group.head(1000) is first
+    sizes = [300_000 + i for i in range(40)]  # 40 sizes of about 300 kB, two heads each
+    last = None
+    for size in sizes:
+        for _ in range(2):
+            last = torch.empty(size, dtype=torch.uint8)
+            group.give_back(last)
+    kept = [head for heads in group._heads.values() for head in heads]
+    assert sum(head.numel() for head in kept) <= _gloo._HEADS_KEPT_BYTES
+    assert group.head(sizes[-1]) is last  # the size used last is kept
+    assert group.head(sizes[0]).numel() == sizes[0]  # long gone: a new one
 
 
 def test_a_pair_reset_right_after_a_fault_ends_on_both_sides(pool):
