@@ -100,8 +100,9 @@ class Pair:
         self._fault_error: BaseException | None = None  # what failed the messages below cut
         self._open: dict[str, dict[int, Message]] = {"send": {}, "recv": {}}
         self._frames: dict[str, dict[int, dict]] = {"h": {}, "p": {}}  # came before their call
-        # (frame kind, number) of frames and messages new since the last step: where both are
-        # there, the step checks that the two sides chose routes of one kind (_check_new_routes)
+        # (frame kind, number) of frames new since the last step, and of messages numbered
+        # since then whose frame came first: where both are there, the step checks that the two
+        # sides chose routes of one kind (_check_new_routes)
         self._unchecked: list[tuple[str, int]] = []
         self._out: Any = None  # our link to the peer (we write; the peer only its bye)
         self._in: Any = None  # the peer's link to us (we read)
@@ -130,7 +131,9 @@ class Pair:
                     self._end(message, _sibling(self._fault_error, self.peer))
                     continue
                 self._open[kind][message.seq] = message
-                self._unchecked.append(("h" if kind == "recv" else "p", message.seq))
+                frame_kind = "h" if kind == "recv" else "p"
+                if message.seq in self._frames[frame_kind]:  # (else the frame, once it comes)
+                    self._unchecked.append((frame_kind, message.seq))
                 if message.transfer is not None:
                     self._deadlines_from = min(self._deadlines_from, message.transfer.deadline)
             self._advance(poll=False)  # the peer's frames are read by whoever waits
@@ -424,8 +427,8 @@ class Pair:
     def _check_new_routes(self) -> None:
         """A header for a posted receive, or a post for a two-sided send: the two sides chose
         different routes for one message (neither side would answer the other). Looks only at
-        the frames and messages new since the last step, so many receives posted ahead cost
-        each step nothing."""
+        the frames new since the last step and the messages numbered since then after their
+        frame, so many receives posted ahead cost each step nothing."""
         unchecked, self._unchecked = self._unchecked, []
         for frame_kind, seq in unchecked:
             frame = self._frames[frame_kind].get(seq)
