@@ -10,12 +10,18 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator
+from queue import Empty
 from typing import Any
 
 __all__ = ["under_torchrun", "reserved_port", "run_world", "torch_group"]
+
+# How often the parent looks whether a rank's process ended without its result (seconds).
+_LOOK_S = 0.2
 
 
 def under_torchrun() -> bool:
@@ -68,6 +74,15 @@ def _entry(
             result = fn(rank, world, *args)
         finally:
             p2p.shutdown()
+        # Pickled here: the queue pickles on a thread of its own, where a failure is only
+        # printed, and the parent would wait for a result that never comes.
+        try:
+            pickle.dumps(result)
+        except Exception as exc:
+            raise TypeError(
+                f"rank {rank}'s result ({type(result).__name__}) cannot be sent back to the "
+                f"parent process: {exc}"
+            ) from None
         queue.put((rank, "ok", result))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -88,7 +103,9 @@ def run_world(
     (``fn`` must be importable: a module-level function).
 
     Raises:
-        RuntimeError: a rank raised (with its traceback) or did not finish in ``join_timeout``.
+        RuntimeError: a rank raised (with its traceback; a result that cannot be pickled back
+            raises there too), its process ended without returning (a crash, a kill: said
+            within a fraction of a second), or it did not finish in ``join_timeout``.
     """
     import tensorferry.p2p as p2p
 
@@ -125,17 +142,20 @@ def _spawn_world(
         proc.start()
     results: dict[int, Any] = {}
     errors = []
+    until = time.monotonic() + join_timeout
     try:
-        for _ in range(world):
+        while len(results) < world and not errors:
             try:
-                rank, status, value = queue.get(timeout=join_timeout)
-            except Exception:
-                raise RuntimeError(f"a rank did not finish within {join_timeout} s") from None
+                rank, status, value = queue.get(timeout=_LOOK_S)
+            except Empty:
+                errors.extend(_ended_without_a_result(procs, results, queue))
+                if not errors and time.monotonic() > until:
+                    raise RuntimeError(f"a rank did not finish within {join_timeout} s") from None
+                continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
     finally:
         for proc in procs:
             proc.join(timeout=5 if not errors else 1)
@@ -145,6 +165,25 @@ def _spawn_world(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _ended_without_a_result(procs: list, results: dict[int, Any], queue: Any) -> list[str]:
+    """Why ranks whose process ended have no result (it crashed, or was killed), as errors;
+    a result still on its way through the queue is taken into ``results`` first."""
+    ended = [rank for rank, proc in enumerate(procs) if rank not in results and not proc.is_alive()]
+    if not ended:
+        return []
+    with contextlib.suppress(Empty):  # what an ended process put is in the pipe by now
+        while True:
+            rank, status, value = queue.get(timeout=_LOOK_S)
+            if status != "ok":
+                return [f"rank {rank}:\n{value}"]
+            results[rank] = value
+    return [
+        f"rank {rank}: its process ended (exit code {procs[rank].exitcode}) without returning"
+        for rank in ended
+        if rank not in results
+    ]
 
 
 @contextlib.contextmanager

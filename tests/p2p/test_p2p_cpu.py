@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 
@@ -126,6 +127,33 @@ def test_a_failed_prepare_leaves_the_next_message_to_make_the_pair_afresh():
     from tensorferry.p2p._launch import run_world
 
     assert run_world(_prepare_with_a_late_peer, backend="gloo", timeout=2) == ["[7.0, 7.0]", "sent"]
+
+
+def _rank_1_exits(rank: int, world: int) -> str:
+    if rank == 1:
+        os._exit(3)  # as a crash would: no result, no traceback
+    return "returned"
+
+
+def _rank_1_returns_a_lock(rank: int, world: int) -> object:
+    return threading.Lock() if rank == 1 else "returned"
+
+
+@pytest.mark.parametrize(
+    ("fn", "says"),
+    [
+        (_rank_1_exits, "rank 1: its process ended (exit code 3) without returning"),
+        (_rank_1_returns_a_lock, "rank 1's result (lock) cannot be sent back"),
+    ],
+)
+def test_a_rank_that_ends_without_a_result_is_named_at_once(fn, says):
+    # Both waited out join_timeout (600 s by default) with nothing said.
+    from tensorferry.p2p._launch import run_world
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=re.escape(says)):
+        run_world(fn, backend="gloo", timeout=30, join_timeout=120)
+    assert time.monotonic() - start < 60
 
 
 def test_a_wait_shorter_than_the_spin_window_returns_in_its_time():
