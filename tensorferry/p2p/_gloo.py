@@ -341,10 +341,9 @@ class GlooRoute:
         Raises:
             TensorFerryError: making it failed (a fault of the pair).
         """
-        epoch = pair.epoch
-        made = self._groups.get(pair.peer)  # (the usual answer, without the table's lock)
-        if made is not None and made[0] == epoch and type(made[1]) is _Group:
+        if self._made_group(pair) is not None:  # (the usual answer, without the table's lock)
             return True
+        epoch = pair.epoch
         with self._lock:
             made = self._groups.get(pair.peer)
             if made is not None and made[0] == epoch:
@@ -370,8 +369,7 @@ class GlooRoute:
         """Makes the pair's group now (``tf.prepare``): a rendezvous with the peer."""
         epoch = pair.epoch
         with self._lock:
-            made = self._groups.get(pair.peer)
-            if made is not None and made[0] == epoch and isinstance(made[1], _Group):
+            if self._made_group(pair) is not None:
                 return
             self._groups[pair.peer] = (epoch, _MAKING)
         self._make_in_background(pair.peer, epoch)
@@ -414,11 +412,18 @@ class GlooRoute:
     def _key(self, peer: int) -> tuple[str, int, int]:
         return (self.name, *self.ctx.pair(peer))
 
-    def _group(self, pair: Pair) -> _Group:
+    def _made_group(self, pair: Pair) -> _Group | None:
+        """The pair's group of its epoch, if it is made (a read of the table: no lock)."""
         made = self._groups.get(pair.peer)
-        if made is None or made[0] != pair.epoch or not isinstance(made[1], _Group):
-            raise TransportError(f"gloo: the pair with rank {pair.peer} is not made")
+        if made is None or made[0] != pair.epoch or type(made[1]) is not _Group:
+            return None
         return made[1]
+
+    def _group(self, pair: Pair) -> _Group:
+        group = self._made_group(pair)
+        if group is None:
+            raise TransportError(f"gloo: the pair with rank {pair.peer} is not made")
+        return group
 
     # ------------------------------------------------------------------ messages
     def post(self, pair: Pair, messages: list[Message]) -> None:
@@ -447,9 +452,9 @@ class GlooRoute:
         byte saying the layouts agreed, then the small tensors back to back) and its large
         tensors. Once the receiver's post comes, only gloo's send is left to do: the sender
         waits for that post anyway, and the packing is off the message's way."""
-        made = self._groups.get(pair.peer)
-        if made is not None and made[0] == pair.epoch and type(made[1]) is _Group:
-            message.staged = _packed(made[1], message)
+        group = self._made_group(pair)
+        if group is not None:
+            message.staged = _packed(group, message)
 
     def write(self, pair: Pair, sends: list[tuple[Message, dict]]) -> None:
         """Sends each message into the receives the peer posted (its post): its head, then
