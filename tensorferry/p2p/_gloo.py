@@ -80,21 +80,24 @@ _HEADS_KEPT_BYTES = 4 << 20
 
 
 class _Works:
-    """A message's gloo works, waited for by one thread (its direction's waiter, or the caller
-    of ``Transfer.wait``); ``finished`` once they ended (its fields are set before it). A
-    receive's ``head`` is unpacked into its ``small`` tensors once its status byte says the layouts
-    agreed; else the receive was ``withdrawn``."""
+    """A message's gloo works on ``group``, waited for by one thread (its direction's waiter,
+    or the caller of ``Transfer.wait``), which ``taken`` says is chosen; ``finished`` once
+    they ended (its fields are set before it). The message's ``head`` goes back to the group
+    once they ended; a receive's is first unpacked into its ``small`` tensors where its status
+    byte says the layouts agreed, else the receive was ``withdrawn``."""
 
     __slots__ = (
         "claimed",
         "error",
         "finished",
+        "group",
         "head",
         "keep",
         "peer",
+        "receive",
         "small",
-        "spare",
         "started",
+        "taken",
         "withdrawn",
         "works",
     )
@@ -102,17 +105,19 @@ class _Works:
     def __init__(
         self,
         works: list,
+        group: _Group,
         peer: int,
         *,
         head: torch.Tensor | None = None,
+        receive: bool = False,
         small: Sequence[tuple[torch.Tensor, int]] = (),
         keep: Any = None,
-        spare: tuple[_Group, torch.Tensor] | None = None,
     ) -> None:
-        self.works, self.peer, self.head, self.small, self.keep = works, peer, head, small, keep
-        self.spare = spare  # (its group, its head): the head goes back to the group once done
+        self.works, self.group, self.peer, self.head = works, group, peer, head
+        self.receive, self.small, self.keep = receive, small, keep
         self.started = time.monotonic()
         self.claimed = threading.Lock()  # held by the one thread that waits for the works
+        self.taken = False  # whether a thread was chosen to wait for them (under ``claimed``)
         self.finished = False
         self.withdrawn = False
         self.error: BaseException | None = None
@@ -132,7 +137,7 @@ class _Works:
             for work in self.works:
                 left = max(0.001, until - time.monotonic())
                 work.wait(_timedelta(left))
-            if self.head is not None:
+            if self.receive:
                 self._unpack()
         except Exception as exc:
             text = str(exc)
@@ -331,7 +336,6 @@ class GlooRoute:
         self.ctx = ctx
         self._lock = threading.Lock()
         self._groups: dict[int, tuple[int, Any]] = {}  # peer -> (epoch, _Group | making | error)
-        self._groups_of: dict[int, _Group] = {}  # unclaimed receives' works -> their group
 
     # ------------------------------------------------------------------ the pair's group
     def prepared(self, pair: Pair, kind: str) -> bool:
@@ -440,9 +444,8 @@ class GlooRoute:
             head = group.head(wire.head_bytes)
             ctypes.memset(head.data_ptr(), 0, _STATUS)  # a withdrawn message leaves it so
             buffers = [head, *wire.alone]
-            self._issue(
-                message, group, group.pg.recv, buffers, head=head, small=wire.small, spare=head
-            )
+            recv = group.pg.recv
+            self._issue(message, group, recv, buffers, head, receive=True, small=wire.small)
 
     def posted(self, pair: Pair, message: Message) -> None:
         return None  # posts come as frames only
@@ -463,7 +466,7 @@ class GlooRoute:
         for message, _ in sends:
             staged, message.staged = message.staged, None
             head, buffers = staged if staged is not None else _packed(group, message)
-            self._issue(message, group, group.pg.send, buffers, keep=buffers, spare=head)
+            self._issue(message, group, group.pg.send, buffers, head, keep=buffers)
 
     def _issue(
         self,
@@ -471,16 +474,15 @@ class GlooRoute:
         group: _Group,
         move: Callable,
         buffers: list,
-        *,
-        spare: torch.Tensor,
+        head: torch.Tensor,
         **fields: Any,
     ) -> None:
-        """``move`` (the group's send or receive) of each of ``buffers`` under ``message``'s
-        tag; their works become the message's, unclaimed until a thread waits for them."""
+        """``move`` (the group's send or receive) of each of ``buffers`` (``head`` first) under
+        ``message``'s tag; their works become the message's, not taken until a thread waits
+        for them."""
         tag = _tag(message)
         works = _gloo_calls(lambda: [move([b], group.other, tag) for b in buffers])
-        message.pending = _Works(works, message.peer, spare=(group, spare), **fields)
-        self._groups_of[id(message.pending)] = group
+        message.pending = _Works(works, group, message.peer, head=head, **fields)
 
     def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
         """The layouts differ: answers each receive the peer posted with an empty send, which
@@ -491,8 +493,9 @@ class GlooRoute:
         tag, count = _tag(message), int(post.get("g", 1))
         send = group.pg.send
         works = _gloo_calls(lambda: [send([empty], group.other, tag) for _ in range(count)])
-        drains = _Works(works, pair.peer, keep=empty)
+        drains = _Works(works, group, pair.peer, keep=empty)
         drains.claimed.acquire()  # (the waiter lets go of it)
+        drains.taken = True
         group.waiter("send").put((drains, time.monotonic() + self.ctx.timeout.total_seconds()))
 
     def finished(self, pair: Pair, message: Message) -> bool:
@@ -506,12 +509,11 @@ class GlooRoute:
         if works.finished:
             if works.error is not None:
                 raise works.error
-            if works.spare is not None:  # gloo is done with its head (it failed: maybe not)
-                group, head = works.spare
-                works.spare = None
-                group.give_back(head)
+            if works.head is not None:  # gloo is done with it (it failed: maybe not)
+                head, works.head = works.head, None
+                works.group.give_back(head)
             return not works.withdrawn or message.error is not None
-        if id(works) in self._groups_of and time.monotonic() > works.started + _UNCLAIMED_S:
+        if not works.taken and time.monotonic() > works.started + _UNCLAIMED_S:
             self.hand_off(message, message.transfer.deadline)  # nobody waits in it: a thread
         return False
 
@@ -529,7 +531,7 @@ class GlooRoute:
         if works.finished:
             return False
         if limit >= deadline and works.claimed.acquire(blocking=False):
-            self._groups_of.pop(id(works), None)
+            works.taken = True
             works.run(deadline)
             return True
         self.hand_off(message, deadline)
@@ -545,11 +547,11 @@ class GlooRoute:
         works: _Works = message.pending
         if works.finished or not works.claimed.acquire(blocking=False):
             return
-        group = self._groups_of.pop(id(works), None)
-        if group is not None:
-            group.waiter(message.kind).put((works, until))
-        else:
+        if works.taken:  # (a wait on this thread ended them meanwhile)
             works.claimed.release()
+            return
+        works.taken = True
+        works.group.waiter(message.kind).put((works, until))
 
     def order_stream(self, pair: Pair, message: Message, stream: Any) -> None:
         pass  # CPU tensors: nothing to order on a device
