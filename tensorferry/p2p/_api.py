@@ -11,6 +11,7 @@ B meets the k-th message B receives from A, whichever calls (send, sendrecv, bat
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from tensorferry._seconds import checked_seconds
-from tensorferry.errors import TransferTimeoutError
+from tensorferry.errors import TensorFerryError, TransferTimeoutError
 from tensorferry.p2p import _context
 from tensorferry.p2p._links import first_line
 from tensorferry.p2p._message import Message
@@ -399,6 +400,12 @@ def _reset_pair(peer: int, *, timeout: float | None = None) -> None:
     # way there (an NCCL send over the network ends once NCCL took its bytes, which NCCL's
     # own thread then writes to the socket), and closing its communicator would cut it off.
     _meet(ctx, f"{key}/called", peer, seconds)
+    # What the ranks exchanged is over, but a message nobody waited for (a send left to
+    # itself) may still be open: it ends now, as a wait would end it, before its resources go.
+    until = time.monotonic() + seconds
+    for transfer in pair.open_transfers():
+        with contextlib.suppress(TensorFerryError):  # (its own failure: reset() ends it)
+            transfer.wait(max(0.0, until - time.monotonic()))
     pair.reset()
     # ... and again before either goes on: a frame of the new epoch from the peer must not
     # arrive before this side let go of the old epoch's resources (a sender would forget the

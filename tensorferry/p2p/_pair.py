@@ -189,10 +189,25 @@ class Pair:
         if self._out is None:
             self._out = self.ctx.links.connect(self.peer, self.ctx.timeout_s)
 
+    def open_transfers(self) -> list[Any]:
+        """The transfers of the pair's open messages."""
+        with self.lock:
+            opened = [m for open_ in self._open.values() for m in open_.values()]
+        return list({id(m.transfer): m.transfer for m in opened if m.transfer is not None}.values())
+
     def reset(self) -> None:
         """Lets go of the pair's route resources: the next message makes fresh ones (both ranks
-        call it at the same point of their programs, with nothing in flight between them)."""
+        call it at the same point of their programs, with nothing in flight between them).
+
+        A message still open (``tf._api._reset_pair`` waits for them first) ends as a step
+        would end it, or fails if its work has not finished: nothing open may outlive the
+        resources it runs on."""
         with self.lock:
+            self.progress()
+            error = TransportError(f"the pair with rank {self.peer} was reset meanwhile")
+            for kind in ("send", "recv"):
+                for message in list(self._open[kind].values()):
+                    self._end(message, error)
             self.epoch += 1
             self.resets += 1
             self.ctx.evict_routes(self, reason="reset")

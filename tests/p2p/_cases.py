@@ -546,6 +546,33 @@ def reply_awaited_beside_an_unwaited_send(rank: int, world: int, rounds: int) ->
     return sorted(set(issuers))
 
 
+def reset_after_an_unwaited_send(rank: int, world: int, tag: int) -> str:
+    """Rank 0 sends without waiting, rank 1 receives, and both reset the pair (as a benchmark
+    does between its variants). The reset ends the send, done (its bytes went), and the pair
+    carries the next message. A send left open across a reset used to outlive the resources
+    of its epoch: on the copy-engine route its next look read the shared page the reset had
+    let go of, and raised."""
+    if rank > 1:
+        return "idle"
+    peer = 1 - rank
+    shape, dtype = (1024,), torch.float32
+    into = poisoned(shape, dtype)
+    if rank == 0:
+        sent = tf.send(payload(rank, peer, tag, shape, dtype), peer)
+    else:
+        tf.recv(into, peer).wait(T)
+        assert same_bytes(into, payload(peer, rank, tag, shape, dtype))
+    tf._api._reset_pair(peer, timeout=T)
+    if rank == 0:
+        assert sent.done(), "the reset left the unwaited send open"
+        assert sent.exception(0) is None, sent.exception(0)
+    into = poisoned(shape, dtype)
+    out = payload(rank, peer, tag + 1, shape, dtype)
+    tf.sendrecv(out, peer, into, peer).wait(T)
+    assert same_bytes(into, payload(peer, rank, tag + 1, shape, dtype))
+    return "ok"
+
+
 def contexts_on_other_devices(rank: int, world: int) -> list[int]:
     """The other CUDA devices on which this rank's process has a context. Each process moves
     tensors of its own device only; a context elsewhere (made when a thread of the library's

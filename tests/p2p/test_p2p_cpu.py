@@ -436,6 +436,10 @@ def test_a_send_left_unwaited_is_issued_by_the_wait_for_the_reply(pool):
     assert pool.run("reply_awaited_beside_an_unwaited_send", 30)[:2] == [["MainThread"]] * 2
 
 
+def test_a_reset_ends_a_send_nobody_waited_for(pool):
+    assert pool.run("reset_after_an_unwaited_send", 70)[:2] == ["ok", "ok"]
+
+
 def test_ring_sendrecv_send_peer_differs_from_recv_peer(pool):
     assert pool.run("ring_sendrecv", 4) == ["ok"] * WORLD
 

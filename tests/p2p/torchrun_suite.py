@@ -59,6 +59,7 @@ def expectations(world: int) -> list[tuple[str, tuple, dict[int, object]]]:
         cases.append(("mismatch", (kind,), {0: kind, 1: kind}))
         cases.append(("send_recv_all_dtypes", (40,), first_two))
     cases.append(("wait_timeout_then_complete", (), {0: "ok", 1: "sent"}))
+    cases.append(("reset_after_an_unwaited_send", (70,), first_two))
     # Bad calls fail before anything moves (each returns its list of errors), then a timeout:
     # and the pairs still work afterwards.
     cases.append(("bad_arguments", (), dict.fromkeys(range(world), _EVERY_BAD_CALL_REJECTED)))
