@@ -4,18 +4,18 @@ Rank 0 sends ``--count`` tensors of ``--bytes`` each to rank 1 and rank 1 sends 
 (a ping-pong: one iteration = both directions; the table reports half an iteration, i.e. one
 way). Variants:
 
-- ``tf send(list)``: one ``tf.send`` of the whole list (one message: small tensors packed into
-  one buffer, one group call), ``static=True`` (over gloo headers are skipped after the first;
-  NCCL keeps every header but does not wait for the peer's);
-- ``tf batch``: one ``tf.batch()`` with one ``b.send`` per tensor (one group call of
-  ``count`` messages), ``static=True``;
-- ``tf separate``: ``count`` separate ``tf.send``/``tf.recv`` calls, ``static=True``;
+- ``tf send(list)``: one ``tf.send`` of the whole list (one message: between GPUs of one host
+  its tensors, back to back in one buffer, go as one copy; over gloo they travel packed);
+- ``tf batch``: one ``tf.batch()`` with one ``b.send`` per tensor (``count`` messages of one
+  call, moved together);
+- ``tf separate``: ``count`` separate ``tf.send``/``tf.recv`` calls;
 - ``torch batch_isend_irecv``: ``torch.distributed.batch_isend_irecv`` of ``count`` ops;
 - ``torch separate``: ``count`` separate ``torch.distributed.isend``/``irecv`` calls, then a
   wait on each.
 
-Completion: tf variants wait with ``wait_stream()`` + a stream sync on GPU (device completion,
-like ``work.wait()`` + sync for torch); on CPU ``wait()`` for both. Also measured: the host time
+Completion: every send and receive is waited for, tf's with ``wait_stream()`` on GPU (the
+current stream waits, as torch's NCCL ``work.wait()`` makes it wait) and ``wait()`` on the CPU,
+then a stream sync. Also measured: the host time
 of one ``tf.send`` call (rank 0) and one ``tf.recv`` call (rank 1), median, for one 1 KiB tensor
 and for the list, and one-way bandwidth of large messages, tf vs torch: one message alone, and
 eight back to back.
@@ -165,15 +165,16 @@ def _measure(rank: int, peer: int, device: Any, config: dict) -> dict:
 
     def tf_list() -> None:
         if rank == 0:
-            tf.send(out, peer, static=True)
-            tf_done(tf.recv(into, peer, static=True))
+            sent = tf.send(out, peer)
+            tf_done(tf.recv(into, peer))
         else:
-            tf_done(tf.recv(into, peer, static=True))
-            tf.send(out, peer, static=True)
+            tf_done(tf.recv(into, peer))
+            sent = tf.send(out, peer)
+        tf_done(sent)
 
     def tf_batch() -> None:
         def one_way(sending: bool) -> None:
-            with tf.batch(static=True) as b:
+            with tf.batch() as b:
                 for t_out, t_in in zip(out, into, strict=True):
                     b.send(t_out, peer) if sending else b.recv(t_in, peer)
             tf_done(b)
@@ -184,12 +185,11 @@ def _measure(rank: int, peer: int, device: Any, config: dict) -> dict:
     def tf_separate() -> None:
         def one_way(sending: bool) -> None:
             if sending:
-                for t in out:
-                    tf.send(t, peer, static=True)
+                handles = [tf.send(t, peer) for t in out]
             else:
-                handles = [tf.recv(t, peer, static=True) for t in into]
-                for h in handles:
-                    tf_done(h)
+                handles = [tf.recv(t, peer) for t in into]
+            for h in handles:
+                tf_done(h)
 
         one_way(rank == 0)
         one_way(rank != 0)
@@ -227,9 +227,9 @@ def _measure(rank: int, peer: int, device: Any, config: dict) -> dict:
     }
     one_way_us = {}
     for name, fn in variants.items():
-        # Each tf variant has its own static descriptor on the channel: start it afresh.
+        # Each variant starts from a fresh pair: nothing an earlier one made is reused.
         tf._api._reset_pair(peer)
-        for _ in range(3):  # warm-up: communicators, static agreement
+        for _ in range(3):  # warm-up: the pair's resources, its layouts
             fn()
         _sync(device)
         dist.barrier()
@@ -266,14 +266,11 @@ def _call_host_time(rank: int, peer: int, tensors: Any) -> float:
 
     import tensorferry.p2p as tf
 
-    tf._api._reset_pair(peer)  # a static channel of its own: another layout came before
+    tf._api._reset_pair(peer)  # a fresh pair: nothing an earlier layout made is reused
     samples = []
     for _ in range(200):
         t0 = time.perf_counter()
-        if rank == 0:
-            handle = tf.send(tensors, peer, static=True)
-        else:
-            handle = tf.recv(tensors, peer, static=True)
+        handle = tf.send(tensors, peer) if rank == 0 else tf.recv(tensors, peer)
         samples.append(time.perf_counter() - t0)
         handle.wait()
     dist.barrier()
@@ -281,11 +278,11 @@ def _call_host_time(rank: int, peer: int, tensors: Any) -> float:
 
 
 def _bandwidth(rank: int, peer: int, device: Any, nbytes: int) -> dict:
-    """One-way GB/s of large messages, rank 0 → 1, tf (static channel: no header after the first)
-    vs torch.distributed, timed on the host from a barrier to a device sync, best of 5 after a
-    warm-up, this rank's view. Two ways each: one message alone (latency counts in full) and
-    ``_STREAM`` messages back to back (what a stream of large transfers sees; torch issues its
-    ``isend``/``irecv`` calls all at once, tf its ``send``/``recv`` calls)."""
+    """One-way GB/s of large messages, rank 0 → 1, tf vs torch.distributed, timed on the host
+    from a barrier to a device sync, best of 5 after a warm-up, this rank's view. Two ways each:
+    one message alone (latency counts in full) and ``_STREAM`` messages back to back (what a
+    stream of large transfers sees; torch issues its ``isend``/``irecv`` calls all at once, tf
+    its ``send``/``recv`` calls)."""
     import torch
     import torch.distributed as dist
 
@@ -298,7 +295,7 @@ def _bandwidth(rank: int, peer: int, device: Any, nbytes: int) -> dict:
     def tf_messages(name: str, count: int) -> None:
         transport = "auto" if "auto" in name else name.split()[1]
         call = tf.send if rank == 0 else tf.recv
-        handles = [call(buf, peer, transport=transport, static=True) for _ in range(count)]
+        handles = [call(buf, peer, transport=transport) for _ in range(count)]
         for handle in handles:
             if device.type == "cuda":
                 handle.wait_stream()
