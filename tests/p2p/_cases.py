@@ -573,6 +573,55 @@ def reset_after_an_unwaited_send(rank: int, world: int, tag: int) -> str:
     return "ok"
 
 
+_busy_runs = itertools.count()  # (both ranks run the case alike: their counts agree)
+
+
+def calls_return_while_the_device_is_busy(rank: int, world: int, count: int) -> dict | str:
+    """Rank 1's current stream sleeps about two seconds (a kernel) while rank 0 sends ``count``
+    4 KiB messages and rank 1 receives them, neither waiting on the host: each post waits for
+    that stream, so nothing moves meanwhile. A pair's stream took about 1020 operations before
+    the call queueing the next one blocked inside the driver, holding the GIL, until the kernel
+    ended; a message now waits for room instead, and the calls return at once on both ranks.
+    Returns the seconds the calls took and the kernel's; every byte is then checked."""
+    if rank > 1:
+        return "idle"
+    peer, shape, dtype = 1 - rank, (1024,), torch.float32
+    # Rows of one buffer each side: one allocation, whose handle and mapping the warm-up below
+    # makes (making them waits for the device, which the calls timed here must not).
+    mine = torch.stack([payload(rank, peer, i, shape, dtype) for i in range(count)]).unbind()
+    arena = poisoned((count, *shape), dtype)
+    into = arena.unbind()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**8)
+    end.record()
+    end.synchronize()
+    per_second = 10**8 / (start.elapsed_time(end) / 1e3)  # the sleeping kernel's cycles
+    tf._api._reset_pair(peer, timeout=T)  # both start together, on a fresh pair
+    warm = tf.recv(into[0], peer) if rank == 1 else tf.send(mine[0], peer)
+    warm.wait(T)  # the pair's pages, its allocations' handles and mappings
+    arena.view(torch.uint8).fill_(0xA5)
+    torch.cuda.synchronize()
+    ctx = tf._context.current()
+    tf._api._meet(ctx, f"cases/busy/{next(_busy_runs)}", peer, T)  # both start together
+    began = time.monotonic()
+    if rank == 1:
+        start.record()
+        torch.cuda._sleep(int(2.0 * per_second))
+        end.record()
+        handles = [tf.recv(t, peer) for t in into]
+    else:
+        handles = [tf.send(t, peer) for t in mine]
+    calls = time.monotonic() - began
+    for handle in handles:
+        handle.wait(T)
+    torch.cuda.synchronize()
+    for i, got in enumerate(into if rank == 1 else ()):
+        assert same_bytes(got, payload(peer, rank, i, shape, dtype)), f"message {i}"
+    kernel = start.elapsed_time(end) / 1e3 if rank == 1 else None
+    return {"calls": calls, "kernel": kernel}
+
+
 def contexts_on_other_devices(rank: int, world: int) -> list[int]:
     """The other CUDA devices on which this rank's process has a context. Each process moves
     tensors of its own device only; a context elsewhere (made when a thread of the library's

@@ -58,6 +58,14 @@ def test_nccl_goes_through_process_groups_where_the_library_cannot_be_loaded(poo
     assert pool.run("send_recv_all_dtypes", 71) == ["ok", "ok"]
 
 
+def test_calls_return_while_the_receivers_stream_is_busy(pool):
+    # 1000 messages need about 3000 stream operations where a stream takes about 1020.
+    results = pool.run("calls_return_while_the_device_is_busy", 1000, timeout=120)
+    kernel = results[1]["kernel"]
+    assert kernel > 1.5, results
+    assert [r["calls"] < kernel / 2 for r in results] == [True, True], results
+
+
 def test_one_element_tensors_with_a_stride_travel(pool):
     assert pool.run("strided_single_elements", 12) == ["sent", "ok"]
 

@@ -238,6 +238,16 @@ class _Copy(NamedTuple):
 
 _CACHED = 256  # layouts kept per table: a program of ever-new addresses starts it afresh
 
+# Messages of a pair's direction that its stream holds and its device has not finished (its
+# word has not reached them yet). A stream takes about 1020 operations (a wait, a copy, a word
+# write) before the call queueing the next one blocks until the device frees room (measured on
+# an H200, 2026-11-29), and a message costs its stream up to three. Blocked there, the call
+# would hold the GIL and the pair's lock while the device waits for the peer, which may itself
+# be waiting for this side's next post or write: each side would wait for the other, for ever.
+# A message that finds its stream this full waits, as for a route being made; a later step
+# (a wait, the next call, the idle pairs' watcher) posts or writes it once the device caught up.
+_IN_FLIGHT = 128
+
 
 class _Run:
     """Bytes back to back within one allocation: ``nbytes`` from ``address``."""
@@ -365,6 +375,8 @@ class OneSidedRoute:
         self._keys = itertools.count(1)
         self._incoming: dict[int, tuple[int, _Words]] = {}  # peer -> (epoch, our page)
         self._outgoing: dict[int, tuple[str, _Words]] = {}  # peer -> (page name, its page)
+        # (peer, "send" | "recv") -> the page and the last ticket its stream was given
+        self._queued: dict[tuple[int, str], tuple[_Words, int]] = {}
 
     # ------------------------------------------------------------------ receiver
     def post(self, pair: Pair, messages: list[Message]) -> None:
@@ -383,6 +395,7 @@ class OneSidedRoute:
                 posts.append(self._exported(message, alive))
                 message.pending = words
             ready.write()
+        self._queued[(pair.peer, "recv")] = (words, messages[-1].seq + 1)
         frames = []
         for message, runs in zip(messages, posts, strict=True):
             if not words.ring_post(message.seq, runs.key):
@@ -413,6 +426,7 @@ class OneSidedRoute:
         if kept is not None and kept[0] == pair.epoch:
             return kept[1]
         if kept is not None:
+            self._queued.pop((pair.peer, "recv"), None)
             kept[1].close()
         name = f"tensorferry-{os.getpid()}-{pair.peer}-{pair.epoch}-{secrets.token_hex(4)}"
         with _on_device(self.device.index):
@@ -442,6 +456,7 @@ class OneSidedRoute:
                 done.owe(ticket)
                 message.pending = words
             done.write()
+        self._queued[(pair.peer, "send")] = (words, sends[-1][0].seq + 1)
 
     def stage(self, pair: Pair, message: Message) -> None:
         pass  # a send's copies depend on where the receiver's post says its bytes go
@@ -479,6 +494,7 @@ class OneSidedRoute:
         if kept is not None and kept[0] == name:
             return kept[1]
         if kept is not None:
+            self._queued.pop((pair.peer, "send"), None)
             kept[1].close()
         with _on_device(self.device.index):
             words = _Words(name, create=False)
@@ -487,7 +503,15 @@ class OneSidedRoute:
 
     # ------------------------------------------------------------------ both
     def prepared(self, pair: Pair, kind: str) -> bool:
-        return True  # nothing to meet over: a pair's first post carries all the sender needs
+        """Whether the pair's stream of ``kind`` has room for another message (see
+        :data:`_IN_FLIGHT`). Nothing is met over: a pair's first post carries all the sender
+        needs."""
+        queued = self._queued.get((pair.peer, kind))
+        if queued is None:
+            return True
+        words, ticket = queued
+        reached = words.ready() if kind == "recv" else words.done()
+        return ticket - reached < _IN_FLIGHT
 
     def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
         pass  # nothing of a post waits on the route: the receive ends by the m frame
@@ -507,6 +531,8 @@ class OneSidedRoute:
         pages; a peer started again numbers its layouts afresh). Other pairs keep theirs."""
         for key in [key for key in self._plans if key[0] == pair.peer]:
             del self._plans[key]
+        for kind in ("send", "recv"):
+            self._queued.pop((pair.peer, kind), None)
         for table in (self._incoming, self._outgoing):
             kept = table.pop(pair.peer, None)
             if kept is not None:
@@ -523,3 +549,4 @@ class OneSidedRoute:
                 except Exception:
                     log.debug("ce: closing a page failed", exc_info=True)
             table.clear()
+        self._queued.clear()
