@@ -9,9 +9,10 @@ Modelled on XLA's cross-host transfer benchmarks (two ranks):
 - ``pp``: a 2-stage pipeline, ``--microbatches`` micro-batches forward (activations 0 → 1),
   then backward (gradients 1 → 0).
 
-Modes: ``cached`` (communicators made once, reused; ``static=True`` channels skip headers after
-the first transfer) and ``uncached`` (a fresh communicator for every transfer: both ranks reset
-the pair after each transfer, which also makes each transfer wait for the previous one).
+Modes: ``cached`` (the pair's communicators and resources made once and reused, as are the
+layouts its messages repeat) and ``uncached`` (a fresh communicator for every transfer: both
+ranks reset the pair after each transfer, which also makes each transfer wait for the previous
+one).
 Fairness: uncached is serialised by construction (creating a communicator is a rendezvous);
 both modes run the same compute. Times are the max over ranks, from a barrier to a barrier.
 """
@@ -110,7 +111,7 @@ def _worker(rank: int, world: int, config: dict) -> dict:
         results[program] = {}
         for mode in config["modes"]:
             if mode == "cached":
-                fn(rank, ctx_device, config, uncached=False)  # warm-up: communicator, static
+                fn(rank, ctx_device, config, uncached=False)  # warm-up: the pair's resources
             _barrier(rank, ctx_device)
             t0 = time.perf_counter()
             transfers = fn(rank, ctx_device, config, uncached=mode == "uncached")
@@ -127,7 +128,7 @@ _barriers = iter(range(1 << 30))
 
 
 def _barrier(rank: int, device: Any) -> None:
-    """Both ranks meet (through the store: p2p channels here are static, see the notes)."""
+    """Both ranks meet, through the store (no p2p message: it would count as a transfer)."""
     import torch
 
     import tensorferry.p2p as tf
@@ -153,7 +154,7 @@ class _Link:
     def send(self, tensor: Any) -> None:
         import tensorferry.p2p as tf
 
-        handle = tf.send(tensor, self.peer, static=True)
+        handle = tf.send(tensor, self.peer)
         self.count += 1
         if self.uncached:
             handle.wait()
@@ -164,7 +165,7 @@ class _Link:
     def recv(self, like: Any) -> Any:
         import tensorferry.p2p as tf
 
-        handle = tf.recv(tf.TensorSpec.like(like), self.peer, static=True)
+        handle = tf.recv(tf.TensorSpec.like(like), self.peer)
         self.count += 1
         if self.uncached:
             out = handle.result()
