@@ -186,3 +186,37 @@ def test_an_allocation_made_again_at_a_kept_address_is_not_the_kept_one(monkeypa
     assert not _kept(100, 5).current(alive)
     assert alive == set() and asked == [100]
     assert _kept(100, 9).current(alive) and alive == {9}
+
+
+class _Page:
+    """A page whose words (READY and DONE alike) have reached ``reached``."""
+
+    def __init__(self) -> None:
+        self.reached = 0
+
+    def ready(self) -> int:
+        return self.reached
+
+    def done(self) -> int:
+        return self.reached
+
+
+class _Pair:
+    peer = 1
+
+
+@pytest.mark.parametrize("kind", ["send", "recv"])
+def test_a_pairs_stream_takes_no_more_messages_than_its_room(kind):
+    # A stream holds about 1020 operations before queueing one more blocks the host in the
+    # driver; a message that finds its pair's stream holding _IN_FLIGHT unfinished ones waits.
+    import torch
+
+    route, page = one_sided.OneSidedRoute(torch.device("cpu")), _Page()
+    assert route.prepared(_Pair(), kind), "nothing queued yet"
+    route._queued[(_Pair.peer, kind)] = (page, one_sided._IN_FLIGHT)  # tickets 1..128 queued
+    assert not route.prepared(_Pair(), kind)
+    page.reached = 1  # the device finished the first
+    assert route.prepared(_Pair(), kind)
+    page.reached = 0
+    route.evict(_Pair(), "a fault")  # the page goes, and what it counted with it
+    assert route.prepared(_Pair(), kind)
