@@ -41,6 +41,10 @@ BACKENDS = ("auto", "nccl", "gloo")
 ONE_SIDED = "ce"
 # How often the idle-pair watcher wakes to step the pairs nobody stepped meanwhile (seconds).
 _IDLE_READ_S = 0.02
+# How long tf.shutdown() waits for threads still making pairs to leave their rendezvous (a
+# wait for an absent peer ends within milliseconds once shutdown began; one inside a library's
+# own rendezvous may take longer, and is then left behind).
+_MAKINGS_END_S = 2.0
 # The two-sided transports: name -> (module, class), imported when a message first names one.
 TWO_SIDED = {
     "nccl": ("tensorferry.p2p._nccl", "NcclTransport"),
@@ -253,6 +257,7 @@ class P2PContext:
         self._stopping.set()
         if self._watcher.is_alive():
             self._watcher.join(1.0)
+        self.transport_ctx.end_makings(_MAKINGS_END_S)
         reason = TensorFerryError("tf.shutdown() was called")
         for pair in list(self._pairs.values()):
             try:

@@ -362,11 +362,9 @@ class GlooRoute:
                 self._groups[pair.peer] = (epoch, cached)
                 return True
             self._groups[pair.peer] = (epoch, _MAKING)
-        thread = threading.Thread(
-            target=self._make_in_background, args=(pair.peer, epoch), name="tensorferry-gloo-pair"
+        self.ctx.start_making(
+            self._make_in_background, pair.peer, epoch, name="tensorferry-gloo-pair"
         )
-        thread.daemon = True
-        thread.start()
         return False
 
     def prepare(self, pair: Pair) -> None:

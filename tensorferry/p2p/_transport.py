@@ -155,7 +155,7 @@ class TransportContext:
         timeout: bound for any rendezvous (store waits, communicator creation).
         epoch_of: the current epoch of the pair with a peer (see the module docstring).
         stopping: set by ``tf.shutdown()``: a rendezvous still waiting for its peer gives up
-            (see :meth:`meet`).
+            (see :meth:`meet`), and :meth:`end_makings` waits for the threads making pairs.
     """
 
     rank: int
@@ -170,6 +170,36 @@ class TransportContext:
     _keeping_clients: bool = field(default=True, init=False, repr=False)
     """False once :meth:`drop_store_clients` ran (``tf.shutdown``)."""
     _clients_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _makings: set = field(default_factory=set, init=False, repr=False)
+    """Threads making a pair's resources (:meth:`start_making`), while they run."""
+    _makings_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def start_making(self, make: Callable[..., Any], *args: Any, name: str) -> None:
+        """Runs ``make(*args)`` on a thread of its own: a rendezvous with a peer that may not
+        have called yet. :meth:`end_makings` waits for it."""
+        thread = threading.Thread(target=self._making, args=(make, args), name=name)
+        thread.daemon = True
+        with self._makings_lock:
+            self._makings.add(thread)
+        thread.start()
+
+    def _making(self, make: Callable[..., Any], args: tuple) -> None:
+        try:
+            make(*args)
+        finally:
+            with self._makings_lock:
+                self._makings.discard(threading.current_thread())
+
+    def end_makings(self, timeout_s: float) -> None:
+        """``tf.shutdown()``, once ``stopping`` is set: waits up to ``timeout_s`` for the
+        threads still making pairs, which then leave their rendezvous within milliseconds. A
+        process that exited while one was inside a store call aborted ("terminate called
+        without an active exception", exit code -6)."""
+        deadline = time.monotonic() + timeout_s
+        with self._makings_lock:
+            threads = list(self._makings)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def pair(self, peer: int) -> tuple[int, int]:
         """``(lo, hi)``: the pair's ranks in ascending order."""

@@ -75,11 +75,9 @@ class TwoSidedRoute:
                 self._made[key] = (epoch, True)
                 return True
             self._made[key] = (epoch, _MAKING)
-        thread = threading.Thread(
-            target=self._make, args=(pair.peer, kind, epoch), name="tensorferry-make-pair"
+        self.transport.ctx.start_making(
+            self._make, pair.peer, kind, epoch, name="tensorferry-make-pair"
         )
-        thread.daemon = True
-        thread.start()
         return False
 
     def prepare(self, pair: Pair) -> None:
