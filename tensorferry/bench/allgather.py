@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes", default=None, help=f"bytes per rank (default {_GPU_SIZES}; CPU {_CPU_SIZES})"
     )
     parser.add_argument(
-        "--transports", default=None, help="tf transports to time (default: nccl; CPU: gloo)"
+        "--transports",
+        default=None,
+        help="tf transports to time (default: nccl,auto, auto being what a ring takes by "
+        "default: the copy engine between GPUs of one host; CPU: gloo)",
     )
     parser.add_argument("--iters", type=positive_int, default=20, help="timed iterations per point")
     add_bench_output_arguments(parser, "allgather")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     if not sizes or any(size % 4 for size in sizes):
         raise SystemExit("--sizes must be multiples of 4 bytes")
-    transports = (args.transports or ("nccl" if use_cuda else "gloo")).split(",")
+    transports = (args.transports or ("nccl,auto" if use_cuda else "gloo")).split(",")
     unknown = [name for name in transports if name not in TRANSPORTS]
     if unknown:
         raise SystemExit(f"--transports: unknown {unknown}; known: {', '.join(TRANSPORTS)}")
