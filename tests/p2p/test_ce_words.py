@@ -189,16 +189,21 @@ def test_an_allocation_made_again_at_a_kept_address_is_not_the_kept_one(monkeypa
 
 
 class _Page:
-    """A page whose words (READY and DONE alike) have reached ``reached``."""
+    """A page whose words (READY and DONE alike) have reached ``reached``, and whose stream
+    was given tickets up to ``last_ticket``."""
 
     def __init__(self) -> None:
         self.reached = 0
+        self.last_ticket = 0
 
     def ready(self) -> int:
         return self.reached
 
     def done(self) -> int:
         return self.reached
+
+    def close(self) -> None:
+        pass
 
 
 class _Pair:
@@ -212,8 +217,11 @@ def test_a_pairs_stream_takes_no_more_messages_than_its_room(kind):
     import torch
 
     route, page = one_sided.OneSidedRoute(torch.device("cpu")), _Page()
+    assert route.prepared(_Pair(), kind), "no page yet"
+    pages = route._incoming if kind == "recv" else route._outgoing
+    pages[_Pair.peer] = ("its epoch or name", page)
     assert route.prepared(_Pair(), kind), "nothing queued yet"
-    route._queued[(_Pair.peer, kind)] = (page, one_sided._IN_FLIGHT)  # tickets 1..128 queued
+    page.last_ticket = one_sided._IN_FLIGHT  # tickets 1..128 queued
     assert not route.prepared(_Pair(), kind)
     page.reached = 1  # the device finished the first
     assert route.prepared(_Pair(), kind)

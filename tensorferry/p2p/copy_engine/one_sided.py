@@ -106,6 +106,9 @@ class _Words:
         self.ready_word = ctypes.c_uint32.from_address(self.host + _READY)
         self._ring = (ctypes.c_uint64 * _SLOTS).from_address(self.host + _RING)
         self.told: set[int] = set()  # receiver: layout keys whose post went as a frame
+        # The last ticket this side's stream was given for its word of the page (READY on a
+        # receiver's, DONE on a sender's): what the stream holds ahead of the device.
+        self.last_ticket = 0
         self.layouts: dict[int, dict] = {}  # sender: those posts, by key
 
     def done(self) -> int:
@@ -375,8 +378,6 @@ class OneSidedRoute:
         self._keys = itertools.count(1)
         self._incoming: dict[int, tuple[int, _Words]] = {}  # peer -> (epoch, our page)
         self._outgoing: dict[int, tuple[str, _Words]] = {}  # peer -> (page name, its page)
-        # (peer, "send" | "recv") -> the page and the last ticket its stream was given
-        self._queued: dict[tuple[int, str], tuple[_Words, int]] = {}
 
     # ------------------------------------------------------------------ receiver
     def post(self, pair: Pair, messages: list[Message]) -> None:
@@ -395,7 +396,7 @@ class OneSidedRoute:
                 posts.append(self._exported(message, alive))
                 message.pending = words
             ready.write()
-        self._queued[(pair.peer, "recv")] = (words, messages[-1].seq + 1)
+        words.last_ticket = messages[-1].seq + 1
         frames = []
         for message, runs in zip(messages, posts, strict=True):
             if not words.ring_post(message.seq, runs.key):
@@ -426,7 +427,6 @@ class OneSidedRoute:
         if kept is not None and kept[0] == pair.epoch:
             return kept[1]
         if kept is not None:
-            self._queued.pop((pair.peer, "recv"), None)
             kept[1].close()
         name = f"tensorferry-{os.getpid()}-{pair.peer}-{pair.epoch}-{secrets.token_hex(4)}"
         with _on_device(self.device.index):
@@ -456,7 +456,7 @@ class OneSidedRoute:
                 done.owe(ticket)
                 message.pending = words
             done.write()
-        self._queued[(pair.peer, "send")] = (words, sends[-1][0].seq + 1)
+        words.last_ticket = sends[-1][0].seq + 1
 
     def stage(self, pair: Pair, message: Message) -> None:
         pass  # a send's copies depend on where the receiver's post says its bytes go
@@ -494,7 +494,6 @@ class OneSidedRoute:
         if kept is not None and kept[0] == name:
             return kept[1]
         if kept is not None:
-            self._queued.pop((pair.peer, "send"), None)
             kept[1].close()
         with _on_device(self.device.index):
             words = _Words(name, create=False)
@@ -506,12 +505,12 @@ class OneSidedRoute:
         """Whether the pair's stream of ``kind`` has room for another message (see
         :data:`_IN_FLIGHT`). Nothing is met over: a pair's first post carries all the sender
         needs."""
-        queued = self._queued.get((pair.peer, kind))
-        if queued is None:
+        kept = (self._incoming if kind == "recv" else self._outgoing).get(pair.peer)
+        if kept is None:  # (its first message makes the page)
             return True
-        words, ticket = queued
+        words = kept[1]
         reached = words.ready() if kind == "recv" else words.done()
-        return ticket - reached < _IN_FLIGHT
+        return words.last_ticket - reached < _IN_FLIGHT
 
     def withdraw(self, pair: Pair, message: Message, post: dict) -> None:
         pass  # nothing of a post waits on the route: the receive ends by the m frame
@@ -531,8 +530,6 @@ class OneSidedRoute:
         pages; a peer started again numbers its layouts afresh). Other pairs keep theirs."""
         for key in [key for key in self._plans if key[0] == pair.peer]:
             del self._plans[key]
-        for kind in ("send", "recv"):
-            self._queued.pop((pair.peer, kind), None)
         for table in (self._incoming, self._outgoing):
             kept = table.pop(pair.peer, None)
             if kept is not None:
@@ -549,4 +546,3 @@ class OneSidedRoute:
                 except Exception:
                     log.debug("ce: closing a page failed", exc_info=True)
             table.clear()
-        self._queued.clear()
